@@ -1,0 +1,147 @@
+"""Fused, device-side detection of NaN/Inf in many tensors at once.
+
+The healthy path is :func:`fused_health_check`: one ``torch._foreach_norm`` kernel per
+(device, dtype) group over every gradient, plus one over the loss and BatchNorm statistics,
+reduced on the device to a two-element tensor ``[flag, grad_norm]``. The caller reads it to the
+host once per step. Only when the flag is set does :func:`nonfinite_names` look tensor by tensor,
+so the cost of naming the culprits is paid on bad steps only.
+
+Why norms: the L2 norm of a tensor is NaN if any element is NaN and +Inf if any element is +/-Inf,
+and the same kernel gives the global gradient norm for logging. A finite tensor can also overflow
+to an infinite norm (e.g. fp16 values near 65504, or float32 values above 1e19); the flag is
+therefore a *candidate* and :func:`nonfinite_names` confirms element-wise, so a step is reported
+bad iff some element is NaN or +/-Inf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+__all__ = ["fused_health_check", "grouped_norms", "negative_names", "nonfinite_names"]
+
+_FLOAT32 = torch.float32
+
+
+def _dense(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """Replace sparse tensors by their stored values (the only elements that can be non-finite)."""
+    return [t.coalesce().values() if t.is_sparse else t for t in tensors]
+
+
+def grouped_norms(tensors: Sequence[Tensor], device: torch.device | None = None) -> Tensor:
+    """Per-tensor L2 norms as one float32 vector, one ``_foreach_norm`` kernel per (device, dtype).
+
+    Order of the result follows the grouping, not the input: use it for reductions (any
+    non-finite, global norm), not to index back into ``tensors``.
+
+    Args:
+        tensors: floating-point (or complex) tensors on any devices and dtypes.
+        device: where to gather the result; defaults to the device of the first tensor.
+
+    Example:
+        >>> grouped_norms([torch.tensor([3.0, 4.0]), torch.tensor([1.0], dtype=torch.float64)]).sort().values
+        tensor([1., 5.])
+    """
+    if not tensors:
+        return torch.zeros(0, dtype=_FLOAT32, device=device)
+    target = device if device is not None else tensors[0].device
+    grouped = _group_tensors_by_device_and_dtype([_dense(tensors)])  # type: ignore[list-item]
+    parts: list[Tensor] = []
+    for (group_device, dtype), ([group], _) in grouped.items():
+        # float16/bfloat16 accumulate in float32; float64 keeps its precision then narrows.
+        norm_dtype = _FLOAT32 if dtype in (torch.float16, torch.bfloat16) else None
+        norms = torch._foreach_norm(group, 2, dtype=norm_dtype)
+        stacked = torch.stack(norms).to(_FLOAT32)
+        if group_device != target:
+            stacked = stacked.to(target, non_blocking=True)
+        parts.append(stacked)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def fused_health_check(
+    grads: Sequence[Tensor],
+    others: Sequence[Tensor] = (),
+    nonnegative: Sequence[Tensor] = (),
+    device: torch.device | None = None,
+) -> Tensor:
+    """Check many tensors for NaN/Inf in one fused pass; return ``[flag, grad_norm]`` on the device.
+
+    Nothing is read to the host: the caller decides when to pay the one synchronisation
+    (``result.tolist()``).
+
+    Args:
+        grads: gradients; their global L2 norm is the second element of the result.
+        others: further tensors to check (loss, BatchNorm running statistics).
+        nonnegative: tensors that must also have no negative element (``running_var``).
+        device: where the result lives; defaults to the device of the first tensor given.
+
+    Returns:
+        float32 tensor ``[flag, grad_norm]``; ``flag`` is 1.0 when some tensor *may* hold a
+        NaN/Inf (confirm with :func:`nonfinite_names`) or a negative value where none is allowed.
+
+    Example:
+        >>> fused_health_check([torch.ones(4)], others=[torch.tensor(0.5)]).tolist()
+        [0.0, 2.0]
+        >>> fused_health_check([torch.tensor([1.0, float("nan")])]).tolist()[0]
+        1.0
+    """
+    first = next((t for t in (*grads, *others, *nonnegative)), None)
+    if device is None:
+        device = first.device if first is not None else torch.device("cpu")
+    grad_norms = grouped_norms(grads, device)
+    other_norms = grouped_norms(others, device)
+    flag = ~torch.isfinite(torch.cat((grad_norms, other_norms))).all()
+    if nonnegative:
+        negated_maxima = torch._foreach_max(torch._foreach_neg([t for t in nonnegative if t.numel()]))
+        if negated_maxima:
+            flag = flag | (torch.stack(negated_maxima).to(device=device, dtype=_FLOAT32) > 0).any()
+    grad_norm = torch.linalg.vector_norm(grad_norms) if grads else torch.zeros((), dtype=_FLOAT32, device=device)
+    return torch.stack((flag.to(_FLOAT32), grad_norm))
+
+
+def nonfinite_names(named_tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
+    """Names of the tensors holding at least one NaN or +/-Inf element (one host read in all).
+
+    Example:
+        >>> nonfinite_names([("a", torch.ones(2)), ("b", torch.tensor([float("-inf")]))])
+        ['b']
+    """
+    names, tensors = _unzip(named_tensors)
+    if not tensors:
+        return []
+    finite = _to_host([torch.isfinite(t).all() for t in _dense(tensors)])
+    return [name for name, ok in zip(names, finite, strict=True) if not ok]
+
+
+def negative_names(named_tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
+    """Names of the tensors holding at least one negative element (e.g. a corrupted ``running_var``).
+
+    Example:
+        >>> negative_names([("var", torch.tensor([1.0, -2.0])), ("ok", torch.ones(1))])
+        ['var']
+    """
+    names, tensors = _unzip(named_tensors)
+    if not tensors:
+        return []
+    negative = _to_host([(t < 0).any() for t in tensors])
+    return [name for name, bad in zip(names, negative, strict=True) if bad]
+
+
+def _to_host(flags: Sequence[Tensor]) -> list[bool]:
+    """Read 0-dim boolean tensors to the host with one synchronisation per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for position, flag in enumerate(flags):
+        by_device.setdefault(flag.device, []).append(position)
+    values = [False] * len(flags)
+    for positions in by_device.values():
+        for position, value in zip(positions, torch.stack([flags[i] for i in positions]).tolist(), strict=True):
+            values[position] = bool(value)
+    return values
+
+
+def _unzip(named_tensors: Iterable[tuple[str, Tensor]]) -> tuple[list[str], list[Tensor]]:
+    pairs = list(named_tensors)
+    return [name for name, _ in pairs], [tensor.detach() for _, tensor in pairs]

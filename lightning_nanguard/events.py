@@ -1,0 +1,175 @@
+"""The record of one bad training step (:class:`NanEvent`) and the error that carries it.
+
+``NanEvent`` and its ``to_dict()`` keys are a public contract: ``events.jsonl`` holds one
+``to_dict()`` object per line, and dashboards and scripts read those keys. Fields may be added,
+never renamed or removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["EVENT_KINDS", "EventAction", "EventKind", "NanEvent", "NonFiniteTrainingError"]
+
+EventKind = Literal["loss", "grad", "bn_stats", "param"]
+EventAction = Literal["skipped", "raised", "warned", "rolled_back"]
+EVENT_KINDS: tuple[EventKind, ...] = ("loss", "grad", "bn_stats", "param")
+
+
+def _json_float(value: float | None) -> float | str | None:
+    """JSON has no NaN/Inf literals: spell them as strings ``"nan"``, ``"inf"``, ``"-inf"``."""
+    if value is None or math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def _from_json_float(value: float | str | None) -> float | None:
+    return None if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class NanEvent:
+    """What went non-finite in one training step, and what the guard did about it.
+
+    Args:
+        global_step: ``trainer.global_step`` when the step was checked (the step that was bad).
+        epoch: ``trainer.current_epoch``.
+        batch_idx: index of the batch within the epoch (the last micro-batch under accumulation).
+        rank: global rank of the process that saw the non-finite value.
+        kinds: what was non-finite, a subset of ``("loss", "grad", "bn_stats", "param")``.
+        nonfinite_grads: qualified names of parameters whose gradient holds NaN/Inf.
+        nonfinite_buffers: qualified names of BatchNorm buffers holding NaN/Inf (or a negative
+            ``running_var``), e.g. ``"net.1.running_var"``.
+        loss: the loss of the step (``nan``/``inf`` allowed), ``None`` when unknown.
+        action: ``"skipped"``, ``"raised"``, ``"warned"`` or ``"rolled_back"``.
+        offending_samples: positions in the batch that make the step non-finite, ``None`` when
+            not searched or not attributable to individual samples.
+        dataset_indices: dataset indices of ``offending_samples`` when recoverable.
+        culprit_module: qualified module name where the first non-finite value was produced
+            (``""`` for code in the LightningModule itself).
+        culprit_op: autograd op name, e.g. ``"SqrtBackward0"``.
+        source_line: ``"path/to/file.py:LINE"`` of the op in the user's code.
+        phase: ``"forward"`` or ``"backward"``: where the first non-finite value appeared.
+        remedies: remedies applied in response, as readable strings.
+        repro_path: directory of the saved repro bundle.
+        grad_norm: global L2 norm of all gradients of the step (``inf``/``nan`` allowed).
+        nonfinite_params: qualified names of parameters whose values hold NaN/Inf.
+        details: free-form notes (why samples were not attributable, source text, hints).
+
+    Example:
+        >>> event = NanEvent(global_step=3, epoch=0, batch_idx=3, rank=0, kinds=("loss",),
+        ...                  loss=float("nan"), action="skipped")
+        >>> event.to_dict()["loss"]
+        'nan'
+        >>> NanEvent.from_dict(event.to_dict()).kinds
+        ('loss',)
+    """
+
+    global_step: int
+    epoch: int
+    batch_idx: int
+    rank: int
+    kinds: tuple[EventKind, ...]
+    action: EventAction
+    nonfinite_grads: tuple[str, ...] = ()
+    nonfinite_buffers: tuple[str, ...] = ()
+    loss: float | None = None
+    offending_samples: tuple[int, ...] | None = None
+    dataset_indices: tuple[int, ...] | None = None
+    culprit_module: str | None = None
+    culprit_op: str | None = None
+    source_line: str | None = None
+    phase: Literal["forward", "backward"] | None = None
+    remedies: tuple[str, ...] = ()
+    repro_path: str | None = None
+    grad_norm: float | None = None
+    nonfinite_params: tuple[str, ...] = ()
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def replace(self, **changes: Any) -> NanEvent:
+        """A copy with some fields changed (events are immutable).
+
+        Example:
+            >>> NanEvent(1, 0, 1, 0, ("grad",), "warned").replace(action="raised").action
+            'raised'
+        """
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict: tuples become lists, non-finite floats become ``"nan"``/``"inf"``."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, tuple):
+                value = list(value)
+            elif isinstance(value, Mapping):
+                value = dict(value)
+            out[f.name] = value
+        out["loss"] = _json_float(self.loss)
+        out["grad_norm"] = _json_float(self.grad_norm)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NanEvent:
+        """Rebuild an event from :meth:`to_dict` output; unknown keys are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in names}
+        for key, value in kwargs.items():
+            if isinstance(value, list):
+                kwargs[key] = tuple(value)
+        kwargs["loss"] = _from_json_float(kwargs.get("loss"))
+        kwargs["grad_norm"] = _from_json_float(kwargs.get("grad_norm"))
+        return cls(**kwargs)
+
+    def headline(self) -> str:
+        """One line: when, what, and what was done.
+
+        Example:
+            >>> NanEvent(12, 1, 4, 0, ("loss", "grad"), "skipped",
+            ...          nonfinite_grads=("fc.weight",)).headline()
+            'step 12 (epoch 1, batch 4): non-finite loss, grad (1 parameter grads) -> step skipped'
+        """
+        what = ", ".join(self.kinds)
+        counts = []
+        if self.nonfinite_grads:
+            counts.append(f"{len(self.nonfinite_grads)} parameter grads")
+        if self.nonfinite_buffers:
+            counts.append(f"{len(self.nonfinite_buffers)} BatchNorm buffers")
+        if self.nonfinite_params:
+            counts.append(f"{len(self.nonfinite_params)} parameters")
+        if counts:
+            what += f" ({', '.join(counts)})"
+        done = {
+            "skipped": "step skipped",
+            "raised": "training stopped",
+            "warned": "step applied (action='warn')",
+            "rolled_back": "rolled back to the last good state",
+        }[self.action]
+        return f"step {self.global_step} (epoch {self.epoch}, batch {self.batch_idx}): non-finite {what} -> {done}"
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Raised when training must stop because of non-finite values.
+
+    Args:
+        message: what happened and what to do next.
+        events: the event(s) that led here, most recent last.
+
+    Example:
+        >>> err = NonFiniteTrainingError("stop", [NanEvent(1, 0, 1, 0, ("loss",), "raised")])
+        >>> err.event.global_step
+        1
+    """
+
+    def __init__(self, message: str, events: Sequence[NanEvent]) -> None:
+        super().__init__(message)
+        self.events: list[NanEvent] = list(events)
+
+    @property
+    def event(self) -> NanEvent:
+        """The most recent event."""
+        return self.events[-1]

@@ -1,0 +1,101 @@
+"""Human-readable renderings of a :class:`~lightning_nanguard.NanEvent` (terminal and markdown)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lightning_nanguard.events import NanEvent
+
+__all__ = ["event_lines", "event_markdown", "event_text"]
+
+_MAX_NAMES = 8
+
+
+def _names(names: Sequence[str], quote: str = "") -> str:
+    shown = ", ".join(f"{quote}{name}{quote}" for name in names[:_MAX_NAMES])
+    hidden = len(names) - _MAX_NAMES
+    return shown + (f" (+{hidden} more)" if hidden > 0 else "")
+
+
+def event_lines(event: NanEvent, code: str = "") -> list[tuple[str, str]]:
+    """The ``(label, value)`` rows shared by the terminal and markdown reports.
+
+    Args:
+        event: the event to describe.
+        code: quote character for code spans (``"`"`` in markdown, ``""`` in the terminal).
+
+    Example:
+        >>> rows = event_lines(NanEvent(3, 0, 3, 0, ("grad",), "skipped", nonfinite_grads=("fc.bias",)))
+        >>> rows[0]
+        ('non-finite', 'grad')
+        >>> rows[1]
+        ('parameter grads (1)', 'fc.bias')
+    """
+    d = event.details
+    rows: list[tuple[str, str]] = [("non-finite", ", ".join(event.kinds))]
+    if event.nonfinite_grads:
+        rows.append((f"parameter grads ({len(event.nonfinite_grads)})", _names(event.nonfinite_grads, code)))
+    if event.nonfinite_buffers:
+        rows.append((f"BatchNorm buffers ({len(event.nonfinite_buffers)})", _names(event.nonfinite_buffers, code)))
+    if event.nonfinite_params:
+        rows.append((f"parameters ({len(event.nonfinite_params)})", _names(event.nonfinite_params, code)))
+    if event.loss is not None:
+        rows.append(("loss", f"{event.loss:.6g}"))
+    if event.grad_norm is not None:
+        rows.append(("grad norm", f"{event.grad_norm:.6g}"))
+    batch_size = d.get("batch_size")
+    of_n = f" of {batch_size}" if batch_size is not None else ""
+    if event.offending_samples is not None:
+        samples = f"{list(event.offending_samples)}{of_n}"
+        if event.dataset_indices is not None:
+            samples += f" (dataset indices {list(event.dataset_indices)})"
+        rows.append(("offending samples", samples))
+    elif d.get("not_attributable"):
+        rows.append(("offending samples", f"not attributable to individual samples: {d['not_attributable']}"))
+    if event.culprit_op is not None or event.culprit_module is not None:
+        module = event.culprit_module if event.culprit_module else "<LightningModule>"
+        module_type = f" ({d['module_type']})" if d.get("module_type") else ""
+        origin = f"{event.phase or '?'} of {code}{event.culprit_op or '?'}{code} in module {code}{module}{code}{module_type}"
+        rows.append(("origin", origin))
+    if event.source_line:
+        text = d.get("source_text")
+        rows.append(("source", f"{event.source_line}" + (f"  {code}{text}{code}" if text else "")))
+    if d.get("bn_channels"):
+        rows.append(("BatchNorm channels", str(d["bn_channels"])))
+    if d.get("hint"):
+        rows.append(("hint", str(d["hint"])))
+    if event.remedies:
+        rows.append(("remedies", "; ".join(event.remedies)))
+    if event.repro_path:
+        rows.append(("repro bundle", f"{event.repro_path}  (python -m lightning_nanguard replay {event.repro_path})"))
+    return rows
+
+
+def event_text(event: NanEvent) -> str:
+    """Plain multi-line report for terminals and logs.
+
+    Example:
+        >>> print(event_text(NanEvent(7, 0, 7, 0, ("loss",), "skipped", loss=float("nan"))))
+        step 7 (epoch 0, batch 7): non-finite loss -> step skipped
+          non-finite: loss
+          loss: nan
+    """
+    lines = [event.headline()]
+    lines += [f"  {label}: {value}" for label, value in event_lines(event)]
+    return "\n".join(lines)
+
+
+def event_markdown(event: NanEvent) -> str:
+    """Markdown report (a heading and a two-column table) for TensorBoard's text dashboard.
+
+    Example:
+        >>> print(event_markdown(NanEvent(7, 0, 7, 0, ("loss",), "skipped", loss=float("nan"))))
+        **NanGuard** step 7 (epoch 0, batch 7): non-finite loss -> step skipped
+        <BLANKLINE>
+        | | |
+        |---|---|
+        | non-finite | loss |
+        | loss | nan |
+    """
+    rows = [f"| {label} | {value.replace('|', '&#124;')} |" for label, value in event_lines(event, code="`")]
+    return "\n".join([f"**NanGuard** {event.headline()}", "", "| | |", "|---|---|", *rows])
