@@ -48,6 +48,4 @@ if TYPE_CHECKING:
 else:
     CALLBACK_BASES = tuple(ns.Callback for ns in _NAMESPACES)
 
-TENSORBOARD_LOGGER_TYPES: tuple[type[Any], ...] = tuple(
-    ns.loggers.TensorBoardLogger for ns in _NAMESPACES
-)
+TENSORBOARD_LOGGER_TYPES: tuple[type[Any], ...] = tuple(ns.loggers.TensorBoardLogger for ns in _NAMESPACES)

@@ -53,7 +53,7 @@ def grouped_norms(tensors: Sequence[Tensor], device: torch.device | None = None)
     for (group_device, dtype), ([group], _) in grouped.items():
         # float16/bfloat16 accumulate in float32; float64 keeps its precision then narrows.
         norm_dtype = _FLOAT32 if dtype in (torch.float16, torch.bfloat16) else None
-        norms = torch._foreach_norm(group, 2, dtype=norm_dtype)
+        norms = torch._foreach_norm(group, 2, dtype=norm_dtype)  # type: ignore[arg-type]
         stacked = torch.stack(norms).to(_FLOAT32)
         if group_device != target:
             stacked = stacked.to(target, non_blocking=True)

@@ -10,17 +10,23 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
 from lightning_nanguard._compat import CALLBACK_BASES, TENSORBOARD_LOGGER_TYPES
+from lightning_nanguard.batching import slice_batch
 from lightning_nanguard.detection import fused_health_check, negative_names, nonfinite_names
 from lightning_nanguard.events import EventAction, EventKind, NanEvent, NonFiniteTrainingError
+from lightning_nanguard.forensics import Diagnosis, diagnose, event_with_diagnosis
+from lightning_nanguard.indices import RecordingBatchSampler, indices_from_batch, record_batch_indices
 from lightning_nanguard.reporting import JsonlEventLog, TensorBoardReporter, TerminalReporter
 from lightning_nanguard.reporting.jsonl import EVENTS_FILENAME
+from lightning_nanguard.repro import prune_bundles, save_bundle
 from lightning_nanguard.snapshot import BatchNormSnapshot, batchnorm_running_vars
 
 if TYPE_CHECKING:
@@ -29,12 +35,26 @@ if TYPE_CHECKING:
 
 __all__ = ["Action", "NanGuard"]
 
+
+def _localized(diagnosis: Diagnosis) -> bool:
+    return diagnosis.localization is not None and diagnosis.localization.phase is not None
+
+
 log = logging.getLogger("lightning_nanguard")
 
 Action = Literal["skip", "raise", "warn"]
 _ACTIONS: tuple[str, ...] = get_args(Action)
 _ACTION_DONE: dict[str, EventAction] = {"skip": "skipped", "raise": "raised", "warn": "warned"}
 _EVENTS_KEPT_IN_CHECKPOINT = 100
+
+
+@dataclass
+class _MicroBatch:
+    """A (micro-)batch of the current optimizer step, kept until the step is checked."""
+
+    batch: Any
+    batch_idx: int
+    dataset_indices: list[int] | None
 
 
 def _check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
@@ -63,6 +83,15 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         check_every_n_steps: check one optimizer step in ``n`` (1 = every step).
         max_consecutive_bad_steps: raise, whatever ``action`` is, after this many bad steps in a row.
         check_bn_stats: include BatchNorm ``running_mean``/``running_var`` in the check.
+        bisect: on a bad step, re-run ``training_step`` on sub-batches to find the offending samples.
+        localize: on a bad step, name the module, autograd op and source line of the first NaN/Inf.
+        max_bisect_passes: cap on the forward/backward passes one diagnosis may use.
+        save_repro: save a repro bundle (``<log_dir>/nanguard/step-<N>/``) for each bad step.
+        max_repro_bundles: keep at most this many bundles on disk (oldest deleted first).
+        index_key: batch field (dict key, attribute or tuple position) holding dataset indices, used
+            when the loader's sampler cannot be recorded (e.g. an ``IterableDataset``).
+        batch_slicer: ``slicer(batch, positions) -> sub_batch`` for batches the built-in slicer cannot
+            cut (a LightningModule method ``nanguard_slice_batch`` is used too when present).
         verbose: print a report of each event to the terminal.
 
     Example:
@@ -81,15 +110,33 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         check_every_n_steps: int = 1,
         max_consecutive_bad_steps: int = 10,
         check_bn_stats: bool = True,
+        bisect: bool = True,
+        localize: bool = True,
+        max_bisect_passes: int = 64,
+        save_repro: bool = True,
+        max_repro_bundles: int = 5,
+        index_key: str | int | None = None,
+        batch_slicer: Callable[[Any, Sequence[int]], Any] | None = None,
         verbose: bool = True,
     ) -> None:
         _check_choice("action", action, _ACTIONS)
         _check_int("check_every_n_steps", check_every_n_steps, 1)
         _check_int("max_consecutive_bad_steps", max_consecutive_bad_steps, 1)
+        _check_int("max_bisect_passes", max_bisect_passes, 1)
+        _check_int("max_repro_bundles", max_repro_bundles, 0)
+        if batch_slicer is not None and not callable(batch_slicer):
+            raise ValueError(f"NanGuard: `batch_slicer` must be callable(batch, positions), got {batch_slicer!r}.")
         self.action: Action = action
         self.check_every_n_steps = check_every_n_steps
         self.max_consecutive_bad_steps = max_consecutive_bad_steps
         self.check_bn_stats = check_bn_stats
+        self.bisect = bisect
+        self.localize = localize
+        self.max_bisect_passes = max_bisect_passes
+        self.save_repro = save_repro
+        self.max_repro_bundles = max_repro_bundles
+        self.index_key = index_key
+        self.batch_slicer = batch_slicer
         self.verbose = verbose
 
         self.events: list[NanEvent] = []
@@ -102,10 +149,13 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self._named_params: list[tuple[str, torch.nn.Parameter]] = []
         self._bn: BatchNormSnapshot | None = None
         self._losses: list[Tensor] = []
+        self._micro_batches: list[_MicroBatch] = []
+        self._samplers: list[RecordingBatchSampler] = []
         self._window_open = False
         self._checking = False
         self._batch_idx = 0
         self._warned_manual = False
+        self._warned_forensics = False
         self._jsonl: JsonlEventLog | None = None
         self._tensorboard: list[TensorBoardReporter] = []
 
@@ -128,18 +178,58 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self._named_params = list(pl_module.named_parameters())
         self._bn = BatchNormSnapshot(pl_module) if self.check_bn_stats else None
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Have every dataloader record its batches' dataset indices, before Lightning iterates it."""
+        if stage != "fit" or not self.bisect or self.index_key is not None:
+            return
+        strategy = trainer.strategy
+        if "process_dataloader" in vars(strategy):  # already wrapped (a second fit)
+            return
+        original = strategy.process_dataloader
+
+        def process_dataloader(dataloader: Any) -> Any:
+            dataloader = original(dataloader)
+            record_batch_indices(dataloader)
+            return dataloader
+
+        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Remove the dataloader wrapper installed in :meth:`setup`."""
+        vars(trainer.strategy).pop("process_dataloader", None)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Pick the recording batch samplers of this epoch's training loaders."""
+        self._samplers = []
+        loader = trainer.train_dataloader
+        if self.bisect and self.index_key is None:
+            sampler = record_batch_indices(loader)
+            if sampler is not None:
+                self._samplers.append(sampler)
+
     # ------------------------------------------------------------------ per batch
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Snapshot BatchNorm buffers before the first forward of an optimizer step."""
         self._batch_idx = batch_idx
-        if self._window_open:  # a later micro-batch of gradient accumulation
-            return
-        self._window_open = True
-        self._losses = []
-        self._checking = trainer.global_step % self.check_every_n_steps == 0
-        if self._checking and self._bn is not None:
-            self._bn.capture()
+        indices = self._dataset_indices(batch)
+        if not self._window_open:  # the first micro-batch of an optimizer step
+            self._window_open = True
+            self._losses = []
+            self._micro_batches = []
+            self._checking = trainer.global_step % self.check_every_n_steps == 0
+            if self._checking and self._bn is not None:
+                self._bn.capture()
+        if self._checking and (self.bisect or self.localize or self.save_repro):
+            self._micro_batches.append(_MicroBatch(batch, batch_idx, indices))
+
+    def _dataset_indices(self, batch: Any) -> list[int] | None:
+        if self.index_key is not None:
+            return indices_from_batch(batch, self.index_key)
+        for sampler in self._samplers:
+            if sampler.nanguard_fifo:
+                return sampler.nanguard_fifo.popleft()
+        return None
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
         """Keep the loss of each (micro-)batch for the check; no host read here."""
@@ -154,9 +244,13 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         event = self._inspect(trainer, pl_module)
         if event is None:
             self.consecutive_bad_steps = 0
+            self._micro_batches = []
             self._log_scalars(trainer, include_norm=True)
             return
-        self._handle(trainer, pl_module, optimizer, event)
+        try:
+            self._handle(trainer, pl_module, optimizer, event)
+        finally:
+            self._micro_batches = []
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -185,8 +279,11 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         bad_grads = nonfinite_names((n, p.grad) for n, p in self._named_params if p.grad is not None)
         float_buffers = [(n, t) for n, t in bn_buffers if t.is_floating_point()]
         bad_buffers = nonfinite_names(float_buffers)
-        bad_buffers += [n for n in negative_names((n, t) for n, t in float_buffers if n.endswith("running_var"))
-                        if n not in bad_buffers]
+        bad_buffers += [
+            n
+            for n in negative_names((n, t) for n, t in float_buffers if n.endswith("running_var"))
+            if n not in bad_buffers
+        ]
         losses = [float(loss.float().sum()) for loss in self._losses]
         bad_loss = any(not math.isfinite(v) for v in losses)
         kinds: list[EventKind] = []
@@ -224,6 +321,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             self._warn_manual_once()
             action = "warn"
         event = event.replace(action=_ACTION_DONE[action])
+        if pl_module.automatic_optimization:
+            event = self._investigate(trainer, pl_module, event)
 
         if action in ("skip", "raise"):
             # Never let the bad values reach the weights or survive in the BatchNorm buffers.
@@ -234,6 +333,87 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         if action == "raise":
             history = self.events[-self.consecutive_bad_steps :]
             raise NonFiniteTrainingError(self._raise_message(event, escalate), history)
+
+    # ------------------------------------------------------------------ forensics
+
+    def _investigate(self, trainer: Trainer, pl_module: LightningModule, event: NanEvent) -> NanEvent:
+        """Bisect, localise and save a bundle, from the BatchNorm state before the bad forward."""
+        if not self._micro_batches or not (self.bisect or self.localize or self.save_repro):
+            return event
+        corrupted = [t.detach().clone() for _, t in self._bn.named_buffers] if self._bn is not None else []
+        if self._bn is not None:
+            self._bn.restore()  # diagnose (and save) the state the bad batch started from
+        try:
+            event = self._diagnose(trainer, pl_module, event)
+        finally:
+            if self.action == "warn" and event.action == "warned" and self._bn is not None:
+                with torch.no_grad():  # action="warn" changes nothing: put the batch's statistics back
+                    torch._foreach_copy_([t for _, t in self._bn.named_buffers], corrupted)
+        return event
+
+    def _diagnose(self, trainer: Trainer, pl_module: LightningModule, event: NanEvent) -> NanEvent:
+        step_fn = self._step_fn(pl_module)
+        slicer = self.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
+        diagnosis: Diagnosis | None = None
+        chosen = self._micro_batches[-1]
+        if self.bisect or self.localize:
+            for micro in self._micro_batches:  # under accumulation: the first micro-batch that reproduces
+                found = diagnose(
+                    pl_module,
+                    micro.batch,
+                    step_fn=step_fn,
+                    batch_idx=micro.batch_idx,
+                    slicer=slicer,
+                    context=trainer.precision_plugin.train_step_context,
+                    bisect=self.bisect,
+                    localize_origin=self.localize,
+                    max_passes=self.max_bisect_passes,
+                )
+                if diagnosis is None or found.offending is not None or _localized(found):
+                    diagnosis, chosen = found, micro
+                if found.offending is not None or found.error:
+                    break
+        if diagnosis is not None:
+            if diagnosis.error and not self._warned_forensics:
+                self._warned_forensics = True
+                log.warning(
+                    "NanGuard: diagnosis failed (%s); bad steps are still detected and skipped.", diagnosis.error
+                )
+            event = event_with_diagnosis(event, diagnosis, dataset_indices=chosen.dataset_indices)
+            event = event.replace(batch_idx=chosen.batch_idx)
+        if self.save_repro and self.log_dir is not None:
+            event = self._save_bundle(pl_module, event, chosen, slicer)
+        return event
+
+    def _step_fn(self, pl_module: LightningModule) -> Callable[[Any, int], Any]:
+        compiler_ctx = getattr(pl_module, "_compiler_ctx", None)
+        if compiler_ctx and compiler_ctx.get("original_training_step") is not None:
+            original = compiler_ctx["original_training_step"]
+            return lambda batch, batch_idx: original(batch, batch_idx)
+        return pl_module.training_step
+
+    def _save_bundle(
+        self,
+        pl_module: LightningModule,
+        event: NanEvent,
+        micro: _MicroBatch,
+        slicer: Callable[[Any, Sequence[int]], Any] | None,
+    ) -> NanEvent:
+        directory = Path(self.log_dir or ".") / "nanguard"
+        positions = list(event.offending_samples) if event.offending_samples is not None else None
+        try:
+            samples = micro.batch
+            if positions is not None:
+                samples = (slicer or slice_batch)(micro.batch, positions)
+            indices = list(event.dataset_indices) if event.dataset_indices is not None else micro.dataset_indices
+            if positions is None and micro.dataset_indices is None:
+                indices = None
+            path = save_bundle(directory, event, pl_module, samples, micro.batch_idx, positions, indices)
+            prune_bundles(directory, self.max_repro_bundles)
+        except Exception as error:  # never let the bundle kill training
+            log.warning("NanGuard: could not save the repro bundle: %r", error)
+            return event
+        return event.replace(repro_path=str(path) if path.exists() else None)
 
     def _discard_step(self, optimizer: Optimizer) -> None:
         """Make the coming ``optimizer.step`` a no-op and undo this batch's BatchNorm updates."""

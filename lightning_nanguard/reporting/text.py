@@ -55,7 +55,9 @@ def event_lines(event: NanEvent, code: str = "") -> list[tuple[str, str]]:
     if event.culprit_op is not None or event.culprit_module is not None:
         module = event.culprit_module if event.culprit_module else "<LightningModule>"
         module_type = f" ({d['module_type']})" if d.get("module_type") else ""
-        origin = f"{event.phase or '?'} of {code}{event.culprit_op or '?'}{code} in module {code}{module}{code}{module_type}"
+        origin = (
+            f"{event.phase or '?'} of {code}{event.culprit_op or '?'}{code} in module {code}{module}{code}{module_type}"
+        )
         rows.append(("origin", origin))
     if event.source_line:
         text = d.get("source_text")

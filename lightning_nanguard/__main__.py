@@ -1,0 +1,68 @@
+"""Command line: ``python -m lightning_nanguard replay <bundle>``.
+
+Rebuilds the module saved in a repro bundle, re-runs the saved samples and prints the same
+diagnosis the guard printed during training (offending samples, module, op, source line).
+
+Example:
+    python -m lightning_nanguard replay lightning_logs/version_0/nanguard/step-812
+    python -m lightning_nanguard replay BUNDLE --module my_project.models:Classifier
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from lightning_nanguard.forensics import diagnose, event_with_diagnosis
+from lightning_nanguard.reporting import TerminalReporter
+from lightning_nanguard.repro import load_bundle
+
+__all__ = ["main"]
+
+
+def _replay(args: argparse.Namespace) -> int:
+    bundle = load_bundle(args.bundle, module_class=args.module)
+    positions = bundle.meta.get("positions")
+    diagnosis = diagnose(bundle.module, bundle.batch, batch_idx=bundle.batch_idx, max_passes=args.max_passes)
+    if diagnosis.error:
+        print(f"replay failed: {diagnosis.error}", file=sys.stderr)
+        return 2
+    saved = bundle.event
+    event = event_with_diagnosis(
+        saved.replace(remedies=(), repro_path=str(bundle.path)),
+        diagnosis,
+        positions=positions,
+        dataset_indices=bundle.meta.get("sample_dataset_indices"),
+        batch_size=saved.details.get("batch_size", diagnosis.batch_size),
+    )
+    reproduced = diagnosis.offending is not None or (
+        diagnosis.localization is not None and diagnosis.localization.phase
+    )
+    TerminalReporter(rank=saved.rank).report(event)
+    if args.json:
+        print(json.dumps(event.to_dict(), allow_nan=False))
+    if not reproduced:
+        print("the saved samples did not reproduce a non-finite step", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m lightning_nanguard`` (and the ``nanguard`` script)."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_nanguard", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    replay = commands.add_parser("replay", help="re-run a saved repro bundle and print the diagnosis")
+    replay.add_argument("bundle", help="bundle directory, e.g. <log_dir>/nanguard/step-812")
+    replay.add_argument("--module", default=None, help="module class to rebuild, as pkg.mod:Class")
+    replay.add_argument("--max-passes", type=int, default=64, help="cap on bisection passes")
+    replay.add_argument("--json", action="store_true", help="also print the event as one JSON line")
+    args = parser.parse_args(argv)
+    if args.command == "replay":
+        return _replay(args)
+    return 2  # pragma: no cover - argparse enforces the choices
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Adaptive group testing: find which samples of a batch make a step non-finite.
+
+The algorithm only needs a predicate ``is_bad(positions) -> bool`` that runs one forward/backward
+pass on the sub-batch ``positions``. It assumes badness is carried by individual samples (a
+sub-batch is bad iff it contains an offending sample) and checks that assumption as it goes: if
+a bad group splits into two good halves, the samples only fail together (batch interaction) and
+the result says so instead of guessing.
+
+For ``k`` offending samples among ``n`` it uses at most about ``2 * k * log2(n) + 2`` passes:
+one to confirm the whole batch, then binary splitting where a bad group's second half is tested
+only when the first half was bad too (otherwise the second half must be the bad one).
+
+Example:
+    >>> bad = {3, 12}
+    >>> result = find_offending(16, lambda positions: bool(bad & set(positions)))
+    >>> result.offending, result.passes
+    ([3, 12], 15)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["BisectionResult", "find_offending"]
+
+Predicate = Callable[[Sequence[int]], bool]
+
+
+class _PassBudgetExhausted(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class BisectionResult:
+    """Outcome of :func:`find_offending`.
+
+    Attributes:
+        offending: sorted positions of offending samples, or ``None`` when not attributable.
+        passes: forward/backward passes used (calls of the predicate).
+        reason: why the result is not attributable (empty when it is).
+        smallest_bad: the smallest bad group seen (for localisation), possibly the whole batch.
+        complete: False when ``max_passes`` stopped the search early (``offending`` is then partial).
+    """
+
+    offending: list[int] | None
+    passes: int
+    reason: str = ""
+    smallest_bad: list[int] = field(default_factory=list)
+    complete: bool = True
+
+
+def find_offending(n: int, is_bad: Predicate, max_passes: int = 64, confirm_whole: bool = True) -> BisectionResult:
+    """Find the positions in ``range(n)`` that make ``is_bad`` true, by adaptive splitting.
+
+    Args:
+        n: batch size.
+        is_bad: predicate over a list of positions; one call = one forward/backward pass.
+        max_passes: stop after this many calls and report what was found so far.
+        confirm_whole: first check that the whole batch is bad (it may not be: the bad values can
+            come from the weights' history, or from randomness the re-run does not reproduce).
+
+    Example:
+        >>> find_offending(4, lambda positions: len(positions) == 4).reason
+        'no proper subset of the batch is non-finite: the samples only fail together (batch interaction)'
+    """
+    passes = 0
+    smallest_bad: list[int] = list(range(n))
+
+    def test(positions: list[int]) -> bool:
+        nonlocal passes, smallest_bad
+        if passes >= max_passes:
+            raise _PassBudgetExhausted
+        passes += 1
+        bad = is_bad(positions)
+        if bad and len(positions) < len(smallest_bad):
+            smallest_bad = list(positions)
+        return bad
+
+    whole = list(range(n))
+    if n == 0:
+        return BisectionResult(None, 0, "the batch is empty", [])
+    try:
+        if confirm_whole and not test(whole):
+            return BisectionResult(
+                None,
+                passes,
+                "re-running the batch on the same weights gave finite values (non-deterministic ops, or the "
+                "values depend on state the re-run does not reproduce)",
+                [],
+            )
+    except _PassBudgetExhausted:
+        return BisectionResult(None, passes, f"max_bisect_passes={max_passes} reached", whole, complete=False)
+
+    offending: list[int] = []
+    interacting: list[list[int]] = []
+
+    def search(group: list[int]) -> None:
+        """``group`` is known to be bad."""
+        if len(group) == 1:
+            offending.append(group[0])
+            return
+        half = len(group) // 2
+        left, right = group[:half], group[half:]
+        if test(left):
+            search(left)
+            if test(right):
+                search(right)
+        elif test(right):
+            search(right)
+        else:
+            interacting.append(group)
+
+    complete = True
+    try:
+        search(whole)
+    except _PassBudgetExhausted:
+        complete = False
+    if not offending:
+        if interacting:
+            reason = "no proper subset of the batch is non-finite: the samples only fail together (batch interaction)"
+        else:
+            reason = f"max_bisect_passes={max_passes} reached before a single sample was isolated"
+        return BisectionResult(None, passes, reason, smallest_bad, complete)
+    reason = ""
+    if interacting:
+        reason = f"some groups only fail together: {interacting}"
+    return BisectionResult(sorted(offending), passes, reason, smallest_bad, complete)

@@ -1,0 +1,101 @@
+"""Recover the dataset indices of each training batch.
+
+Lightning does not track which dataset items form a batch. :func:`record_batch_indices` swaps the
+class of a ``DataLoader``'s ``batch_sampler`` for a subclass that also appends every index list
+it yields to a FIFO. The batch sampler runs in the main process even with worker processes, but
+several batches ahead of training (prefetching), so the FIFO is popped once per training batch,
+in order, rather than read as "the last list yielded".
+
+Not available for an ``IterableDataset`` or ``batch_size=None`` (no batch sampler); name an index
+field of the batch instead (``NanGuard(index_key=...)``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import DataLoader
+
+__all__ = ["RecordingBatchSampler", "indices_from_batch", "record_batch_indices"]
+
+_RECORDING_CLASSES: dict[type, type] = {}
+
+
+class RecordingBatchSampler(Protocol):
+    """A batch sampler whose class :func:`record_batch_indices` swapped: it records what it yields."""
+
+    nanguard_fifo: deque[list[int]]
+
+    def __iter__(self) -> Iterator[list[int]]: ...
+
+
+def _recording_iter(self: Any) -> Iterator[list[int]]:
+    fifo = self.nanguard_fifo
+    fifo.clear()  # a new pass over the data starts a new record
+    for indices in self._nanguard_base_iter():
+        fifo.append([int(i) for i in indices])
+        yield indices
+
+
+def _recording_class(cls: type) -> type:
+    """A direct subclass of ``cls`` (same layout, so ``__class__`` can be swapped) that records."""
+    if cls not in _RECORDING_CLASSES:
+        _RECORDING_CLASSES[cls] = type(
+            f"Recording{cls.__name__}",
+            (cls,),
+            {
+                "__iter__": _recording_iter,
+                "_nanguard_base_iter": cls.__iter__,  # type: ignore[attr-defined]
+                "__module__": __name__,
+            },
+        )
+    return _RECORDING_CLASSES[cls]
+
+
+def record_batch_indices(loader: Any) -> RecordingBatchSampler | None:
+    """Make ``loader`` record the dataset indices of its batches; return the recording sampler.
+
+    Returns ``None`` when the loader has no batch sampler to record from.
+
+    Example:
+        >>> from torch.utils.data import TensorDataset
+        >>> loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=4, shuffle=True)
+        >>> sampler = record_batch_indices(loader)
+        >>> first = next(iter(loader))[0].tolist()
+        >>> sampler.nanguard_fifo.popleft() == first
+        True
+    """
+    if not isinstance(loader, DataLoader):
+        return None
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is None:
+        return None
+    if type(batch_sampler) not in _RECORDING_CLASSES.values():
+        try:
+            batch_sampler.__class__ = _recording_class(type(batch_sampler))
+        except TypeError:  # a sampler whose layout cannot be swapped: indices stay unknown
+            return None
+    if not hasattr(batch_sampler, "nanguard_fifo"):
+        batch_sampler.nanguard_fifo = deque()  # type: ignore[attr-defined]
+    return batch_sampler  # type: ignore[return-value]
+
+
+def indices_from_batch(batch: Any, key: str | int) -> list[int] | None:
+    """Read dataset indices stored in the batch itself (a dict key or a tuple position).
+
+    Example:
+        >>> indices_from_batch({"x": torch.zeros(2), "idx": torch.tensor([7, 9])}, "idx")
+        [7, 9]
+    """
+    try:
+        value = batch[key] if isinstance(batch, Mapping) or isinstance(key, int) else getattr(batch, key)
+    except (KeyError, IndexError, AttributeError, TypeError):
+        return None
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.flatten().tolist()]
+    if isinstance(value, list | tuple):
+        return [int(v) for v in value]
+    return None

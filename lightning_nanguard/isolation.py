@@ -1,0 +1,141 @@
+"""Run ``training_step`` again without leaving a trace on training.
+
+:func:`isolated` saves and restores everything a forward pass can change outside its return
+value, so that after a bisection training continues bitwise as if it never happened:
+
+- every module buffer (BatchNorm running statistics, ``num_batches_tracked``, user buffers);
+- the ``training`` flag of every module;
+- RNG streams: torch CPU, every CUDA device, ``random``, NumPy;
+- ``self.log`` / ``self.log_dict`` (muted: values logged during a re-run are dropped);
+- torchmetrics states (``metric_state``, ``_update_count``, ``_computed``) of metrics in the module.
+
+Gradients are left alone by design: the re-run uses ``torch.autograd.grad``, never ``backward``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["RngState", "isolated", "muted_logging"]
+
+
+class RngState:
+    """Snapshot of the torch (CPU and CUDA), ``random`` and NumPy random number generators.
+
+    Example:
+        >>> state = RngState.capture()
+        >>> a = torch.rand(1)
+        >>> state.restore()
+        >>> bool(torch.rand(1) == a)
+        True
+    """
+
+    def __init__(self, cpu: torch.Tensor, cuda: list[torch.Tensor], python: Any, numpy: Any) -> None:
+        self.cpu, self.cuda, self.python, self.numpy = cpu, cuda, python, numpy
+
+    @classmethod
+    def capture(cls) -> RngState:
+        """Record the current state of every generator."""
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        try:
+            import numpy as np
+
+            numpy_state: Any = np.random.get_state()
+        except ImportError:  # pragma: no cover - numpy ships with torch in practice
+            numpy_state = None
+        return cls(torch.get_rng_state(), cuda, random.getstate(), numpy_state)
+
+    def restore(self) -> None:
+        """Put every generator back to the recorded state."""
+        torch.set_rng_state(self.cpu)
+        if self.cuda:
+            torch.cuda.set_rng_state_all(self.cuda)
+        random.setstate(self.python)
+        if self.numpy is not None:
+            import numpy as np
+
+            np.random.set_state(self.numpy)
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def muted_logging(module: nn.Module) -> Iterator[None]:
+    """Shadow ``log``/``log_dict`` with no-ops on the instance; the class methods come back after.
+
+    Example:
+        >>> class M(nn.Module):
+        ...     def log(self, *a, **k): raise AssertionError("logged")
+        >>> m = M()
+        >>> with muted_logging(m):
+        ...     m.log("x", 1.0)
+        >>> "log" in vars(m)
+        False
+    """
+    shadowed = [name for name in ("log", "log_dict") if hasattr(module, name)]
+    previous = {name: vars(module)[name] for name in shadowed if name in vars(module)}
+    for name in shadowed:
+        setattr(module, name, _noop)
+    try:
+        yield
+    finally:
+        for name in shadowed:
+            if name in previous:
+                setattr(module, name, previous[name])
+            else:
+                delattr(module, name)
+
+
+def _metric_states(module: nn.Module) -> list[tuple[Any, dict[str, Any]]]:
+    try:
+        from torchmetrics import Metric
+    except ImportError:
+        return []
+    saved = []
+    for child in module.modules():
+        if isinstance(child, Metric):
+            fields = {name: copy.deepcopy(getattr(child, name)) for name in child._defaults}
+            fields["_update_count"] = child._update_count
+            fields["_computed"] = copy.deepcopy(child._computed)
+            saved.append((child, fields))
+    return saved
+
+
+@contextlib.contextmanager
+def isolated(module: nn.Module) -> Iterator[None]:
+    """Undo, on exit, every side effect a forward pass of ``module`` can have (see module docs).
+
+    Example:
+        >>> net = nn.Sequential(nn.BatchNorm1d(2), nn.Dropout(0.5))
+        >>> before = net[0].running_mean.clone()
+        >>> with isolated(net):
+        ...     _ = net(torch.randn(4, 2))
+        >>> torch.equal(net[0].running_mean, before)
+        True
+    """
+    buffers = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+    modes = [(child, child.training) for child in module.modules()]
+    metrics = _metric_states(module)
+    rng = RngState.capture()
+    try:
+        with muted_logging(module):
+            yield
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        for child, training in modes:
+            child.training = training
+        for metric, fields in metrics:
+            for name, value in fields.items():
+                setattr(metric, name, value)
+        rng.restore()

@@ -1,0 +1,170 @@
+"""Repro bundles: everything needed to re-run a bad step in a fresh process.
+
+A bundle is a directory ``<log_dir>/nanguard/step-<N>/`` holding:
+
+- ``event.json``: the event (``NanEvent.to_dict()``);
+- ``batch.pt``: the offending samples (or the whole batch when not attributable), on the CPU;
+- ``module_state.pt``: the module's ``state_dict`` before the step;
+- ``module.json``: how to rebuild the module (class path, the file defining it) and the context
+  (batch index, positions of the saved samples in the original batch, dataset indices);
+- ``hparams.pt``: the module's saved hyperparameters (``save_hyperparameters()``), if any.
+
+``python -m lightning_nanguard replay <bundle>`` loads it with :func:`load_bundle`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+
+from lightning_nanguard.events import NanEvent
+
+__all__ = ["ReproBundle", "import_class", "load_bundle", "prune_bundles", "save_bundle"]
+
+BUNDLE_PREFIX = "step-"
+
+
+def _to_cpu(batch: Any) -> Any:
+    return apply_to_collection(batch, torch.Tensor, lambda t: t.detach().to("cpu"), allow_frozen=True)
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def save_bundle(
+    directory: str | os.PathLike[str],
+    event: NanEvent,
+    module: nn.Module,
+    batch: Any,
+    batch_idx: int,
+    positions: list[int] | None,
+    sample_dataset_indices: list[int] | None = None,
+) -> Path:
+    """Write a bundle for ``event`` and return its path (``directory/step-<global_step>``).
+
+    Args:
+        directory: the ``nanguard`` folder of the run.
+        event: the event being saved.
+        module: the module, in its state before the step.
+        batch: the samples to save (already cut to the offending ones, or the whole batch).
+        batch_idx: index of the batch in its epoch (passed to ``training_step`` on replay).
+        positions: positions of the saved samples in the original batch (``None``: whole batch).
+        sample_dataset_indices: dataset index of each saved sample, when known.
+    """
+    path = Path(directory) / f"{BUNDLE_PREFIX}{event.global_step}"
+    if event.rank:
+        path = path.with_name(f"{path.name}-rank{event.rank}")
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save(_to_cpu(batch), path / "batch.pt")
+    torch.save({k: v.detach().to("cpu") for k, v in module.state_dict().items()}, path / "module_state.pt")
+    hparams = dict(getattr(module, "hparams", {}) or {})
+    if hparams:
+        torch.save(hparams, path / "hparams.pt")
+    cls = type(module)
+    try:
+        module_file: str | None = inspect.getfile(cls)
+    except (TypeError, OSError):
+        module_file = None
+    meta = {
+        "class_path": _class_path(cls),
+        "module_file": module_file,
+        "has_hparams": bool(hparams),
+        "batch_idx": batch_idx,
+        "positions": positions,
+        "sample_dataset_indices": sample_dataset_indices,
+        "torch_version": torch.__version__,
+    }
+    (path / "module.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    (path / "event.json").write_text(
+        json.dumps(event.replace(repro_path=str(path)).to_dict(), indent=2), encoding="utf-8"
+    )
+    return path
+
+
+def prune_bundles(directory: str | os.PathLike[str], keep: int) -> list[Path]:
+    """Delete the oldest bundles beyond ``keep`` (by modification time); return what was deleted."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    bundles = sorted(
+        (p for p in root.iterdir() if p.is_dir() and p.name.startswith(BUNDLE_PREFIX)), key=lambda p: p.stat().st_mtime
+    )
+    doomed = bundles[: max(0, len(bundles) - keep)]
+    for bundle in doomed:
+        shutil.rmtree(bundle, ignore_errors=True)
+    return doomed
+
+
+def import_class(class_path: str, module_file: str | None = None) -> type:
+    """Import ``"package.module:Class"``; fall back to loading ``module_file`` (e.g. a script).
+
+    Example:
+        >>> import_class("torch.nn:Linear").__name__
+        'Linear'
+    """
+    module_name, _, qualname = class_path.partition(":")
+    if not qualname:
+        module_name, _, qualname = class_path.rpartition(".")
+    try:
+        if module_name == "__main__":
+            raise ImportError("defined in a script")
+        module: Any = importlib.import_module(module_name)
+    except ImportError:
+        if not module_file or not os.path.exists(module_file):
+            raise
+        spec = importlib.util.spec_from_file_location("nanguard_replay_user_module", module_file)
+        if spec is None or spec.loader is None:
+            raise
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise TypeError(f"{class_path} is not a class")
+    return obj
+
+
+@dataclass
+class ReproBundle:
+    """A loaded bundle: the rebuilt module (weights loaded), the samples and the saved event."""
+
+    path: Path
+    module: nn.Module
+    batch: Any
+    batch_idx: int
+    event: NanEvent
+    meta: dict[str, Any]
+
+
+def load_bundle(path: str | os.PathLike[str], module_class: str | None = None) -> ReproBundle:
+    """Rebuild the module of a bundle and load its samples.
+
+    Args:
+        path: bundle directory.
+        module_class: ``"pkg.mod:Class"`` to use instead of the recorded class.
+    """
+    root = Path(path)
+    meta = json.loads((root / "module.json").read_text(encoding="utf-8"))
+    event = NanEvent.from_dict(json.loads((root / "event.json").read_text(encoding="utf-8")))
+    cls = import_class(module_class or meta["class_path"], None if module_class else meta.get("module_file"))
+    hparams = torch.load(root / "hparams.pt", weights_only=False) if (root / "hparams.pt").exists() else {}
+    module = cls(**hparams)
+    module.load_state_dict(torch.load(root / "module_state.pt", weights_only=True))
+    module.train()
+    batch = torch.load(root / "batch.pt", weights_only=False)
+    return ReproBundle(root, module, batch, int(meta.get("batch_idx", 0)), event, meta)

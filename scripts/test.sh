@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up .venv (first run only) and run the whole test suite plus ruff and mypy on the package.
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+echo "== ruff"; ruff check lightning_nanguard tests examples benchmarks
+echo "== mypy"; mypy
+echo "== pytest"; python -m pytest "$@"
