@@ -67,10 +67,10 @@ def fused_health_check(
     nonnegative: Sequence[Tensor] = (),
     device: torch.device | None = None,
 ) -> Tensor:
-    """Check many tensors for NaN/Inf in one fused pass; return ``[flag, grad_norm]`` on the device.
+    """Check many tensors for NaN/Inf in one fused pass; return ``[flag, grad_norm, others_flag]``.
 
     Nothing is read to the host: the caller decides when to pay the one synchronisation
-    (``result.tolist()``).
+    (``result.tolist()``), and may first reduce the tensor across processes.
 
     Args:
         grads: gradients; their global L2 norm is the second element of the result.
@@ -79,27 +79,30 @@ def fused_health_check(
         device: where the result lives; defaults to the device of the first tensor given.
 
     Returns:
-        float32 tensor ``[flag, grad_norm]``; ``flag`` is 1.0 when some tensor *may* hold a
-        NaN/Inf (confirm with :func:`nonfinite_names`) or a negative value where none is allowed.
+        float32 tensor ``[flag, grad_norm, others_flag]``. ``flag`` is 1.0 when some tensor *may*
+        hold a NaN/Inf (confirm with :func:`nonfinite_names`) or a negative value where none is
+        allowed; ``others_flag`` is the same for ``others`` and ``nonnegative`` alone.
+        ``grad_norm`` is NaN when a gradient holds a NaN, +Inf when one holds +/-Inf (and no NaN).
 
     Example:
         >>> fused_health_check([torch.ones(4)], others=[torch.tensor(0.5)]).tolist()
-        [0.0, 2.0]
-        >>> fused_health_check([torch.tensor([1.0, float("nan")])]).tolist()[0]
-        1.0
+        [0.0, 2.0, 0.0]
+        >>> fused_health_check([torch.tensor([1.0, float("nan")])]).tolist()[:2]
+        [1.0, nan]
     """
     first = next((t for t in (*grads, *others, *nonnegative)), None)
     if device is None:
         device = first.device if first is not None else torch.device("cpu")
     grad_norms = grouped_norms(grads, device)
     other_norms = grouped_norms(others, device)
-    flag = ~torch.isfinite(torch.cat((grad_norms, other_norms))).all()
+    grads_bad = ~torch.isfinite(grad_norms).all()
+    others_bad = ~torch.isfinite(other_norms).all()
     if nonnegative:
         negated_maxima = torch._foreach_max(torch._foreach_neg([t for t in nonnegative if t.numel()]))
         if negated_maxima:
-            flag = flag | (torch.stack(negated_maxima).to(device=device, dtype=_FLOAT32) > 0).any()
+            others_bad = others_bad | (torch.stack(negated_maxima).to(device=device, dtype=_FLOAT32) > 0).any()
     grad_norm = torch.linalg.vector_norm(grad_norms) if grads else torch.zeros((), dtype=_FLOAT32, device=device)
-    return torch.stack((flag.to(_FLOAT32), grad_norm))
+    return torch.stack(((grads_bad | others_bad).to(_FLOAT32), grad_norm, others_bad.to(_FLOAT32)))
 
 
 def nonfinite_names(named_tensors: Iterable[tuple[str, Tensor]]) -> list[str]:

@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 __all__ = ["EVENT_KINDS", "EventAction", "EventKind", "NanEvent", "NonFiniteTrainingError"]
 
-EventKind = Literal["loss", "grad", "bn_stats", "param"]
+EventKind = Literal["loss", "grad", "bn_stats", "param", "loss_scale"]
 EventAction = Literal["skipped", "raised", "warned", "rolled_back"]
-EVENT_KINDS: tuple[EventKind, ...] = ("loss", "grad", "bn_stats", "param")
+EVENT_KINDS: tuple[EventKind, ...] = ("loss", "grad", "bn_stats", "param", "loss_scale")
 
 
 def _json_float(value: float | None) -> float | str | None:
@@ -40,7 +40,8 @@ class NanEvent:
         epoch: ``trainer.current_epoch``.
         batch_idx: index of the batch within the epoch (the last micro-batch under accumulation).
         rank: global rank of the process that saw the non-finite value.
-        kinds: what was non-finite, a subset of ``("loss", "grad", "bn_stats", "param")``.
+        kinds: what was non-finite, a subset of ``("loss", "grad", "bn_stats", "param", "loss_scale")``
+            (``"loss_scale"``: a GradScaler's scale collapsed under repeated overflow).
         nonfinite_grads: qualified names of parameters whose gradient holds NaN/Inf.
         nonfinite_buffers: qualified names of BatchNorm buffers holding NaN/Inf (or a negative
             ``running_var``), e.g. ``"net.1.running_var"``.

@@ -154,9 +154,9 @@ class SubBatchRunner:
 
     def _nonfinite(self, loss: Tensor, grads: list[Tensor]) -> bool:
         buffers = [(n, t) for n, t in batchnorm_buffers(self.module) if t.is_floating_point()]
-        flag, _ = fused_health_check(
+        flag = fused_health_check(
             grads, [loss.detach(), *(t for _, t in buffers)], batchnorm_running_vars(buffers)
-        ).tolist()
+        ).tolist()[0]
         if not flag:
             return False
         named = [("loss", loss.detach()), *((str(i), g) for i, g in enumerate(grads)), *buffers]

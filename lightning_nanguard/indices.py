@@ -25,9 +25,14 @@ _RECORDING_CLASSES: dict[type, type] = {}
 
 
 class RecordingBatchSampler(Protocol):
-    """A batch sampler whose class :func:`record_batch_indices` swapped: it records what it yields."""
+    """A batch sampler whose class :func:`record_batch_indices` swapped: it records what it yields.
+
+    ``nanguard_exclude`` (a set of dataset indices, shared with the guard's quarantine) is dropped
+    from every batch it yields from then on.
+    """
 
     nanguard_fifo: deque[list[int]]
+    nanguard_exclude: set[int]
 
     def __iter__(self) -> Iterator[list[int]]: ...
 
@@ -35,7 +40,12 @@ class RecordingBatchSampler(Protocol):
 def _recording_iter(self: Any) -> Iterator[list[int]]:
     fifo = self.nanguard_fifo
     fifo.clear()  # a new pass over the data starts a new record
+    exclude: set[int] = getattr(self, "nanguard_exclude", set())
     for indices in self._nanguard_base_iter():
+        if exclude:  # quarantined samples are never yielded again
+            indices = [i for i in indices if int(i) not in exclude]
+            if not indices:
+                continue
         fifo.append([int(i) for i in indices])
         yield indices
 

@@ -1,0 +1,132 @@
+"""The Lightning side of forensics: diagnose the micro-batches of a bad step and save a bundle.
+
+Called by the guard on a bad step, before the step is discarded, with the BatchNorm buffers
+already restored to their values before the step's first forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_nanguard.batching import slice_batch
+from lightning_nanguard.events import NanEvent
+from lightning_nanguard.forensics import Diagnosis, diagnose, event_with_diagnosis
+from lightning_nanguard.repro import prune_bundles, save_bundle
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+
+__all__ = ["InvestigationSettings", "MicroBatch", "investigate", "training_step_of"]
+
+log = logging.getLogger("lightning_nanguard")
+
+Slicer = Callable[[Any, Sequence[int]], Any]
+
+
+@dataclass
+class MicroBatch:
+    """A (micro-)batch of the current optimizer step, kept until the step is checked."""
+
+    batch: Any
+    batch_idx: int
+    dataset_indices: list[int] | None
+
+
+@dataclass(frozen=True)
+class InvestigationSettings:
+    """What to do on a bad step (mirrors the ``NanGuard`` arguments of the same names)."""
+
+    bisect: bool = True
+    localize: bool = True
+    max_bisect_passes: int = 64
+    save_repro: bool = True
+    max_repro_bundles: int = 5
+    batch_slicer: Slicer | None = None
+
+
+def training_step_of(pl_module: LightningModule) -> Callable[[Any, int], Any]:
+    """The module's own ``training_step`` (the original one under ``torch.compile``)."""
+    compiler_ctx = getattr(pl_module, "_compiler_ctx", None)
+    if compiler_ctx and compiler_ctx.get("original_training_step") is not None:
+        original = compiler_ctx["original_training_step"]
+        return lambda batch, batch_idx: original(batch, batch_idx)
+    return pl_module.training_step
+
+
+def _localized(diagnosis: Diagnosis) -> bool:
+    return diagnosis.localization is not None and diagnosis.localization.phase is not None
+
+
+def investigate(
+    trainer: Trainer,
+    pl_module: LightningModule,
+    event: NanEvent,
+    micro_batches: Sequence[MicroBatch],
+    settings: InvestigationSettings,
+    bundle_dir: str | None,
+) -> tuple[NanEvent, Diagnosis | None]:
+    """Fill the event's forensic fields and save a repro bundle; never raises.
+
+    Under gradient accumulation the micro-batches are diagnosed in order and the first that
+    reproduces the non-finite values is the one the event names.
+    """
+    if not micro_batches:
+        return event, None
+    slicer: Slicer | None = settings.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
+    diagnosis: Diagnosis | None = None
+    chosen = micro_batches[-1]
+    if settings.bisect or settings.localize:
+        step_fn = training_step_of(pl_module)
+        for micro in micro_batches:
+            found = diagnose(
+                pl_module,
+                micro.batch,
+                step_fn=step_fn,
+                batch_idx=micro.batch_idx,
+                slicer=slicer,
+                context=trainer.precision_plugin.train_step_context,
+                bisect=settings.bisect,
+                localize_origin=settings.localize,
+                max_passes=settings.max_bisect_passes,
+            )
+            if diagnosis is None or found.offending is not None or _localized(found):
+                diagnosis, chosen = found, micro
+            if found.offending is not None or _localized(found) or found.error:
+                break
+    if diagnosis is not None:
+        event = event_with_diagnosis(event, diagnosis, dataset_indices=chosen.dataset_indices)
+        event = event.replace(batch_idx=chosen.batch_idx)
+        if len(micro_batches) > 1:
+            event = event.replace(details={**event.details, "micro_batch": micro_batches.index(chosen)})
+    if settings.save_repro and bundle_dir is not None:
+        event = _save(pl_module, event, chosen, slicer, bundle_dir, settings.max_repro_bundles)
+    return event, diagnosis
+
+
+def _save(
+    pl_module: LightningModule,
+    event: NanEvent,
+    micro: MicroBatch,
+    slicer: Slicer | None,
+    bundle_dir: str,
+    max_bundles: int,
+) -> NanEvent:
+    if max_bundles == 0:
+        return event
+    positions = list(event.offending_samples) if event.offending_samples is not None else None
+    try:
+        samples = micro.batch if positions is None else (slicer or slice_batch)(micro.batch, positions)
+        if positions is None:
+            indices = micro.dataset_indices
+        else:
+            indices = list(event.dataset_indices) if event.dataset_indices is not None else None
+        path = save_bundle(bundle_dir, event, pl_module, samples, micro.batch_idx, positions, indices)
+        prune_bundles(bundle_dir, max_bundles)
+    except Exception as error:  # a bundle must never kill training
+        log.warning("NanGuard: could not save the repro bundle: %r", error)
+        return event
+    return event.replace(repro_path=str(path)) if Path(path).exists() else event

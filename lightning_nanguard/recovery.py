@@ -1,0 +1,136 @@
+"""Recovery after incidents: last-good snapshots, rollback and remedies, for one Trainer.
+
+:class:`Recovery` is the Trainer-facing half of :mod:`~lightning_nanguard.rollback` and
+:mod:`~lightning_nanguard.remedies`: it knows where a Trainer keeps its optimizers, GradScaler and
+LR schedulers, decides which remedies fit an incident, and keeps the counts that go into
+checkpoints and TensorBoard.
+
+Which remedy for which incident:
+
+- offending samples found, dataset indices known -> ``quarantine`` them;
+- origin localised in a layer with ``eps`` (norm layers) -> ``raise_eps`` (also Adam's ``eps``);
+- not attributable to samples (the weights or the learning rate are the problem), or a rollback
+  -> ``clip_grad`` and ``lr_backoff``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from lightning_nanguard.events import NanEvent
+from lightning_nanguard.remedies import RemedyBook, clip_threshold, lr_backoff_, raise_eps_
+from lightning_nanguard.rollback import TrainingSnapshot
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+
+__all__ = ["Recovery"]
+
+
+def _schedulers(trainer: Trainer) -> list[Any]:
+    return [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", [])]
+
+
+def _scaler(trainer: Trainer) -> Any:
+    return getattr(trainer.precision_plugin, "scaler", None)
+
+
+class Recovery:
+    """Snapshots, rollback and remedies (see module docs).
+
+    Args:
+        remedies: enabled remedies, any of ``"clip_grad"``, ``"raise_eps"``, ``"lr_backoff"``, ``"quarantine"``.
+        max_remedy_applications: cap per remedy.
+        lr_backoff_factor: learning-rate multiplier of one ``lr_backoff``.
+        eps_factor: ``eps`` multiplier of one ``raise_eps``.
+        max_eps: ``raise_eps`` never goes above this.
+    """
+
+    def __init__(
+        self,
+        remedies: tuple[str, ...] = (),
+        max_remedy_applications: int = 3,
+        lr_backoff_factor: float = 0.5,
+        eps_factor: float = 10.0,
+        max_eps: float = 1e-2,
+    ) -> None:
+        self.book = RemedyBook(enabled=remedies, max_applications=max_remedy_applications)
+        self.snapshot = TrainingSnapshot()
+        self.lr_backoff_factor = lr_backoff_factor
+        self.eps_factor = eps_factor
+        self.max_eps = max_eps
+        self.rollbacks_total = 0
+
+    # ------------------------------------------------------------------ snapshots
+
+    def capture(self, trainer: Trainer, pl_module: LightningModule, extra: dict[str, Any]) -> None:
+        """Take a last-good snapshot (the caller checked that the weights are finite)."""
+        self.snapshot.capture(
+            pl_module, trainer.optimizers, _scaler(trainer), _schedulers(trainer), trainer.global_step, extra
+        )
+
+    def rollback(self, trainer: Trainer, pl_module: LightningModule) -> str | None:
+        """Restore the last good snapshot; return a description, ``None`` without a snapshot."""
+        if not self.snapshot.available:
+            return None
+        self.snapshot.restore(pl_module, trainer.optimizers, _scaler(trainer), _schedulers(trainer))
+        self.rollbacks_total += 1
+        megabytes = self.snapshot.nbytes / 2**20
+        return f"rollback: restored the state of step {self.snapshot.global_step} ({megabytes:.1f} MiB snapshot)"
+
+    # ------------------------------------------------------------------ remedies
+
+    def remember_healthy_norm(self, grad_norm: float) -> None:
+        """Feed the clipping threshold with the norm of a healthy step."""
+        self.book.healthy_norms.append(grad_norm)
+
+    def apply(self, trainer: Trainer, pl_module: LightningModule, event: NanEvent, rolled_back: bool) -> list[str]:
+        """Apply the remedies that fit ``event``; return their descriptions."""
+        done: list[str] = []
+        attributable = event.offending_samples is not None
+        if attributable and event.dataset_indices and self.book.can_apply("quarantine"):
+            new = set(event.dataset_indices) - self.book.quarantined
+            if new:
+                self.book.quarantined.update(new)  # shared with the recording batch samplers
+                self.book.record("quarantine")
+                done.append(f"quarantine: dataset indices {sorted(new)} will not be trained on again")
+        if event.culprit_module is not None and self.book.can_apply("raise_eps"):
+            culprit = _submodule(pl_module, event.culprit_module)
+            change = raise_eps_(culprit, trainer.optimizers, self.eps_factor, self.max_eps)
+            if change:
+                self.book.record("raise_eps")
+                done.append(change)
+        if rolled_back or not attributable:
+            if self.book.can_apply("clip_grad"):
+                threshold = clip_threshold(self.book.healthy_norms, self.book.clip_threshold)
+                if threshold is not None:
+                    self.book.clip_threshold = threshold
+                    self.book.record("clip_grad")
+                    done.append(f"clip_grad: gradient norm clipped at {threshold:.4g}")
+            if self.book.can_apply("lr_backoff"):
+                for optimizer in trainer.optimizers:
+                    done.append(lr_backoff_(optimizer, _schedulers(trainer), self.lr_backoff_factor))
+                self.book.record("lr_backoff")
+        return done
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        """Remedy state and rollback count (primitives only)."""
+        return {"remedies": self.book.state_dict(), "rollbacks_total": self.rollbacks_total}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.book.load_state_dict(state.get("remedies", {}))
+        self.rollbacks_total = int(state.get("rollbacks_total", 0))
+
+
+def _submodule(module: nn.Module, name: str) -> nn.Module | None:
+    if name == "":
+        return module
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None

@@ -1,0 +1,160 @@
+"""Remedies applied after an incident: gradient clipping, larger eps, lower LR, quarantine.
+
+Each remedy is a small function that changes the training setup in place and returns a readable
+description of what it did (or ``None`` when it could not apply). :class:`RemedyBook` keeps the
+caps, the counts and the state that must survive a checkpoint.
+
+Example:
+    >>> net = torch.nn.Linear(2, 2)
+    >>> opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    >>> lr_backoff_(opt, [], factor=0.5)
+    'lr_backoff: learning rate x0.5 (group 0: 0.001 -> 0.0005)'
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["REMEDIES", "Remedy", "RemedyBook", "clip_threshold", "lr_backoff_", "raise_eps_"]
+
+Remedy = Literal["clip_grad", "raise_eps", "lr_backoff", "quarantine"]
+REMEDIES: tuple[str, ...] = get_args(Remedy)
+
+_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+
+
+def clip_threshold(healthy_norms: Iterable[float], current: float | None, tighten: float = 0.5) -> float | None:
+    """Clipping threshold: the median recent healthy norm, or ``current * tighten`` if already clipping.
+
+    Example:
+        >>> clip_threshold([1.0, 2.0, 3.0], None)
+        2.0
+        >>> clip_threshold([1.0, 2.0, 3.0], 2.0)
+        1.0
+    """
+    if current is not None:
+        return current * tighten
+    norms = [n for n in healthy_norms if n == n and n != float("inf")]
+    return statistics.median(norms) if norms else None
+
+
+def clip_gradients_(grads: Sequence[Tensor], total_norm: float, threshold: float) -> bool:
+    """Scale ``grads`` in place so their global norm is at most ``threshold``.
+
+    Uses the norm the guard already read to the host, so clipping costs no extra reduction
+    and no extra synchronisation.
+
+    Example:
+        >>> g = [torch.tensor([3.0, 4.0])]
+        >>> clip_gradients_(g, total_norm=5.0, threshold=1.0), g[0].tolist()
+        (True, [0.6000000238418579, 0.800000011920929])
+    """
+    if not grads or total_norm <= threshold or total_norm != total_norm:
+        return False
+    torch._foreach_mul_(list(grads), threshold / (total_norm + 1e-6))
+    return True
+
+
+def raise_eps_(
+    module: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer], factor: float, max_eps: float
+) -> str | None:
+    """Multiply ``eps`` of ``module`` (a norm layer or any layer with ``eps``) and of Adam-style optimizers.
+
+    Example:
+        >>> ln = nn.LayerNorm(4, eps=1e-5)
+        >>> raise_eps_(ln, [], factor=10.0, max_eps=1e-3)
+        'raise_eps: LayerNorm eps 1e-05 -> 0.0001'
+    """
+    changes: list[str] = []
+    if module is not None and isinstance(getattr(module, "eps", None), float):
+        old = float(module.eps)  # type: ignore[arg-type]
+        new = min(old * factor, max_eps)
+        if new > old:
+            setattr(module, "eps", new)  # noqa: B010 - nn.Module.__setattr__ is typed for tensors/modules
+            changes.append(f"{type(module).__name__} eps {old:g} -> {new:g}")
+    for index, optimizer in enumerate(optimizers):
+        for group_index, group in enumerate(optimizer.param_groups):
+            eps = group.get("eps")
+            if isinstance(eps, float):
+                new = min(eps * factor, max_eps)
+                if new > eps:
+                    group["eps"] = new
+                    changes.append(f"optimizer {index} group {group_index} eps {eps:g} -> {new:g}")
+    return "raise_eps: " + ", ".join(changes) if changes else None
+
+
+def lr_backoff_(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any], factor: float) -> str:
+    """Multiply every param group's learning rate by ``factor``, and the schedulers' bases with it.
+
+    LR schedulers recompute ``lr`` from ``base_lrs`` (``LambdaLR``, ``CosineAnnealingLR``...) or
+    from the current ``lr`` (``StepLR``...): scaling both keeps the back-off in force either way.
+    """
+    changes = []
+    for index, group in enumerate(optimizer.param_groups):
+        old = group["lr"]
+        for key in _LR_KEYS:
+            if isinstance(group.get(key), int | float | Tensor):
+                group[key] = group[key] * factor
+        changes.append(f"group {index}: {float(old):g} -> {float(group['lr']):g}")
+    for scheduler in schedulers:
+        if getattr(scheduler, "optimizer", None) is not optimizer:
+            continue
+        for attr in ("base_lrs", "_last_lr", "min_lrs"):
+            values = getattr(scheduler, attr, None)
+            if isinstance(values, list):
+                setattr(scheduler, attr, [v * factor for v in values])
+    return f"lr_backoff: learning rate x{factor:g} ({', '.join(changes)})"
+
+
+@dataclass
+class RemedyBook:
+    """Which remedies are enabled, how often each was applied, and their state.
+
+    Args:
+        enabled: remedies to apply after an incident, in order.
+        max_applications: cap per remedy.
+    """
+
+    enabled: tuple[str, ...] = ()
+    max_applications: int = 3
+    applied: dict[str, int] = field(default_factory=dict)
+    clip_threshold: float | None = None
+    quarantined: set[int] = field(default_factory=set)
+    healthy_norms: deque[float] = field(default_factory=lambda: deque(maxlen=100))
+
+    def can_apply(self, remedy: str) -> bool:
+        """Enabled and below its cap."""
+        return remedy in self.enabled and self.applied.get(remedy, 0) < self.max_applications
+
+    def record(self, remedy: str) -> None:
+        """Count one application."""
+        self.applied[remedy] = self.applied.get(remedy, 0) + 1
+
+    @property
+    def total(self) -> int:
+        """Applications of all remedies."""
+        return sum(self.applied.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Primitives only (``weights_only``-safe)."""
+        return {
+            "applied": dict(self.applied),
+            "clip_threshold": self.clip_threshold,
+            "quarantined": sorted(self.quarantined),
+            "healthy_norms": list(self.healthy_norms),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self.applied = {str(k): int(v) for k, v in state.get("applied", {}).items()}
+        self.clip_threshold = state.get("clip_threshold")
+        self.quarantined.clear()  # in place: the batch samplers hold this very set
+        self.quarantined.update(int(i) for i in state.get("quarantined", []))
+        self.healthy_norms = deque((float(v) for v in state.get("healthy_norms", [])), maxlen=100)
