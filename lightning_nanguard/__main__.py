@@ -25,7 +25,13 @@ __all__ = ["main"]
 def _replay(args: argparse.Namespace) -> int:
     bundle = load_bundle(args.bundle, module_class=args.module)
     positions = bundle.meta.get("positions")
-    diagnosis = diagnose(bundle.module, bundle.batch, batch_idx=bundle.batch_idx, max_passes=args.max_passes)
+    diagnosis = diagnose(
+        bundle.module,
+        bundle.batch,
+        batch_idx=bundle.batch_idx,
+        max_passes=args.max_passes,
+        known_good=bundle.meta.get("reference_positions") or (),
+    )
     if diagnosis.error:
         print(f"replay failed: {diagnosis.error}", file=sys.stderr)
         return 2

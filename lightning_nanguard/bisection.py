@@ -14,7 +14,7 @@ Example:
     >>> bad = {3, 12}
     >>> result = find_offending(16, lambda positions: bool(bad & set(positions)))
     >>> result.offending, result.passes
-    ([3, 12], 15)
+    ([3, 12], 13)
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 __all__ = ["BisectionResult", "find_offending"]
 
 Predicate = Callable[[Sequence[int]], bool]
+
+
+_INTERACTION = "no single sample is non-finite on its own: the samples only fail together (batch interaction)"
 
 
 class _PassBudgetExhausted(Exception):
@@ -62,7 +65,7 @@ def find_offending(n: int, is_bad: Predicate, max_passes: int = 64, confirm_whol
 
     Example:
         >>> find_offending(4, lambda positions: len(positions) == 4).reason
-        'no proper subset of the batch is non-finite: the samples only fail together (batch interaction)'
+        'no single sample is non-finite on its own: the samples only fail together (batch interaction)'
     """
     passes = 0
     smallest_bad: list[int] = list(range(n))
@@ -95,34 +98,49 @@ def find_offending(n: int, is_bad: Predicate, max_passes: int = 64, confirm_whol
     offending: list[int] = []
     interacting: list[list[int]] = []
 
-    def search(group: list[int]) -> None:
-        """``group`` is known to be bad."""
+    def search(group: list[int], confirmed: bool) -> bool:
+        """Find the offending samples of ``group``, which is bad: tested (``confirmed``) or inferred.
+
+        A group is inferred bad when it is the second half of a bad group whose first half tested
+        good; it is not tested itself (that saves one pass per level). If an inferred group holds
+        no offending sample after all, returns False: the nearest confirmed ancestor is then a
+        group whose samples only fail together.
+        """
         if len(group) == 1:
-            offending.append(group[0])
-            return
+            if confirmed or test(group):
+                offending.append(group[0])
+                return True
+            return False
         half = len(group) // 2
         left, right = group[:half], group[half:]
         if test(left):
-            search(left)
+            search(left, True)
             if test(right):
-                search(right)
-        elif test(right):
-            search(right)
-        else:
+                search(right, True)
+            return True
+        if search(right, False):
+            return True
+        if confirmed:
             interacting.append(group)
+        return False
 
     complete = True
     try:
-        search(whole)
+        search(whole, confirm_whole)
     except _PassBudgetExhausted:
         complete = False
     if not offending:
         if interacting:
-            reason = "no proper subset of the batch is non-finite: the samples only fail together (batch interaction)"
+            reason = _INTERACTION
+        elif complete:
+            reason = "no sub-batch was non-finite (the whole batch was not re-run: confirm_whole=False)"
         else:
             reason = f"max_bisect_passes={max_passes} reached before a single sample was isolated"
         return BisectionResult(None, passes, reason, smallest_bad, complete)
-    reason = ""
+    notes = []
     if interacting:
-        reason = f"some groups only fail together: {interacting}"
+        notes.append(f"some groups only fail together: {interacting}")
+    if not complete:
+        notes.append(f"max_bisect_passes={max_passes} reached: more samples may be offending")
+    reason = "; ".join(notes)
     return BisectionResult(sorted(offending), passes, reason, smallest_bad, complete)

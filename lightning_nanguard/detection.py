@@ -24,6 +24,9 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 __all__ = ["fused_health_check", "grouped_norms", "negative_names", "nonfinite_names"]
 
 _FLOAT32 = torch.float32
+_LOW = (torch.float16, torch.bfloat16)
+MANY_TENSORS = 512
+"""From this many tensors in a (device, dtype) group, the norm-free check uses GradScaler's kernel."""
 
 
 def _dense(tensors: Iterable[Tensor]) -> list[Tensor]:
@@ -52,7 +55,7 @@ def grouped_norms(tensors: Sequence[Tensor], device: torch.device | None = None)
     parts: list[Tensor] = []
     for (group_device, dtype), ([group], _) in grouped.items():
         # float16/bfloat16 accumulate in float32; float64 keeps its precision then narrows.
-        norm_dtype = _FLOAT32 if dtype in (torch.float16, torch.bfloat16) else None
+        norm_dtype = _FLOAT32 if dtype in _LOW else None
         norms = torch._foreach_norm(group, 2, dtype=norm_dtype)  # type: ignore[arg-type]
         stacked = torch.stack(norms).to(_FLOAT32)
         if group_device != target:
@@ -61,11 +64,37 @@ def grouped_norms(tensors: Sequence[Tensor], device: torch.device | None = None)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _nonfinite_flag_fast(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
+    """0-dim bool: NaN/Inf in ``tensors``, choosing the cheaper fused kernel per (device, dtype) group.
+
+    Few tensors: ``_foreach_norm`` (reads each element once, fastest on large tensors). Many tensors:
+    GradScaler's ``_amp_foreach_non_finite_check_and_unscale_`` with a scale of 1 (on CPU its
+    per-tensor overhead is about 5x lower than ``_foreach_norm``'s; multiplying by 1.0 leaves every
+    value bitwise equal). Deciding by count costs no Python work per tensor.
+    """
+    flags: list[Tensor] = []
+    grouped = _group_tensors_by_device_and_dtype([list(_dense(tensors))])
+    for (group_device, dtype), ([group], _) in grouped.items():
+        if dtype.is_complex or len(group) < MANY_TENSORS:
+            norms = torch._foreach_norm(group, 2, dtype=_FLOAT32 if dtype in _LOW else None)  # type: ignore[arg-type]
+            flag = ~torch.isfinite(torch.stack(norms)).all()
+        else:
+            found = torch.zeros(1, dtype=_FLOAT32, device=group_device)
+            one = torch.ones(1, dtype=_FLOAT32, device=group_device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)  # type: ignore[arg-type]
+            flag = found[0] > 0
+        flags.append(flag.to(device, non_blocking=True))
+    if not flags:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    return torch.stack(flags).any()
+
+
 def fused_health_check(
     grads: Sequence[Tensor],
     others: Sequence[Tensor] = (),
     nonnegative: Sequence[Tensor] = (),
     device: torch.device | None = None,
+    with_norm: bool = True,
 ) -> Tensor:
     """Check many tensors for NaN/Inf in one fused pass; return ``[flag, grad_norm, others_flag]``.
 
@@ -77,6 +106,8 @@ def fused_health_check(
         others: further tensors to check (loss, BatchNorm running statistics).
         nonnegative: tensors that must also have no negative element (``running_var``).
         device: where the result lives; defaults to the device of the first tensor given.
+        with_norm: compute the global gradient norm (else ``grad_norm`` is -1 and groups of many
+            small tensors use the cheaper GradScaler kernel).
 
     Returns:
         float32 tensor ``[flag, grad_norm, others_flag]``. ``flag`` is 1.0 when some tensor *may*
@@ -89,19 +120,25 @@ def fused_health_check(
         [0.0, 2.0, 0.0]
         >>> fused_health_check([torch.tensor([1.0, float("nan")])]).tolist()[:2]
         [1.0, nan]
+        >>> fused_health_check([torch.tensor([1.0, float("inf")])], with_norm=False).tolist()
+        [1.0, -1.0, 0.0]
     """
     first = next((t for t in (*grads, *others, *nonnegative)), None)
     if device is None:
         device = first.device if first is not None else torch.device("cpu")
-    grad_norms = grouped_norms(grads, device)
-    other_norms = grouped_norms(others, device)
-    grads_bad = ~torch.isfinite(grad_norms).all()
-    others_bad = ~torch.isfinite(other_norms).all()
-    if nonnegative:
-        negated_maxima = torch._foreach_max(torch._foreach_neg([t for t in nonnegative if t.numel()]))
+    if with_norm:
+        grad_norms = grouped_norms(grads, device)
+        grads_bad = ~torch.isfinite(grad_norms).all()
+        grad_norm = torch.linalg.vector_norm(grad_norms) if grads else torch.zeros((), dtype=_FLOAT32, device=device)
+    else:
+        grads_bad = _nonfinite_flag_fast(grads, device)
+        grad_norm = torch.full((), -1.0, dtype=_FLOAT32, device=device)
+    others_bad = ~torch.isfinite(grouped_norms(others, device)).all()
+    nonempty = [t for t in nonnegative if t.numel()]
+    if nonempty:
+        negated_maxima = torch._foreach_max(torch._foreach_neg(nonempty))
         if negated_maxima:
             others_bad = others_bad | (torch.stack(negated_maxima).to(device=device, dtype=_FLOAT32) > 0).any()
-    grad_norm = torch.linalg.vector_norm(grad_norms) if grads else torch.zeros((), dtype=_FLOAT32, device=device)
     return torch.stack(((grads_bad | others_bad).to(_FLOAT32), grad_norm, others_bad.to(_FLOAT32)))
 
 

@@ -59,6 +59,9 @@ class Diagnosis:
         passes: forward/backward passes the bisection used.
         localization: origin of the first non-finite value (``None`` if not localised).
         error: the exception text if a re-run failed (diagnosis then stops, training goes on).
+        smallest_bad: the smallest group of positions that re-ran non-finite (localised on).
+        known_good: positions that re-ran finite; with BatchNorm in train mode a single sample is
+            re-run next to the first of them, so a repro bundle saves it as a reference sample.
     """
 
     batch_size: int | None
@@ -68,6 +71,7 @@ class Diagnosis:
     localization: Localization | None = None
     error: str | None = None
     smallest_bad: list[int] = field(default_factory=list)
+    known_good: list[int] = field(default_factory=list)
 
 
 class SubBatchRunner:
@@ -83,7 +87,10 @@ class SubBatchRunner:
         batch: the full batch, as ``training_step`` received it.
         step_fn: ``step_fn(batch, batch_idx) -> output`` (default: ``module.training_step``).
         batch_idx: passed to ``step_fn``.
-        slicer: cuts a batch to given positions (default :func:`slice_batch`).
+        slicer: cuts a batch to given positions (default :func:`slice_batch`). When the built-in
+            :func:`batch_size` cannot read the batch size (e.g. sequence-first tensors), the slicer
+            may provide it as a ``slicer.batch_size(batch)`` attribute, or the module as a
+            ``nanguard_batch_size(batch)`` method.
         context: returns a context manager entered around each run (e.g. autocast).
     """
 
@@ -102,7 +109,7 @@ class SubBatchRunner:
         self.batch_idx = batch_idx
         self.slicer: BatchSlicer = slicer if slicer is not None else slice_batch
         self.context = context if context is not None else contextlib.nullcontext
-        self.size = batch_size(batch) if slicer is None else _user_batch_size(batch)
+        self.size = batch_size(batch) if slicer is None else _user_batch_size(batch, slicer, module)
         self.params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.has_train_bn = any(isinstance(m, _BatchNorm) and m.training for m in module.modules())
         self.known_good: list[int] = []
@@ -163,11 +170,18 @@ class SubBatchRunner:
         return bool(nonfinite_names(named) or negative_names(b for b in buffers if b[0].endswith("running_var")))
 
 
-def _user_batch_size(batch: Any) -> int:
+def _user_batch_size(batch: Any, slicer: BatchSlicer, module: nn.Module) -> int:
+    """The batch size for a custom slicer: its ``batch_size`` attribute, the module's hook, or the built-in rule."""
+    for size_of in (getattr(slicer, "batch_size", None), getattr(module, "nanguard_batch_size", None)):
+        if callable(size_of):
+            return int(size_of(batch))
     try:
         return batch_size(batch)
     except TypeError as error:
-        raise TypeError(f"{error}; a custom batch_slicer also needs a batch whose size can be read") from error
+        raise TypeError(
+            f"{error}; with a custom batch_slicer, give it a `batch_size(batch)` attribute (or define "
+            "`nanguard_batch_size(batch)` on the module) when the batch size cannot be read from the batch"
+        ) from error
 
 
 def diagnose(
@@ -180,6 +194,7 @@ def diagnose(
     bisect: bool = True,
     localize_origin: bool = True,
     max_passes: int = 64,
+    known_good: Sequence[int] = (),
 ) -> Diagnosis:
     """Find the offending samples of ``batch`` and localise the origin, leaving no trace.
 
@@ -193,6 +208,8 @@ def diagnose(
         bisect: search the offending samples (otherwise only localise on the whole batch).
         localize_origin: name module, op and source line.
         max_passes: cap on forward/backward passes of the search.
+        known_good: positions known to be finite (a repro bundle's reference sample): single
+            samples are re-run next to the first one when BatchNorm is in train mode.
 
     Example:
         >>> class Net(nn.Module):
@@ -208,8 +225,9 @@ def diagnose(
     """
     try:
         runner = SubBatchRunner(module, batch, step_fn, batch_idx, slicer, context)
-    except TypeError as error:
-        return Diagnosis(None, None, reason=str(error), error=str(error))
+    except Exception as error:  # an unsliceable batch or a failing user hook: report, never raise
+        return Diagnosis(None, None, reason=str(error), error=str(error) or repr(error))
+    runner.known_good = [int(p) for p in known_good]
     result = BisectionResult(None, 0, "bisection disabled", list(range(runner.size)))
     try:
         if bisect:
@@ -234,6 +252,7 @@ def diagnose(
         passes=result.passes,
         localization=localization,
         smallest_bad=result.smallest_bad,
+        known_good=list(runner.known_good),
     )
 
 
@@ -277,6 +296,8 @@ def event_with_diagnosis(
             indices = tuple(int(dataset_indices[p]) for p in diagnosis.offending)
     elif diagnosis.reason:
         details["not_attributable"] = diagnosis.reason
+    if diagnosis.offending is not None and diagnosis.reason:
+        details["bisect_note"] = diagnosis.reason  # partial result or interacting groups next to the samples
     if diagnosis.error:
         details["diagnosis_error"] = diagnosis.error
     loc = diagnosis.localization
@@ -286,6 +307,8 @@ def event_with_diagnosis(
         for key, value in (("module_type", loc.module_type), ("source_text", loc.source_text), ("hint", loc.hint)):
             if value:
                 details[key] = value
+        if loc.input_nonfinite:
+            details["input_nonfinite"] = True
         if loc.bn_channels:
             details["bn_channels"] = {name: list(channels) for name, channels in loc.bn_channels.items()}
     changes["details"] = details

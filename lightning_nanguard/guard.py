@@ -152,7 +152,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         max_bisect_passes: int = 64,
         save_repro: bool = True,
         max_repro_bundles: int = 5,
-        index_key: str | int | None = None,
+        index_key: int | str | None = None,
         batch_slicer: Callable[[Any, Sequence[int]], Any] | None = None,
         snapshot_every_n_steps: int = 100,
         rollback_after_consecutive: int = 3,
@@ -305,7 +305,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Cache parameter names and BatchNorm buffers once the model sits on its device."""
         self._named_params = list(pl_module.named_parameters())
-        self._bn = BatchNormSnapshot(pl_module) if self.check_bn_stats else None
+        self._bn = BatchNormSnapshot(pl_module)  # restored on every discarded step, checked if check_bn_stats
         if self.action == "rollback" and self._params_finite(pl_module):
             self._capture(trainer, pl_module)
 
@@ -358,19 +358,23 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         if not self._checking:
             return
         grads = [p.grad for _, p in self._named_params if p.grad is not None]
-        bn_buffers = self._bn.named_buffers if self._bn is not None else []
+        bn_buffers = self._bn.named_buffers if self._bn is not None and self.check_bn_stats else []
         summary = fused_health_check(
             grads,
             others=[*self._losses, *(t for _, t in bn_buffers if t.is_floating_point())],
             nonnegative=batchnorm_running_vars(bn_buffers),
             device=pl_module.device,
+            with_norm=self.recovery.book.clip_threshold is not None or self.sinks.logging_due(trainer),
         )
         if trainer.world_size > 1:  # any rank bad -> all ranks skip: one reduce per step, every rank
             summary = torch.cat((summary, trainer.strategy.reduce(summary[:1].clone(), reduce_op="sum")))
         values = summary.tolist()  # the one host read of a healthy step
         local_flag, grad_norm, others_flag = values[0], values[1], values[2]
         any_rank_bad = values[3] > 0 if len(values) > 3 else local_flag > 0
-        self.last_grad_norm = grad_norm
+        if grad_norm < 0 and any_rank_bad:  # bad path: the norm tells NaN (nan) from overflow (inf)
+            grad_norm = float(torch.linalg.vector_norm(grouped_norms(grads))) if grads else 0.0
+        if grad_norm >= 0 or math.isnan(grad_norm):
+            self.last_grad_norm = grad_norm
 
         if not any_rank_bad:
             self._healthy_step(trainer, grads, grad_norm)
@@ -394,7 +398,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.consecutive_bad_steps = 0
         self.consecutive_overflows = 0
         self._micro_batches = []
-        if math.isfinite(grad_norm):
+        if math.isfinite(grad_norm) and grad_norm >= 0:  # -1: not computed this step
             self.recovery.remember_healthy_norm(grad_norm)
             threshold = self.recovery.book.clip_threshold
             if threshold is not None:
@@ -446,7 +450,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     def _inspect(self, trainer: Trainer, grads: list[Tensor], grad_norm: float) -> NanEvent | None:
         """Bad path: confirm element-wise and name the tensors (a finite tensor may overflow its norm)."""
         bad_grads = nonfinite_names((n, p.grad) for n, p in self._named_params if p.grad is not None)
-        bn_buffers = [(n, t) for n, t in (self._bn.named_buffers if self._bn else []) if t.is_floating_point()]
+        checked = self._bn.named_buffers if self._bn is not None and self.check_bn_stats else []
+        bn_buffers = [(n, t) for n, t in checked if t.is_floating_point()]
         bad_buffers = nonfinite_names(bn_buffers)
         negative = negative_names((n, t) for n, t in bn_buffers if n.endswith("running_var"))
         bad_buffers += [n for n in negative if n not in bad_buffers]
@@ -687,7 +692,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             >>> net = nn.Linear(2, 1)
             >>> net(torch.tensor([[float("nan"), 1.0]])).sum().backward()
             >>> NanGuard(verbose=False).check(net).nonfinite_grads
-            ('weight', 'bias')
+            ('weight',)
         """
         named = list(module.named_parameters())
         grads = [(n, p.grad) for n, p in named if p.grad is not None]
@@ -719,14 +724,14 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.bad_steps_total += 1
         self.events.append(event)
         if trainer is not None:
-            self.sinks.event(event, trainer.global_rank)
+            self.sinks.event(event, trainer.global_rank, trainer)
         return event
 
     # ------------------------------------------------------------------ reporting
 
     def _record(self, trainer: Trainer, pl_module: LightningModule, event: NanEvent) -> None:
         self.events.append(event)
-        self.sinks.event(event, trainer.global_rank)
+        self.sinks.event(event, trainer.global_rank, trainer)
         self._log_scalars(trainer, force=True)
         if self.skipped_total:
             pl_module.log("nan_skipped", float(self.skipped_total), prog_bar=True, logger=False, batch_size=1)

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 __all__ = ["RecordingBatchSampler", "indices_from_batch", "record_batch_indices"]
 
@@ -31,10 +31,18 @@ class RecordingBatchSampler(Protocol):
     from every batch it yields from then on.
     """
 
-    nanguard_fifo: deque[list[int]]
+    nanguard_fifo: deque[list[int] | None]
     nanguard_exclude: set[int]
 
     def __iter__(self) -> Iterator[list[int]]: ...
+
+
+def _as_ints(indices: Any) -> list[int] | None:
+    """The indices as ints, or ``None`` when they are not integers (e.g. a sampler of keys or ``None``)."""
+    try:
+        return [int(i) for i in indices]
+    except (TypeError, ValueError):
+        return None
 
 
 def _recording_iter(self: Any) -> Iterator[list[int]]:
@@ -42,11 +50,13 @@ def _recording_iter(self: Any) -> Iterator[list[int]]:
     fifo.clear()  # a new pass over the data starts a new record
     exclude: set[int] = getattr(self, "nanguard_exclude", set())
     for indices in self._nanguard_base_iter():
-        if exclude:  # quarantined samples are never yielded again
-            indices = [i for i in indices if int(i) not in exclude]
-            if not indices:
+        as_ints = _as_ints(indices)
+        if exclude and as_ints is not None:  # quarantined samples are never yielded again
+            kept = [k for k, i in enumerate(as_ints) if i not in exclude]
+            if not kept:
                 continue
-        fifo.append([int(i) for i in indices])
+            indices, as_ints = [indices[k] for k in kept], [as_ints[k] for k in kept]
+        fifo.append(as_ints)  # one entry per batch (None: unknown) keeps the FIFO aligned
         yield indices
 
 
@@ -78,8 +88,8 @@ def record_batch_indices(loader: Any) -> RecordingBatchSampler | None:
         >>> sampler.nanguard_fifo.popleft() == first
         True
     """
-    if not isinstance(loader, DataLoader):
-        return None
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return None  # an IterableDataset's batch sampler yields placeholders, not dataset indices
     batch_sampler = loader.batch_sampler
     if batch_sampler is None:
         return None

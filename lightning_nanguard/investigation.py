@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torch.nn.modules.batchnorm import _BatchNorm
+
 from lightning_nanguard.batching import slice_batch
 from lightning_nanguard.events import NanEvent
 from lightning_nanguard.forensics import Diagnosis, diagnose, event_with_diagnosis
@@ -101,10 +103,16 @@ def investigate(
         event = event_with_diagnosis(event, diagnosis, dataset_indices=chosen.dataset_indices)
         event = event.replace(batch_idx=chosen.batch_idx)
         if len(micro_batches) > 1:
-            event = event.replace(details={**event.details, "micro_batch": micro_batches.index(chosen)})
+            event = event.replace(
+                details={**event.details, "micro_batch": next(i for i, m in enumerate(micro_batches) if m is chosen)}
+            )
     if settings.save_repro and bundle_dir is not None:
-        event = _save(pl_module, event, chosen, slicer, bundle_dir, settings.max_repro_bundles)
+        event = _save(pl_module, event, chosen, slicer, bundle_dir, settings.max_repro_bundles, diagnosis)
     return event, diagnosis
+
+
+def _train_mode_batchnorm(module: LightningModule) -> bool:
+    return any(isinstance(m, _BatchNorm) and m.training and m.track_running_stats for m in module.modules())
 
 
 def _save(
@@ -114,17 +122,28 @@ def _save(
     slicer: Slicer | None,
     bundle_dir: str,
     max_bundles: int,
+    diagnosis: Diagnosis | None = None,
 ) -> NanEvent:
+    """Save the offending samples (or the whole batch) of ``micro``; never raises.
+
+    With BatchNorm in train mode, a single sample only reproduces next to another sample (that is
+    how bisection ran it), so a known-good reference sample is saved first and named in the bundle.
+    """
     if max_bundles == 0:
         return event
     positions = list(event.offending_samples) if event.offending_samples is not None else None
+    reference: list[int] = []
+    if positions is not None and diagnosis is not None and _train_mode_batchnorm(pl_module):
+        good = [p for p in diagnosis.known_good if p not in positions]
+        if good:
+            positions = [good[0], *positions]
+            reference = [0]
     try:
         samples = micro.batch if positions is None else (slicer or slice_batch)(micro.batch, positions)
-        if positions is None:
-            indices = micro.dataset_indices
-        else:
-            indices = list(event.dataset_indices) if event.dataset_indices is not None else None
-        path = save_bundle(bundle_dir, event, pl_module, samples, micro.batch_idx, positions, indices)
+        indices = micro.dataset_indices
+        if positions is not None:
+            indices = [indices[p] for p in positions] if indices is not None and len(indices) > max(positions) else None
+        path = save_bundle(bundle_dir, event, pl_module, samples, micro.batch_idx, positions, indices, reference)
         prune_bundles(bundle_dir, max_bundles)
     except Exception as error:  # a bundle must never kill training
         log.warning("NanGuard: could not save the repro bundle: %r", error)

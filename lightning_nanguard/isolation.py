@@ -7,7 +7,8 @@ value, so that after a bisection training continues bitwise as if it never happe
 - the ``training`` flag of every module;
 - RNG streams: torch CPU, every CUDA device, ``random``, NumPy;
 - ``self.log`` / ``self.log_dict`` (muted: values logged during a re-run are dropped);
-- torchmetrics states (``metric_state``, ``_update_count``, ``_computed``) of metrics in the module.
+- torchmetrics states (``metric_state``, ``_update_count``, ``_computed``, ``_forward_cache``) of metrics
+  in the module.
 
 Gradients are left alone by design: the re-run uses ``torch.autograd.grad``, never ``backward``.
 """
@@ -106,6 +107,9 @@ def _metric_states(module: nn.Module) -> list[tuple[Any, dict[str, Any]]]:
             fields = {name: copy.deepcopy(getattr(child, name)) for name in child._defaults}
             fields["_update_count"] = child._update_count
             fields["_computed"] = copy.deepcopy(child._computed)
+            # the value `metric(...)` returned last: forward re-binds it (never mutates it), and it may
+            # be a non-leaf tensor that cannot be deep-copied, so keeping the reference is enough
+            fields["_forward_cache"] = getattr(child, "_forward_cache", None)
             saved.append((child, fields))
     return saved
 

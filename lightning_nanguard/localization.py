@@ -23,7 +23,7 @@ import linecache
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import Any, Literal
 
@@ -160,6 +160,11 @@ class _ForwardTracer(TorchFunctionMode):
         self.root = root
         self.stack: list[tuple[str, str]] = []
         self.origin: tuple[str, _Site] | None = None
+        # First op with a non-finite output that autograd tracks, whatever its inputs: where
+        # non-finite data or weights enter the model (used when the batch or the weights are bad).
+        self.first_nonfinite: tuple[str, _Site] | None = None
+        # First BatchNorm whose running statistics a forward turned non-finite, and its call site.
+        self.bn_origin: _Site | None = None
         self.skip_dirs = _library_dirs()
         self._handles: list[Any] = []
         for name, module in root.named_modules():
@@ -167,6 +172,8 @@ class _ForwardTracer(TorchFunctionMode):
                 continue
             self._handles.append(module.register_forward_pre_hook(self._push(name, type(module).__name__)))
             self._handles.append(module.register_forward_hook(self._pop, always_call=True))
+            if isinstance(module, _BatchNorm) and module.track_running_stats:
+                self._handles.append(module.register_forward_hook(self._check_stats(name, type(module).__name__)))
 
     def _push(self, name: str, type_name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -177,6 +184,13 @@ class _ForwardTracer(TorchFunctionMode):
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.stack:
             self.stack.pop()
+
+    def _check_stats(self, name: str, type_name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.bn_origin is None and _bn_bad_channels(module):
+                self.bn_origin = _Site(name, type_name, user_frame(sys._getframe(1), self.skip_dirs), True)
+
+        return hook
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -204,6 +218,10 @@ class _ForwardTracer(TorchFunctionMode):
                 if _TAG in inner.metadata:
                     continue
                 inner.metadata[_TAG] = site
+        if nonfinite and self.first_nonfinite is None and func_name not in _CONSTANT_OPS:
+            tracked = next((t.grad_fn for t in outputs if t.grad_fn is not None), None)
+            if tracked is not None:
+                self.first_nonfinite = (tracked.name(), site or self._site(True))
         if nonfinite and self.origin is None and func_name not in _CONSTANT_OPS:
             inputs = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, Tensor)]
             if _finite(inputs):
@@ -251,12 +269,20 @@ def _short_path(filename: str) -> str:
     return filename if relative.startswith("..") else relative
 
 
+def _bn_bad_channels(bn: nn.Module) -> list[int]:
+    """Channels of a BatchNorm whose running mean/var is non-finite (or whose variance is negative)."""
+    mean, var = getattr(bn, "running_mean", None), getattr(bn, "running_var", None)
+    if not isinstance(mean, Tensor) or not isinstance(var, Tensor):
+        return []
+    bad = ~torch.isfinite(var) | ~torch.isfinite(mean) | (var < 0)
+    return [int(c) for c in bad.nonzero().flatten().tolist()]
+
+
 def _bn_channels(module: nn.Module) -> dict[str, list[int]]:
     found: dict[str, list[int]] = {}
     for name, child in module.named_modules():
-        if isinstance(child, _BatchNorm) and child.running_var is not None and child.running_mean is not None:
-            bad = ~torch.isfinite(child.running_var) | ~torch.isfinite(child.running_mean) | (child.running_var < 0)
-            channels = bad.nonzero().flatten().tolist()
+        if isinstance(child, _BatchNorm):
+            channels = _bn_bad_channels(child)
             if channels:
                 found[name] = channels
     return found
@@ -322,10 +348,14 @@ def localize(
         "loss_finite": loss_finite,
         "grads_finite": grads_finite,
     }
-    if input_nonfinite:
-        return Localization(phase="forward", op="<input>", hint=hint_for("<input>", "forward"), **common)
-    if bad_params:
-        return Localization(phase="forward", op="<parameters>", hint=hint_for("<parameters>", "forward"), **common)
+    for bad, kind in ((input_nonfinite, "<input>"), (bool(bad_params), "<parameters>")):
+        if not bad:
+            continue
+        if tracer.first_nonfinite is None:
+            return Localization(phase="forward", op=kind, hint=hint_for(kind, "forward"), **common)
+        # the op (and module) where the non-finite batch or weights enter the model; the hint names the cause
+        op, site = tracer.first_nonfinite
+        return replace(_result("forward", op, site, common), hint=hint_for(kind, "forward"))
 
     if not loss_finite and tracer.origin is not None:
         op, site = tracer.origin
@@ -337,13 +367,16 @@ def localize(
         op, site = tracer.origin
         return _result("forward", op, site, common)
     if bn_channels:
-        name = next(iter(bn_channels))
-        bn = module.get_submodule(name)
+        bn_site = tracer.bn_origin
+        name = bn_site.module if bn_site is not None else next(iter(bn_channels))
+        source_line, source_text = _site_text(bn_site.frame if bn_site is not None else None)
         return Localization(
             phase="forward",
             module=name,
-            module_type=type(bn).__name__,
+            module_type=type(module.get_submodule(name)).__name__,
             op="running_var",
+            source_line=source_line,
+            source_text=source_text,
             hint=hint_for("running_var", "forward"),
             **common,
         )

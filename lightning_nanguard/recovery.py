@@ -11,6 +11,11 @@ Which remedy for which incident:
 - origin localised in a layer with ``eps`` (norm layers) -> ``raise_eps`` (also Adam's ``eps``);
 - not attributable to samples (the weights or the learning rate are the problem), or a rollback
   -> ``clip_grad`` and ``lr_backoff``.
+
+Remedies and rollbacks compose: the learning rate and optimizer ``eps`` live in the optimizer and
+scheduler state a rollback restores, so ``lr_backoff`` and ``raise_eps`` applied after the last
+snapshot are applied again right after each rollback (a remedy decided on the bad step that
+triggers the rollback stays in force).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ class Recovery:
         self.eps_factor = eps_factor
         self.max_eps = max_eps
         self.rollbacks_total = 0
+        self._since_snapshot: list[str] = []  # optimizer-state remedies the snapshot predates
 
     # ------------------------------------------------------------------ snapshots
 
@@ -70,15 +76,31 @@ class Recovery:
         self.snapshot.capture(
             pl_module, trainer.optimizers, _scaler(trainer), _schedulers(trainer), trainer.global_step, extra
         )
+        self._since_snapshot = []
 
     def rollback(self, trainer: Trainer, pl_module: LightningModule) -> str | None:
-        """Restore the last good snapshot; return a description, ``None`` without a snapshot."""
+        """Restore the last good snapshot; return a description, ``None`` without a snapshot.
+
+        ``lr_backoff`` and ``raise_eps`` applied since the snapshot are applied again to the
+        restored optimizer and scheduler state, so a rollback never undoes a remedy.
+        """
         if not self.snapshot.available:
             return None
         self.snapshot.restore(pl_module, trainer.optimizers, _scaler(trainer), _schedulers(trainer))
         self.rollbacks_total += 1
+        for remedy in self._since_snapshot:
+            self._reapply(trainer, remedy)
         megabytes = self.snapshot.nbytes / 2**20
-        return f"rollback: restored the state of step {self.snapshot.global_step} ({megabytes:.1f} MiB snapshot)"
+        kept = f", kept {', '.join(self._since_snapshot)}" if self._since_snapshot else ""
+        return f"rollback: restored the state of step {self.snapshot.global_step} ({megabytes:.1f} MiB snapshot{kept})"
+
+    def _reapply(self, trainer: Trainer, remedy: str) -> None:
+        """Apply an optimizer-state remedy again (module ``eps`` is not in the snapshot: it stays)."""
+        if remedy == "lr_backoff":
+            for optimizer in trainer.optimizers:
+                lr_backoff_(optimizer, _schedulers(trainer), self.lr_backoff_factor)
+        elif remedy == "raise_eps":
+            raise_eps_(None, trainer.optimizers, self.eps_factor, self.max_eps)
 
     # ------------------------------------------------------------------ remedies
 
@@ -101,6 +123,7 @@ class Recovery:
             change = raise_eps_(culprit, trainer.optimizers, self.eps_factor, self.max_eps)
             if change:
                 self.book.record("raise_eps")
+                self._since_snapshot.append("raise_eps")
                 done.append(change)
         if rolled_back or not attributable:
             if self.book.can_apply("clip_grad"):
@@ -113,6 +136,7 @@ class Recovery:
                 for optimizer in trainer.optimizers:
                     done.append(lr_backoff_(optimizer, _schedulers(trainer), self.lr_backoff_factor))
                 self.book.record("lr_backoff")
+                self._since_snapshot.append("lr_backoff")
         return done
 
     # ------------------------------------------------------------------ checkpoint

@@ -17,17 +17,29 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeGuard, get_args
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["REMEDIES", "Remedy", "RemedyBook", "clip_threshold", "lr_backoff_", "raise_eps_"]
+__all__ = ["REMEDIES", "ZERO_EPS_START", "Remedy", "RemedyBook", "clip_threshold", "lr_backoff_", "raise_eps_"]
 
 Remedy = Literal["clip_grad", "raise_eps", "lr_backoff", "quarantine"]
 REMEDIES: tuple[str, ...] = get_args(Remedy)
 
 _LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+
+ZERO_EPS_START = 1e-6
+"""What ``raise_eps`` sets an ``eps`` of exactly 0 to (0 times any factor stays 0): the default
+of RMSNorm-style layers, and still representable in float16."""
+
+
+def _raised_eps(old: float, factor: float, max_eps: float) -> float:
+    return min(old * factor if old > 0 else ZERO_EPS_START, max_eps)
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def clip_threshold(healthy_norms: Iterable[float], current: float | None, tighten: float = 0.5) -> float | None:
@@ -53,8 +65,8 @@ def clip_gradients_(grads: Sequence[Tensor], total_norm: float, threshold: float
 
     Example:
         >>> g = [torch.tensor([3.0, 4.0])]
-        >>> clip_gradients_(g, total_norm=5.0, threshold=1.0), g[0].tolist()
-        (True, [0.6000000238418579, 0.800000011920929])
+        >>> clip_gradients_(g, total_norm=5.0, threshold=1.0), [round(v, 6) for v in g[0].tolist()]
+        (True, [0.6, 0.8])
     """
     if not grads or total_norm <= threshold or total_norm != total_norm:
         return False
@@ -67,23 +79,27 @@ def raise_eps_(
 ) -> str | None:
     """Multiply ``eps`` of ``module`` (a norm layer or any layer with ``eps``) and of Adam-style optimizers.
 
+    Never above ``max_eps``; an ``eps`` of exactly 0 becomes ``min(ZERO_EPS_START, max_eps)``.
+
     Example:
         >>> ln = nn.LayerNorm(4, eps=1e-5)
         >>> raise_eps_(ln, [], factor=10.0, max_eps=1e-3)
         'raise_eps: LayerNorm eps 1e-05 -> 0.0001'
+        >>> raise_eps_(nn.LayerNorm(4, eps=0.0), [], factor=10.0, max_eps=1e-3)
+        'raise_eps: LayerNorm eps 0 -> 1e-06'
     """
     changes: list[str] = []
-    if module is not None and isinstance(getattr(module, "eps", None), float):
+    if module is not None and _is_number(getattr(module, "eps", None)):
         old = float(module.eps)  # type: ignore[arg-type]
-        new = min(old * factor, max_eps)
+        new = _raised_eps(old, factor, max_eps)
         if new > old:
             setattr(module, "eps", new)  # noqa: B010 - nn.Module.__setattr__ is typed for tensors/modules
             changes.append(f"{type(module).__name__} eps {old:g} -> {new:g}")
     for index, optimizer in enumerate(optimizers):
         for group_index, group in enumerate(optimizer.param_groups):
             eps = group.get("eps")
-            if isinstance(eps, float):
-                new = min(eps * factor, max_eps)
+            if _is_number(eps):
+                new = _raised_eps(float(eps), factor, max_eps)
                 if new > eps:
                     group["eps"] = new
                     changes.append(f"optimizer {index} group {group_index} eps {eps:g} -> {new:g}")
@@ -94,7 +110,8 @@ def lr_backoff_(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any], fac
     """Multiply every param group's learning rate by ``factor``, and the schedulers' bases with it.
 
     LR schedulers recompute ``lr`` from ``base_lrs`` (``LambdaLR``, ``CosineAnnealingLR``...) or
-    from the current ``lr`` (``StepLR``...): scaling both keeps the back-off in force either way.
+    from the current ``lr`` (``StepLR``...): scaling both keeps the back-off in force either way,
+    also for the schedulers inside ``SequentialLR`` and ``ChainedScheduler``.
     """
     changes = []
     for index, group in enumerate(optimizer.param_groups):
@@ -103,7 +120,7 @@ def lr_backoff_(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any], fac
             if isinstance(group.get(key), int | float | Tensor):
                 group[key] = group[key] * factor
         changes.append(f"group {index}: {float(old):g} -> {float(group['lr']):g}")
-    for scheduler in schedulers:
+    for scheduler in _flattened(schedulers):
         if getattr(scheduler, "optimizer", None) is not optimizer:
             continue
         for attr in ("base_lrs", "_last_lr", "min_lrs"):
@@ -111,6 +128,15 @@ def lr_backoff_(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any], fac
             if isinstance(values, list):
                 setattr(scheduler, attr, [v * factor for v in values])
     return f"lr_backoff: learning rate x{factor:g} ({', '.join(changes)})"
+
+
+def _flattened(schedulers: Sequence[Any]) -> list[Any]:
+    """Schedulers and, recursively, those composed inside them (``SequentialLR``, ``ChainedScheduler``)."""
+    out: list[Any] = []
+    for scheduler in schedulers:
+        out.append(scheduler)
+        out.extend(_flattened(getattr(scheduler, "_schedulers", None) or []))
+    return out
 
 
 @dataclass

@@ -3,10 +3,13 @@
 A bundle is a directory ``<log_dir>/nanguard/step-<N>/`` holding:
 
 - ``event.json``: the event (``NanEvent.to_dict()``);
-- ``batch.pt``: the offending samples (or the whole batch when not attributable), on the CPU;
+- ``batch.pt``: the offending samples (or the whole batch when not attributable), on the CPU; with
+  BatchNorm in train mode also one known-good reference sample (``reference_positions``), next to
+  which a single sample is re-run, as during training;
 - ``module_state.pt``: the module's ``state_dict`` before the step;
 - ``module.json``: how to rebuild the module (class path, the file defining it) and the context
-  (batch index, positions of the saved samples in the original batch, dataset indices);
+  (batch index, positions of the saved samples in the original batch, dataset indices, reference
+  samples);
 - ``hparams.pt``: the module's saved hyperparameters (``save_hyperparameters()``), if any.
 
 ``python -m lightning_nanguard replay <bundle>`` loads it with :func:`load_bundle`.
@@ -52,6 +55,7 @@ def save_bundle(
     batch_idx: int,
     positions: list[int] | None,
     sample_dataset_indices: list[int] | None = None,
+    reference_positions: list[int] | None = None,
 ) -> Path:
     """Write a bundle for ``event`` and return its path (``directory/step-<global_step>``).
 
@@ -63,6 +67,8 @@ def save_bundle(
         batch_idx: index of the batch in its epoch (passed to ``training_step`` on replay).
         positions: positions of the saved samples in the original batch (``None``: whole batch).
         sample_dataset_indices: dataset index of each saved sample, when known.
+        reference_positions: positions in ``batch`` of known-good reference samples (saved so that
+            BatchNorm in train mode never sees a single sample on replay).
     """
     path = Path(directory) / f"{BUNDLE_PREFIX}{event.global_step}"
     if event.rank:
@@ -85,6 +91,7 @@ def save_bundle(
         "batch_idx": batch_idx,
         "positions": positions,
         "sample_dataset_indices": sample_dataset_indices,
+        "reference_positions": list(reference_positions or []),
         "torch_version": torch.__version__,
     }
     (path / "module.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
@@ -139,6 +146,16 @@ def import_class(class_path: str, module_file: str | None = None) -> type:
     return obj
 
 
+def _init_kwargs(cls: type, hparams: dict[str, Any]) -> dict[str, Any]:
+    """Saved hyperparameters that ``cls.__init__`` accepts (LightningCLI adds ``_instantiator``)."""
+    kwargs = {k: v for k, v in hparams.items() if not k.startswith("_")}
+    parameters = inspect.signature(cls).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return kwargs
+    accepted = {p.name for p in parameters}
+    return {k: v for k, v in kwargs.items() if k in accepted}
+
+
 @dataclass
 class ReproBundle:
     """A loaded bundle: the rebuilt module (weights loaded), the samples and the saved event."""
@@ -163,7 +180,7 @@ def load_bundle(path: str | os.PathLike[str], module_class: str | None = None) -
     event = NanEvent.from_dict(json.loads((root / "event.json").read_text(encoding="utf-8")))
     cls = import_class(module_class or meta["class_path"], None if module_class else meta.get("module_file"))
     hparams = torch.load(root / "hparams.pt", weights_only=False) if (root / "hparams.pt").exists() else {}
-    module = cls(**hparams)
+    module = cls(**_init_kwargs(cls, hparams))
     module.load_state_dict(torch.load(root / "module_state.pt", weights_only=True))
     module.train()
     batch = torch.load(root / "batch.pt", weights_only=False)

@@ -12,7 +12,7 @@ Example:
     >>> snapshot = TrainingSnapshot()
     >>> snapshot.capture(net, [opt])
     >>> with torch.no_grad():
-    ...     net.weight.fill_(float("nan"))
+    ...     _ = net.weight.fill_(float("nan"))
     >>> snapshot.restore(net, [opt])
     >>> bool(torch.isfinite(net.weight).all())
     True
@@ -27,11 +27,15 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_nanguard.isolation import RngState
 
 __all__ = ["HostCopy", "TrainingSnapshot"]
+
+
+def _clone_tensor(value: Any) -> Any:
+    return value.clone() if isinstance(value, Tensor) else value
 
 
 class HostCopy:
@@ -146,9 +150,12 @@ class TrainingSnapshot:
             raise RuntimeError("no snapshot to restore")
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # make sure the non-blocking copies have landed
-        module.load_state_dict(self.module.value())
+        module.load_state_dict(self.module.value())  # copies into the live tensors
         for mirror, optimizer in zip(self.optimizers, optimizers, strict=False):
-            optimizer.load_state_dict(mirror.value())
+            # ``Optimizer.load_state_dict`` keeps tensors already on the parameter's device and dtype
+            # as they are: without a copy the live state would alias the host buffers (on CPU), the
+            # next steps would write into the snapshot, and a second rollback would restore those.
+            optimizer.load_state_dict(tree_map(_clone_tensor, mirror.value()))
         if scaler is not None and self.scaler is not None:
             scaler.load_state_dict(copy.deepcopy(self.scaler))
         for scheduler, state in zip(schedulers, self.schedulers, strict=False):

@@ -3,9 +3,10 @@
 Lightning checks ``isinstance(strategy, Strategy / ParallelStrategy / DDPStrategy)`` in many
 places, so a proxy object would break it. Instead :func:`apply_nanguard_strategy` swaps the class
 of the strategy instance the Trainer built for a generated subclass ``NanGuard<Original>`` that
-adds :class:`NanGuardStrategyMixin` in front; :func:`remove_nanguard_strategy` swaps it back. The
-generated classes live in this module's namespace so a Trainer holding one can be pickled
-(``ddp_spawn``).
+adds :class:`NanGuardStrategyMixin` in front; :func:`remove_nanguard_strategy` swaps it back. A
+wrapped strategy pickles as "the original class, wrapped again on load", so it unpickles in a
+fresh process (``ddp_spawn``) where the generated class does not exist yet, and the equally named
+strategies of ``lightning.pytorch`` and ``pytorch_lightning`` never collide.
 
 The mixin owns what happens around the optimizer step on every rank:
 
@@ -21,9 +22,10 @@ The mixin owns what happens around the optimizer step on every rank:
 from __future__ import annotations
 
 import abc
+import copyreg
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 from lightning_nanguard.indices import record_batch_indices
 
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["NanGuardStrategyMixin", "apply_nanguard_strategy", "remove_nanguard_strategy", "strategy_kind"]
 
 _GENERATED: dict[type, type] = {}
+_NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # how objects of plain classes pickle
 
 
 class NanGuardStrategyMixin(abc.ABC):  # ABC: same metaclass and layout as Lightning strategies
@@ -48,6 +51,14 @@ class NanGuardStrategyMixin(abc.ABC):  # ABC: same metaclass and layout as Light
         output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         guard._after_optimizer_step(optimizer)
         return output
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        """Pickle as the original class, wrapped again on load (see module docs)."""
+        reduced = super().__reduce_ex__(protocol)
+        original = type(self).__dict__.get("_nanguard_wraps")
+        if original is None or not isinstance(reduced, tuple) or reduced[0] is not _NEWOBJ:
+            return reduced
+        return (_rewrapped, (original, *reduced[1][1:]), *reduced[2:])
 
     def process_dataloader(self, dataloader: Any) -> Any:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
@@ -77,16 +88,39 @@ def strategy_kind(strategy: Any) -> str:
     return "single"
 
 
+def _wrapped_class(cls: type) -> type:
+    """The ``NanGuard<Original>`` subclass of ``cls``, generated once per class.
+
+    It is also registered in this module under a unique qualified name, so the class object itself
+    pickles by reference in this process (``lightning.pytorch`` and ``pytorch_lightning`` both have
+    a ``DDPStrategy``: the second gets a suffix).
+    """
+    if cls not in _GENERATED:
+        name = f"NanGuard{cls.__name__}"
+        generated = type(name, (NanGuardStrategyMixin, cls), {"__module__": __name__, "_nanguard_wraps": cls})
+        module = sys.modules[__name__]
+        qualname = name
+        while hasattr(module, qualname):
+            qualname += "_"
+        generated.__qualname__ = qualname
+        setattr(module, qualname, generated)
+        _GENERATED[cls] = generated
+    return _GENERATED[cls]
+
+
+def _rewrapped(original: type, *args: Any) -> Any:
+    """Unpickle a wrapped strategy: a bare instance of ``original``, its class swapped again."""
+    instance = original.__new__(original, *args)
+    instance.__class__ = _wrapped_class(original)
+    return instance
+
+
 def apply_nanguard_strategy(strategy: Any, guard: NanGuard) -> None:
     """Swap ``strategy``'s class for its ``NanGuard<Original>`` subclass and attach ``guard``."""
     cls = type(strategy)
     if not issubclass(cls, NanGuardStrategyMixin):
-        if cls not in _GENERATED:
-            generated = type(f"NanGuard{cls.__name__}", (NanGuardStrategyMixin, cls), {"__module__": __name__})
-            setattr(sys.modules[__name__], generated.__name__, generated)  # picklable by qualified name
-            _GENERATED[cls] = generated
         strategy._nanguard_original_class = cls
-        strategy.__class__ = _GENERATED[cls]
+        strategy.__class__ = _wrapped_class(cls)
     strategy._nanguard = guard
 
 

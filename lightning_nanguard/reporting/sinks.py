@@ -6,6 +6,8 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from rich.console import Console
+
 from lightning_nanguard._compat import TENSORBOARD_LOGGER_TYPES
 from lightning_nanguard.events import NanEvent
 from lightning_nanguard.reporting.jsonl import EVENTS_FILENAME, JsonlEventLog
@@ -16,6 +18,17 @@ if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
 __all__ = ["EventSinks"]
+
+
+def _terminal(rank: int, trainer: Trainer | None) -> TerminalReporter:
+    """A reporter printing through the live progress bar, if any, so the panel does not tear it."""
+    bar = getattr(trainer, "progress_bar_callback", None) if trainer is not None else None
+    if bar is None or not bar.is_enabled:
+        return TerminalReporter(rank=rank)
+    console = getattr(bar, "_console", None)  # RichProgressBar renders on its own rich Console
+    if isinstance(console, Console):
+        return TerminalReporter(rank=rank, console=console)
+    return TerminalReporter(rank=rank, write=bar.print)
 
 
 class EventSinks:
@@ -48,19 +61,25 @@ class EventSinks:
                     reporter.register_layout()
                     self.tensorboard.append(reporter)
 
-    def event(self, event: NanEvent, rank: int) -> None:
+    def event(self, event: NanEvent, rank: int, trainer: Trainer | None = None) -> None:
         """Send one event everywhere."""
         if self.jsonl is not None:
             self.jsonl.append(event)
         if self.verbose:
-            TerminalReporter(rank=rank).report(event)
+            _terminal(rank, trainer).report(event)
         for reporter in self.tensorboard:
             reporter.report(event)
 
+    @staticmethod
+    def logging_due(trainer: Trainer) -> bool:
+        """Whether the Trainer logs metrics at this step (``log_every_n_steps``)."""
+        if not trainer.loggers:
+            return False
+        connector = getattr(trainer, "_logger_connector", None)
+        return bool(connector.should_update_logs) if connector is not None else True
+
     def scalars(self, trainer: Trainer, metrics: Mapping[str, float], force: bool = False) -> None:
         """Log ``metrics`` through every Trainer logger, on logging steps (or always with ``force``)."""
-        connector = getattr(trainer, "_logger_connector", None)
-        due = force or (connector.should_update_logs if connector is not None else True)
-        if due and trainer.is_global_zero:
+        if (force or self.logging_due(trainer)) and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(dict(metrics), step=trainer.global_step)

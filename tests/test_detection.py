@@ -1,0 +1,235 @@
+"""``lightning_nanguard.detection`` without a Trainer: the fused check and the element-wise confirmation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_nanguard import fused_health_check, nonfinite_names
+from lightning_nanguard.detection import grouped_norms, negative_names
+
+NONFINITE = pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "+inf", "-inf"])
+FLOAT_DTYPES = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+
+
+def _grads() -> list[torch.Tensor]:
+    return [torch.randn(3, 4), torch.randn(4), torch.randn(2, 2, 2), torch.randn(())]
+
+
+def _flag(result: torch.Tensor) -> float:
+    """``result[0]``: some tensor may hold NaN/Inf (or a negative value where none is allowed)."""
+    return result.tolist()[0]
+
+
+def _norm(result: torch.Tensor) -> float:
+    """``result[1]``: global L2 norm of the gradients."""
+    return result.tolist()[1]
+
+
+def _others_flag(result: torch.Tensor) -> float:
+    """``result[2]``: the flag for ``others`` and ``nonnegative`` alone."""
+    return result.tolist()[2]
+
+
+def test_healthy_result_is_flag_zero_and_global_norm() -> None:
+    grads = _grads()
+    result = fused_health_check(grads, others=[torch.tensor(0.25), torch.ones(5)])
+    assert result.dtype == torch.float32
+    assert result.shape == (3,)  # [flag, grad_norm, others_flag]
+    assert (_flag(result), _others_flag(result)) == (0.0, 0.0)
+    norm = _norm(result)
+    expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item()
+    assert norm == pytest.approx(expected, rel=1e-6)
+
+
+def test_others_do_not_count_in_the_grad_norm() -> None:
+    result = fused_health_check([torch.tensor([3.0, 4.0])], others=[torch.full((10,), 100.0)])
+    assert _norm(result) == pytest.approx(5.0)
+
+
+@NONFINITE
+@pytest.mark.parametrize("tensor_index", [0, 1, 3])
+@pytest.mark.parametrize("element", ["first", "last"])
+def test_nonfinite_in_any_grad_is_flagged(value: float, tensor_index: int, element: str) -> None:
+    grads = _grads()
+    flat = grads[tensor_index].view(-1)
+    flat[0 if element == "first" else -1] = value
+    result = fused_health_check(grads, others=[torch.tensor(1.0)])
+    assert _flag(result) == 1.0
+    assert _others_flag(result) == 0.0  # only the gradients are bad
+    # The global grad norm is NaN for a NaN, +Inf for +/-Inf (AMP overflow classification relies on it).
+    assert math.isnan(_norm(result)) if math.isnan(value) else _norm(result) == math.inf
+    names = [f"g{i}" for i in range(len(grads))]
+    assert nonfinite_names(zip(names, grads, strict=True)) == [f"g{tensor_index}"]
+
+
+@NONFINITE
+def test_nonfinite_in_others_is_flagged_but_grad_norm_stays_finite(value: float) -> None:
+    loss = torch.tensor(value)
+    bn_mean = torch.zeros(8)
+    result = fused_health_check([torch.tensor([3.0, 4.0])], others=[bn_mean, loss])
+    assert _flag(result) == 1.0
+    assert _others_flag(result) == 1.0
+    assert _norm(result) == pytest.approx(5.0)
+
+
+def test_nan_wins_over_inf_in_the_grad_norm() -> None:
+    assert math.isnan(_norm(fused_health_check([torch.tensor([math.inf, math.nan])])))
+    assert math.isnan(_norm(fused_health_check([torch.tensor([-math.inf]), torch.tensor([math.nan])])))
+    mixed = [torch.tensor([-math.inf], dtype=torch.float16), torch.tensor([math.nan], dtype=torch.bfloat16)]
+    assert math.isnan(_norm(fused_health_check(mixed)))
+
+
+@NONFINITE
+@FLOAT_DTYPES
+def test_mixed_dtypes(value: float, dtype: torch.dtype) -> None:
+    grads = [
+        torch.randn(5, dtype=torch.float16),
+        torch.randn(5, dtype=torch.bfloat16),
+        torch.randn(5, dtype=torch.float32),
+        torch.randn(5, dtype=torch.float64),
+    ]
+    result = fused_health_check(grads)
+    assert _flag(result) == 0.0
+    norm = _norm(result)
+    expected = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    assert norm == pytest.approx(expected, rel=1e-3)
+
+    position = [g.dtype for g in grads].index(dtype)
+    grads[position][2] = value
+    assert _flag(fused_health_check(grads)) == 1.0
+    assert nonfinite_names((str(g.dtype), g) for g in grads) == [str(dtype)]
+
+
+def test_result_lives_on_the_requested_device_as_float32() -> None:
+    result = fused_health_check([torch.ones(2, dtype=torch.float64)], device=torch.device("cpu"))
+    assert result.device == torch.device("cpu")
+    assert result.dtype == torch.float32
+
+
+def test_empty_inputs() -> None:
+    assert fused_health_check([]).tolist() == [0.0, 0.0, 0.0]
+    assert fused_health_check([], others=[]).tolist() == [0.0, 0.0, 0.0]
+    assert fused_health_check([torch.empty(0)]).tolist() == [0.0, 0.0, 0.0]
+    assert fused_health_check([], others=[torch.tensor(math.nan)]).tolist() == [1.0, 0.0, 1.0]
+    assert grouped_norms([]).numel() == 0
+    assert nonfinite_names([]) == []
+    assert negative_names([]) == []
+
+
+def test_empty_nonnegative_tensor_is_ignored() -> None:
+    """A zero-element ``running_var`` (e.g. ``BatchNorm1d(0)``) must not break the check."""
+    result = fused_health_check([torch.ones(4)], nonnegative=[torch.empty(0)])
+    assert result.tolist() == [0.0, 2.0, 0.0]
+    result = fused_health_check([torch.ones(4)], nonnegative=[torch.empty(0), torch.tensor([-1.0])])
+    assert result.tolist() == [1.0, 2.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("tensor", "dtype"),
+    [(torch.full((4,), 60000.0, dtype=torch.float16), torch.float16), (torch.full((16,), 1e30), torch.float32)],
+    ids=["fp16-60000", "fp32-1e30"],
+)
+def test_finite_tensor_whose_norm_overflows_is_not_named(tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """The flag is only a candidate: finite values with an overflowing norm are never reported."""
+    assert tensor.dtype == dtype
+    assert torch.isfinite(tensor).all()
+    # The flag may be set (fp32 1e30: the norm is inf) or not (fp16 accumulates in fp32).
+    assert _flag(fused_health_check([tensor, torch.ones(3)])) in (0.0, 1.0)
+    assert nonfinite_names([("big", tensor), ("ok", torch.ones(3))]) == []
+
+
+def test_fp16_norm_accumulates_in_float32() -> None:
+    result = fused_health_check([torch.full((4,), 60000.0, dtype=torch.float16)])
+    assert _flag(result) == 0.0
+    assert _norm(result) == pytest.approx(120000.0)
+
+
+@NONFINITE
+def test_sparse_grads(value: float) -> None:
+    indices = torch.tensor([[0, 3, 3]])  # uncoalesced: index 3 twice
+    healthy = torch.sparse_coo_tensor(indices, torch.tensor([3.0, 1.0, 3.0]), (6,), check_invariants=True)
+    result = fused_health_check([healthy, torch.tensor([0.0])])
+    assert _flag(result) == 0.0
+    assert _norm(result) == pytest.approx(5.0)  # coalesced values [3, 4]
+    bad = torch.sparse_coo_tensor(indices, torch.tensor([1.0, value, 2.0]), (6,), check_invariants=True)
+    assert _flag(fused_health_check([healthy, bad])) == 1.0
+    assert nonfinite_names([("embedding.weight", healthy), ("other.weight", bad)]) == ["other.weight"]
+
+
+def test_nonnegative_tensors() -> None:
+    grads = [torch.ones(2)]
+    assert _flag(fused_health_check(grads, nonnegative=[torch.tensor([0.0, 1.0, -0.0])])) == 0.0
+    negative = fused_health_check(grads, nonnegative=[torch.ones(3), torch.tensor([2.0, -1e-30])])
+    assert _flag(negative) == 1.0
+    assert _others_flag(negative) == 1.0
+    assert negative_names([("a.running_var", torch.tensor([1.0, -2.0])), ("b.running_var", torch.ones(2))]) == [
+        "a.running_var"
+    ]
+    assert negative_names([("zero", torch.tensor([0.0, -0.0]))]) == []
+
+
+def test_nonfinite_names_keeps_order_and_finds_all() -> None:
+    named = [
+        ("a", torch.ones(2)),
+        ("b", torch.tensor([1.0, math.inf])),
+        ("c", torch.ones(2)),
+        ("d", torch.tensor([math.nan])),
+        ("e", torch.tensor(-math.inf)),
+    ]
+    assert nonfinite_names(iter(named)) == ["b", "d", "e"]  # any iterable, e.g. a generator
+
+
+def test_nonfinite_names_detaches_tensors_that_require_grad() -> None:
+    weight = torch.nn.Parameter(torch.tensor([1.0, math.nan]))
+    assert nonfinite_names([("weight", weight)]) == ["weight"]
+
+
+def test_grouped_norms_values() -> None:
+    norms = grouped_norms([torch.tensor([3.0, 4.0]), torch.tensor([1.0], dtype=torch.float64), torch.zeros(3)])
+    assert norms.dtype == torch.float32
+    assert sorted(norms.tolist()) == [0.0, 1.0, 5.0]
+
+
+def test_non_contiguous_tensors() -> None:
+    base = torch.arange(16.0).reshape(4, 4)
+    column = base[:, 1]
+    assert not column.is_contiguous()
+    assert _norm(fused_health_check([column])) == pytest.approx(float(column.norm()))
+    base[2, 1] = math.nan
+    assert _flag(fused_health_check([column])) == 1.0
+    assert nonfinite_names([("column", column)]) == ["column"]
+
+
+@NONFINITE
+@pytest.mark.parametrize("n_tensors", [3, 600], ids=["few", "many"])
+def test_without_norm_the_flag_is_the_same(value: float, n_tensors: int) -> None:
+    """``with_norm=False`` (no global norm, GradScaler's kernel for many tensors) flags exactly the same."""
+    grads = [torch.randn(4) for _ in range(n_tensors)]
+    healthy = fused_health_check(grads, others=[torch.tensor(0.5)], with_norm=False)
+    assert healthy.tolist() == [0.0, -1.0, 0.0]  # -1: norm not computed
+    grads[n_tensors // 2][1] = value
+    result = fused_health_check(grads, others=[torch.tensor(0.5)], with_norm=False)
+    assert result.tolist() == [1.0, -1.0, 0.0]
+
+
+@pytest.mark.parametrize("n_tensors", [3, 600], ids=["few", "many"])
+def test_without_norm_values_stay_bitwise_equal(n_tensors: int) -> None:
+    """The GradScaler kernel multiplies by 1.0 in place: NaN payloads, -0.0 and subnormals must survive."""
+    special = torch.tensor([-0.0, 1e-45, -1e-40, 3.0e38, math.inf, -math.inf])
+    special_bits = [*special.view(torch.int32).tolist(), 0x7FC00001, -0x003FFFFF]  # NaNs with payload / sign bit
+    grads = [torch.randn(5) for _ in range(n_tensors)]
+    grads[-1] = torch.tensor(special_bits, dtype=torch.int32).view(torch.float32)
+    before = [g.clone() for g in grads]
+    assert fused_health_check(grads, with_norm=False).tolist()[0] == 1.0
+    assert all(torch.equal(g.view(torch.int32), b.view(torch.int32)) for g, b in zip(grads, before, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_without_norm_many_low_precision_tensors(dtype: torch.dtype) -> None:
+    grads = [torch.ones(3, dtype=dtype) for _ in range(600)]
+    assert fused_health_check(grads, with_norm=False).tolist()[0] == 0.0
+    grads[599][2] = math.nan
+    assert fused_health_check(grads, with_norm=False).tolist()[0] == 1.0

@@ -1,0 +1,274 @@
+"""Rollback: ``HostCopy`` / ``TrainingSnapshot`` on their own, then ``action="rollback"`` on a real Trainer.
+
+The Trainer tests record the whole training state (weights, BatchNorm buffers, Adam state, LR
+scheduler, every RNG) after each batch in a helper callback and require the state after a
+rollback to be bitwise the state recorded right after the last good snapshot.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import pickle
+import random
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import build_trainer, clone_state, states_equal
+from models import NAMESPACES
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_nanguard import NanGuard
+from lightning_nanguard._compat import CALLBACK_BASES
+from lightning_nanguard.rollback import HostCopy, TrainingSnapshot
+
+# ------------------------------------------------------------------------------------ HostCopy
+
+
+def test_host_copy_mirrors_tensors_and_copies_other_leaves() -> None:
+    live: dict[str, Any] = {"w": torch.arange(4.0), "nested": {"step": 3, "betas": (0.9, 0.99), "ids": [1, 2]}}
+    mirror = HostCopy()
+    mirror.update(live)
+    live["w"].add_(10.0)
+    live["nested"]["ids"].append(3)
+    value = mirror.value()
+    assert value["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert value["nested"] == {"step": 3, "betas": (0.9, 0.99), "ids": [1, 2]}
+    assert mirror.nbytes == 4 * 4
+
+
+def test_host_copy_reuses_its_buffers_in_place() -> None:
+    mirror = HostCopy()
+    mirror.update({"a": torch.zeros(3), "b": torch.ones(2, dtype=torch.float64)})
+    first = [t.data_ptr() for t in mirror._buffers]
+    mirror.update({"a": torch.full((3,), 7.0), "b": torch.zeros(2, dtype=torch.float64)})
+    assert [t.data_ptr() for t in mirror._buffers] == first  # refreshed in place, not reallocated
+    assert mirror.value()["a"].tolist() == [7.0, 7.0, 7.0]
+    mirror.update({"a": torch.zeros(5), "b": torch.zeros(2, dtype=torch.float64)})  # shape changed
+    assert mirror.value()["a"].shape == (5,)
+    assert mirror.nbytes == 5 * 4 + 2 * 8
+
+
+def test_host_copy_value_before_update_raises() -> None:
+    with pytest.raises(RuntimeError, match="before update"):
+        HostCopy().value()
+
+
+# ------------------------------------------------------------------------------------ TrainingSnapshot
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.3), nn.Linear(8, 1))
+
+
+def _train_steps(net: nn.Module, opt: torch.optim.Optimizer, sched: Any, n: int) -> None:
+    for _ in range(n):
+        opt.zero_grad()
+        net(torch.randn(6, 4)).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+
+
+def _everything(net: nn.Module, opt: torch.optim.Optimizer, sched: Any, scaler: Any) -> dict[str, Any]:
+    return {
+        "module": clone_state(net.state_dict()),
+        "optimizer": clone_state(opt.state_dict()),
+        "scheduler": copy.deepcopy(sched.state_dict()),
+        "scaler": copy.deepcopy(scaler.state_dict()),
+        "rng": _rng(),
+    }
+
+
+def _rng() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": pickle.dumps(np.random.get_state())}
+
+
+def test_snapshot_restores_module_optimizer_scheduler_scaler_and_rng_bitwise() -> None:
+    net = _net()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))  # the scaler creates its scale tensor lazily
+    _train_steps(net, opt, sched, 3)
+    snapshot = TrainingSnapshot()
+    snapshot.capture(net, [opt], scaler, [sched], global_step=3, extra={"skipped_total": 1})
+    expected = _everything(net, opt, sched, scaler)
+    params = [p for p in net.parameters()]
+
+    _train_steps(net, opt, sched, 2)  # moves weights, BN stats, Adam state, LR and RNG on
+    scaler.update(new_scale=2.0)
+    random.random()
+    np.random.rand()
+    with torch.no_grad():
+        net[0].weight.fill_(math.nan)
+    assert not states_equal(_everything(net, opt, sched, scaler), expected)
+
+    snapshot.restore(net, [opt], scaler, [sched])
+    assert states_equal(_everything(net, opt, sched, scaler), expected)
+    assert [p for p in net.parameters()] == params  # in place: the optimizer still holds the same tensors
+    assert opt.state_dict()["state"][0]["step"] == torch.tensor(3.0)
+    assert (snapshot.global_step, snapshot.count, snapshot.extra) == (3, 1, {"skipped_total": 1})
+
+
+def test_snapshot_is_not_aliased_by_the_restored_optimizer() -> None:
+    """Every rollback to the same snapshot restores the same state (a second rollback used to restore Adam state
+    that the steps after the first rollback had written into the snapshot's host buffers)."""
+    net = _net()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu")
+    _train_steps(net, opt, sched, 2)
+    snapshot = TrainingSnapshot()
+    snapshot.capture(net, [opt], scaler, [sched])
+    expected = _everything(net, opt, sched, scaler)
+    for _ in range(3):
+        _train_steps(net, opt, sched, 2)
+        snapshot.restore(net, [opt], scaler, [sched])
+        assert states_equal(_everything(net, opt, sched, scaler), expected)
+
+
+def test_snapshot_restore_before_capture_raises() -> None:
+    snapshot = TrainingSnapshot()
+    assert not snapshot.available
+    with pytest.raises(RuntimeError, match="no snapshot"):
+        snapshot.restore(nn.Linear(1, 1), [])
+
+
+def test_snapshot_cost_of_a_few_megabytes(capsys: pytest.CaptureFixture[str]) -> None:
+    """Measured cost of one snapshot (printed; run with ``-s`` to see it): host memory and time."""
+    net = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512))  # 1,050,112 parameters: 4.0 MiB
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    net(torch.randn(2, 512)).sum().backward()
+    opt.step()  # Adam state exists: exp_avg + exp_avg_sq double the weights
+    n_params = sum(p.numel() for p in net.parameters())
+    snapshot = TrainingSnapshot()
+    snapshot.capture(net, [opt])  # first capture allocates the host buffers
+    timings = []
+    for _ in range(5):
+        start = time.perf_counter()
+        snapshot.capture(net, [opt])
+        timings.append(time.perf_counter() - start)
+    expected_bytes = 3 * n_params * 4 + 4 * 4  # weights, exp_avg, exp_avg_sq (float32) + 4 Adam step scalars
+    assert snapshot.nbytes == expected_bytes
+    assert snapshot.count == 6
+    start = time.perf_counter()
+    snapshot.restore(net, [opt])
+    restore_ms = (time.perf_counter() - start) * 1e3
+    with capsys.disabled():
+        print(
+            f"\n[snapshot cost] {n_params * 4 / 2**20:.1f} MiB of weights + Adam state: "
+            f"{snapshot.nbytes / 2**20:.1f} MiB host memory, capture {min(timings) * 1e3:.2f} ms "
+            f"(median {sorted(timings)[2] * 1e3:.2f} ms), restore {restore_ms:.2f} ms"
+        )
+
+
+# ------------------------------------------------------------------------------------ on a Trainer
+
+
+class _RollbackModule:
+    """Linear -> BatchNorm -> ReLU -> Dropout -> Linear, Adam and a per-step StepLR."""
+
+    def __init__(self, lr: float = 1e-2) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = _net()
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=self.lr)  # type: ignore[attr-defined]
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.8)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _module(ns_name: str) -> Any:
+    base = NAMESPACES[ns_name].LightningModule
+    return type("RollbackModule", (_RollbackModule, base), {})()
+
+
+class StateLog(*CALLBACK_BASES):  # type: ignore[misc]
+    """Full training state after each batch, keyed by ``trainer.global_step`` (already incremented)."""
+
+    def __init__(self, corrupt_steps: tuple[int, ...] = ()) -> None:
+        self.corrupt_steps = corrupt_steps
+        self.states: dict[int, dict[str, Any]] = {}
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step in self.corrupt_steps:  # a huge-LR step: Adam moves every weight to +-inf/NaN
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] = math.inf
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.states[trainer.global_step] = {
+            "module": clone_state(pl_module.state_dict()),
+            "optimizer": clone_state(trainer.optimizers[0].state_dict()),
+            "scheduler": copy.deepcopy(trainer.lr_scheduler_configs[0].scheduler.state_dict()),
+            "rng": _rng(),
+        }
+
+
+def _regression_data(n: int, nan_at: tuple[int, ...] = ()) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, 4, generator=g), torch.randn(n, generator=g)
+    for i in nan_at:
+        x[i, 1] = math.nan
+    return TensorDataset(x, y)
+
+
+@pytest.mark.parametrize("ns_name", list(NAMESPACES))
+def test_rollback_restores_the_last_good_snapshot_bitwise(ns_name: str, tmp_path: Any) -> None:
+    """Huge-LR steps 7 and 8 push every weight to +-inf/NaN; each is rolled back to the snapshot of step 5.
+
+    Snapshots every 3 steps are taken after steps 2 and 5 (``global_step`` 3 and 6 after the batch);
+    both rollbacks restore that same state: weights, BN buffers, Adam state (``step`` included), the
+    StepLR state (it then steps once more, as after step 5) and the RNG streams.
+    """
+    guard = NanGuard(action="rollback", snapshot_every_n_steps=3, check_params_every_n_steps=1, verbose=False)
+    log = StateLog(corrupt_steps=(7, 8))
+    trainer = build_trainer(ns_name, tmp_path, callbacks=[guard, log], max_steps=11)
+    module = _module(ns_name)
+    trainer.fit(module, DataLoader(_regression_data(96), batch_size=8))
+
+    assert [(e.global_step, e.kinds, e.action) for e in guard.events] == [
+        (7, ("param",), "rolled_back"),
+        (8, ("param",), "rolled_back"),
+    ]
+    assert all(e.remedies[0].startswith("rollback: restored the state") for e in guard.events)
+    assert set(guard.events[0].nonfinite_params) == {n for n, _ in module.named_parameters()}
+    assert guard.recovery.rollbacks_total == 2
+    snapshot_state = log.states[6]
+    assert states_equal(log.states[8], snapshot_state)
+    assert states_equal(log.states[9], snapshot_state)  # the second rollback restores the very same state
+    assert not states_equal(log.states[3], snapshot_state)
+    assert not states_equal(log.states[10], log.states[9])  # training goes on from there
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert guard.skipped_total == 0  # nothing was skipped: the NaN came through an update, not a gradient
+
+
+def test_rollback_after_consecutive_bad_steps(tmp_path: Any) -> None:
+    """NaN samples in batches 2 and 3: step 2 is skipped, step 3 (2nd in a row) rolls back to step 1's snapshot."""
+    guard = NanGuard(
+        action="rollback", snapshot_every_n_steps=1, rollback_after_consecutive=2, save_repro=False, verbose=False
+    )
+    log = StateLog()
+    trainer = build_trainer("lightning", tmp_path, callbacks=[guard, log])
+    trainer.fit(_module("lightning"), DataLoader(_regression_data(40, nan_at=(17, 26)), batch_size=8))
+
+    assert [(e.global_step, e.action, e.dataset_indices) for e in guard.events] == [
+        (2, "skipped", (17,)),
+        (3, "rolled_back", (26,)),
+    ]
+    assert guard.recovery.rollbacks_total == 1
+    assert guard.consecutive_bad_steps == 0
+    assert guard.skipped_total == 2
+    # after the rollback the state is the one right after step 1: LR schedule and RNG rewound too
+    assert states_equal(log.states[4], log.states[2])
+    assert not states_equal(log.states[3]["scheduler"], log.states[2]["scheduler"])
+    assert not states_equal(log.states[5], log.states[4])
