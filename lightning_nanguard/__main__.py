@@ -22,8 +22,31 @@ from lightning_nanguard.repro import load_bundle
 __all__ = ["main"]
 
 
+# Forensic details of the saved event that only the replay's own diagnosis may fill in again.
+_DIAGNOSIS_DETAILS = (
+    "batch_size",
+    "bisect_passes",
+    "not_attributable",
+    "bisect_note",
+    "diagnosis_error",
+    "module_type",
+    "source_text",
+    "hint",
+    "input_nonfinite",
+    "bn_channels",
+)
+
+
 def _replay(args: argparse.Namespace) -> int:
-    bundle = load_bundle(args.bundle, module_class=args.module)
+    try:
+        bundle = load_bundle(args.bundle, module_class=args.module)
+    except Exception as error:  # unimportable class, changed signature, missing files
+        print(
+            f"replay failed: could not rebuild the module of {args.bundle}: {error!r}; "
+            "pass --module pkg.mod:Class if the class moved or was defined in a script",
+            file=sys.stderr,
+        )
+        return 2
     positions = bundle.meta.get("positions")
     diagnosis = diagnose(
         bundle.module,
@@ -32,12 +55,22 @@ def _replay(args: argparse.Namespace) -> int:
         max_passes=args.max_passes,
         known_good=bundle.meta.get("reference_positions") or (),
     )
-    if diagnosis.error:
+    if diagnosis.error and diagnosis.offending is None:  # with samples found, only the origin is missing
         print(f"replay failed: {diagnosis.error}", file=sys.stderr)
         return 2
     saved = bundle.event
+    # start from the saved event without its diagnosis: everything printed below is reproduced here
+    blank = saved.replace(
+        remedies=(),
+        repro_path=str(bundle.path),
+        culprit_module=None,
+        culprit_op=None,
+        source_line=None,
+        phase=None,
+        details={k: v for k, v in saved.details.items() if k not in _DIAGNOSIS_DETAILS},
+    )
     event = event_with_diagnosis(
-        saved.replace(remedies=(), repro_path=str(bundle.path)),
+        blank,
         diagnosis,
         positions=positions,
         dataset_indices=bundle.meta.get("sample_dataset_indices"),

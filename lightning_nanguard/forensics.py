@@ -205,7 +205,8 @@ def diagnose(
         batch_idx: passed to ``step_fn``.
         slicer: custom batch slicer ``slicer(batch, positions)``.
         context: context manager factory entered around each run (autocast).
-        bisect: search the offending samples (otherwise only localise on the whole batch).
+        bisect: search the offending samples (otherwise only localise on the whole batch). Skipped
+            when the weights are already non-finite: no sample is then to blame.
         localize_origin: name module, op and source line.
         max_passes: cap on forward/backward passes of the search.
         known_good: positions known to be finite (a repro bundle's reference sample): single
@@ -229,13 +230,14 @@ def diagnose(
         return Diagnosis(None, None, reason=str(error), error=str(error) or repr(error))
     runner.known_good = [int(p) for p in known_good]
     result = BisectionResult(None, 0, "bisection disabled", list(range(runner.size)))
+    bad_weights = nonfinite_names((n, p.detach()) for n, p in module.named_parameters())
+    if bad_weights:  # every sample fails on such weights: the samples are not the cause
+        shown = ", ".join(bad_weights[:3]) + (f" (+{len(bad_weights) - 3} more)" if len(bad_weights) > 3 else "")
+        reason = f"the weights are already non-finite ({shown}): every sample fails, whatever the data"
+        result = BisectionResult(None, 0, reason, list(range(runner.size)))
     try:
-        if bisect:
+        if bisect and not bad_weights:
             result = find_offending(runner.size, runner.is_bad, max_passes=max_passes)
-        localization = None
-        group = result.smallest_bad or (result.offending[:1] if result.offending else [])
-        if localize_origin and group:
-            localization = _localize_group(runner, group)
     except Exception as error:  # the guard must never kill training
         log.warning("NanGuard: re-running training_step for diagnosis failed: %r", error, exc_info=True)
         return Diagnosis(
@@ -245,12 +247,22 @@ def diagnose(
             passes=runner.passes,
             error=repr(error),
         )
+    localization = None
+    localization_error = None
+    group = result.smallest_bad or (result.offending[:1] if result.offending else [])
+    if localize_origin and group:
+        try:
+            localization = _localize_group(runner, group)
+        except Exception as error:  # keep the samples found: only the origin is unknown
+            log.warning("NanGuard: localising the origin failed: %r", error, exc_info=True)
+            localization_error = f"localisation failed: {error!r}"
     return Diagnosis(
         batch_size=runner.size,
         offending=result.offending,
         reason=result.reason,
         passes=result.passes,
         localization=localization,
+        error=localization_error,
         smallest_bad=result.smallest_bad,
         known_good=list(runner.known_good),
     )

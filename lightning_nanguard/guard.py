@@ -61,6 +61,12 @@ def _check_positive(name: str, value: object, upper: float | None = None) -> Non
         raise ValueError(f"NanGuard: `{name}` must be a number > 0{bound}, got {value!r}.")
 
 
+def _any_inf(tensors: Sequence[Tensor]) -> bool:
+    """Whether some element is +/-Inf (bad path only: one host read)."""
+    flags = [torch.isinf(t).any() for t in tensors]
+    return bool(torch.stack(flags).any()) if flags else False
+
+
 def _failsafe(hook: _F) -> _F:
     """Run a hook so that the guard's own failure never kills training: warn once, disable the guard."""
 
@@ -326,7 +332,9 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         """Snapshot BatchNorm buffers before the first forward of an optimizer step."""
         self._batch_idx = batch_idx
         indices = self._dataset_indices(batch)
-        if not self._window_open:  # the first micro-batch of an optimizer step
+        # the first micro-batch of an optimizer step; in manual optimisation every batch (a manual loop
+        # may skip optimizer.step(), and then on_before_optimizer_step never closes the window)
+        if not self._window_open or not pl_module.automatic_optimization:
             self._window_open = True
             self._losses = []
             self._micro_batches = []
@@ -364,10 +372,11 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             others=[*self._losses, *(t for _, t in bn_buffers if t.is_floating_point())],
             nonnegative=batchnorm_running_vars(bn_buffers),
             device=pl_module.device,
-            with_norm=self.recovery.book.clip_threshold is not None or self.sinks.logging_due(trainer),
+            with_norm="clip_grad" in self.remedies or self.sinks.logging_due(trainer),
         )
-        if trainer.world_size > 1:  # any rank bad -> all ranks skip: one reduce per step, every rank
-            summary = torch.cat((summary, trainer.strategy.reduce(summary[:1].clone(), reduce_op="sum")))
+        if trainer.world_size > 1:  # one reduce per step, every rank: [ranks bad, ranks whose loss/BN is bad]
+            flags = torch.stack((summary[0], summary[2]))
+            summary = torch.cat((summary, trainer.strategy.reduce(flags, reduce_op="sum")))
         values = summary.tolist()  # the one host read of a healthy step
         local_flag, grad_norm, others_flag = values[0], values[1], values[2]
         any_rank_bad = values[3] > 0 if len(values) > 3 else local_flag > 0
@@ -379,8 +388,16 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         if not any_rank_bad:
             self._healthy_step(trainer, grads, grad_norm)
             return
+        if len(values) > 4 and values[4] > 0 and not others_flag:
+            # DDP averages gradients: NaN/Inf born in another rank's loss or BatchNorm statistics reaches
+            # this rank's gradients through the all-reduce. Skip with it; the event is that rank's.
+            self._remote_bad_step(optimizer)
+            return
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and not others_flag and math.isinf(grad_norm):
+        # An fp16 overflow gives Inf (and, through Inf * 0 or Inf - Inf, NaN) gradients with a finite loss
+        # and finite BatchNorm statistics: the GradScaler's to skip. NaN without any Inf is no overflow
+        # (0/0 in a sqrt or a masked division): an incident.
+        if scaler is not None and not others_flag and not math.isfinite(grad_norm) and _any_inf(grads):
             event = self._amp_overflow(trainer, scaler)
             if event is None:
                 return  # the GradScaler skips this step by itself: not an incident
@@ -491,6 +508,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     # ------------------------------------------------------------------ action
 
     def _handle(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer, event: NanEvent) -> None:
+        if self._step_was_bad and isinstance(getattr(optimizer, "_optimizer", optimizer), torch.optim.LBFGS):
+            return  # LBFGS evaluates its closure (and this hook) many times per step: one event per step
         self.bad_steps_total += 1
         self.consecutive_bad_steps += 1
         self._step_was_bad = True

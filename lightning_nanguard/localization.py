@@ -13,7 +13,12 @@
   *returned* it): the *backward origin*, e.g. ``SqrtBackward0`` at an exact 0.
 
 The phase reported is "forward" when the loss itself is non-finite, "backward" when the loss is
-finite but gradients are not. All hooks and modes are removed on exit, also on error.
+finite but gradients are not. Two causes are named by where they enter the model instead: a
+batch that already holds NaN/Inf, and weights that already do (the first op with a non-finite
+output, e.g. ``AddmmBackward0`` in the first ``Linear``, with a hint naming the real cause).
+When only BatchNorm statistics go non-finite, the op is ``"running_var"``, the module is the first
+BatchNorm whose statistics went bad and the source line is where that module is called.
+All hooks and modes are removed on exit, also on error.
 """
 
 from __future__ import annotations
@@ -108,7 +113,9 @@ class Localization:
         phase: ``"forward"``, ``"backward"``, or ``None`` when nothing non-finite was reproduced.
         module: qualified module name (``""`` = the LightningModule's own code), ``None`` if unknown.
         module_type: class name of that module.
-        op: autograd node name (``"SqrtBackward0"``) or, without autograd, the torch function name.
+        op: autograd node name (``"SqrtBackward0"``) or, without autograd, the torch function name;
+            ``"running_var"`` for BatchNorm statistics, ``"<input>"``/``"<parameters>"`` when a
+            non-finite batch or weights could not be traced to an op.
         source_line: ``"file.py:LINE"`` of the op in user code.
         source_text: that line's text, stripped.
         hint: a one-line fix for well-known origins.
@@ -140,7 +147,8 @@ def _finite(tensors: Sequence[Any]) -> bool:
     return bool(torch.stack(checks).all()) if checks else True
 
 
-def _nodes(root: Any) -> Iterator[Any]:
+def _nodes(root: Any, stop: Callable[[Any], bool] | None = None) -> Iterator[Any]:
+    """Every autograd node reachable from ``root``; the ancestors of nodes where ``stop`` holds are skipped."""
     seen: set[int] = set()
     stack = [root]
     while stack:
@@ -148,8 +156,14 @@ def _nodes(root: Any) -> Iterator[Any]:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        if stop is not None and stop(node):
+            continue
         yield node
         stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _tagged(node: Any) -> bool:
+    return _TAG in node.metadata
 
 
 class _ForwardTracer(TorchFunctionMode):
@@ -214,9 +228,9 @@ class _ForwardTracer(TorchFunctionMode):
             if node is None:
                 continue
             site = site or self._site(nonfinite)
-            for inner in _nodes(node):  # nodes created by this op are exactly the untagged ones
-                if _TAG in inner.metadata:
-                    continue
+            # nodes created by this op are exactly the untagged ones; a tagged node's ancestors are all
+            # tagged already (they were walked when it was), so stopping there keeps this linear
+            for inner in _nodes(node, stop=_tagged):
                 inner.metadata[_TAG] = site
         if nonfinite and self.first_nonfinite is None and func_name not in _CONSTANT_OPS:
             tracked = next((t.grad_fn for t in outputs if t.grad_fn is not None), None)

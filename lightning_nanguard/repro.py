@@ -73,6 +73,8 @@ def save_bundle(
     path = Path(directory) / f"{BUNDLE_PREFIX}{event.global_step}"
     if event.rank:
         path = path.with_name(f"{path.name}-rank{event.rank}")
+    if path.is_dir():  # same step of an earlier run in this directory: never mix its files (hparams.pt) in
+        shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.save(_to_cpu(batch), path / "batch.pt")
     torch.save({k: v.detach().to("cpu") for k, v in module.state_dict().items()}, path / "module_state.pt")

@@ -121,9 +121,6 @@ def test_demo_prints_where_the_logs_are(guarded_run: GuardedRun) -> None:
     assert "final weights and BatchNorm statistics finite: True" in out
 
 
-@pytest.mark.xfail(
-    reason="load_bundle calls cls(**hparams) with LightningCLI's '_instantiator' hparam (TypeError)", strict=True
-)
 def test_replay_of_a_demo_bundle(guarded_run: GuardedRun) -> None:
     """The command the report prints for a repro bundle works on the demo's bundles."""
     bundles = sorted((guarded_run.log_dir / "nanguard").glob("step-*"))

@@ -18,12 +18,17 @@ import pytest
 import torch
 import torchmetrics
 from conftest import StepRecorder, build_trainer, clone_state, states_equal
-from forensics_models import IsolationModule
+from forensics_models import (
+    IsolationModule,
+    one_thread,  # noqa: F401 (fixture)
+)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NanGuard
 from lightning_nanguard.isolation import RngState, isolated, muted_logging
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ------------------------------------------------------------------------------------ unit tests
 
@@ -212,10 +217,14 @@ def test_training_is_bitwise_identical_with_and_without_forensics(tmp_path: Path
     assert states_equal(
         clone_state(trainer_on.optimizers[0].state_dict()), clone_state(trainer_off.optimizers[0].state_dict())
     )
-    assert states_equal(trainer_on.lr_scheduler_configs[0].scheduler.state_dict(),
-                        trainer_off.lr_scheduler_configs[0].scheduler.state_dict())
+    assert states_equal(
+        trainer_on.lr_scheduler_configs[0].scheduler.state_dict(),
+        trainer_off.lr_scheduler_configs[0].scheduler.state_dict(),
+    )
     assert states_equal(clone_state(dict(trainer_on.callback_metrics)), clone_state(dict(trainer_off.callback_metrics)))
     assert states_equal(clone_state(dict(trainer_on.logged_metrics)), clone_state(dict(trainer_off.logged_metrics)))
-    assert not any("on_before_optimizer_step" in key or "on_after_backward" in key for key in trainer_on.callback_metrics)
+    assert not any(
+        "on_before_optimizer_step" in key or "on_after_backward" in key for key in trainer_on.callback_metrics
+    )
     assert states_equal(metric_states(module_on), metric_states(module_off))
     assert torch.equal(torch.get_rng_state(), observer_off.after[-1]["rng"])

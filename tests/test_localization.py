@@ -15,12 +15,15 @@ from typing import Any
 import forensics_models
 import pytest
 import torch
-from models import BATCH_SIZE, KINDS, make_case, make_module, make_net, origin_line
+from forensics_models import one_thread  # noqa: F401 (fixture)
+from models import BATCH_SIZE, KINDS, make_case, make_module, origin_line
 from torch import Tensor, nn
 
 from lightning_nanguard.forensics import diagnose
 from lightning_nanguard.hints import hint_for
 from lightning_nanguard.localization import Localization, localize, user_frame
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # (culprit_module, culprit_op, phase) per failure class, names relative to the LightningModule
 EXPECTED: dict[str, tuple[str, str, str]] = {
@@ -332,3 +335,49 @@ def test_diagnose_with_bisection_off_localizes_the_whole_batch() -> None:
     assert found.offending is None and found.passes == 0
     assert found.localization is not None and found.localization.op == "LogBackward0"
     assert diagnose(module, bad_batch("log_zero"), bisect=False, localize_origin=False).localization is None
+
+
+class Deep(nn.Module):
+    """Many small layers, then ``sqrt`` of an exact 0 (``h - h.detach()``)."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(depth))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return (x - x.detach()).pow(2).sum().sqrt()
+
+
+def test_graph_tagging_visits_each_node_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_nanguard import localization
+
+    original = localization._nodes
+    visits = 0
+
+    def counting(root: Any, stop: Any = None) -> Iterator[Any]:
+        nonlocal visits
+        for node in original(root, stop):
+            visits += stop is not None  # the forward tagging walks only
+            yield node
+
+    net = Deep(120)
+    x = torch.randn(2, 3)
+    graph = len(list(original(net(x).grad_fn)))
+    monkeypatch.setattr(localization, "_nodes", counting)
+    found = localize(net, lambda: net(x))
+    assert (found.op, found.module, found.phase) == ("SqrtBackward0", "", "backward")
+    assert graph > 360 and visits <= graph + 5  # linear: each node tagged once (quadratic: ~graph**2 / 2)
+
+
+def test_a_failing_localisation_keeps_the_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_nanguard import forensics
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("instrumentation broke")
+
+    monkeypatch.setattr(forensics, "_localize_group", broken)
+    found = diagnose(make_module("lightning", "acos"), bad_batch("acos"))
+    assert found.offending == [BAD_POSITION] and found.localization is None
+    assert found.error == "localisation failed: RuntimeError('instrumentation broke')"

@@ -119,7 +119,9 @@ def _two_group_sgd() -> torch.optim.Optimizer:
 
 def test_lr_backoff_every_group() -> None:
     opt = _two_group_sgd()
-    assert lr_backoff_(opt, [], factor=0.5) == "lr_backoff: learning rate x0.5 (group 0: 0.1 -> 0.05, group 1: 0.4 -> 0.2)"
+    assert (
+        lr_backoff_(opt, [], factor=0.5) == "lr_backoff: learning rate x0.5 (group 0: 0.1 -> 0.05, group 1: 0.4 -> 0.2)"
+    )
     assert _lrs(opt) == [0.05, 0.2]
 
 
@@ -206,12 +208,16 @@ def test_remedy_book_state_round_trips_through_a_weights_only_checkpoint() -> No
     fresh.quarantined.add(99)
     fresh.load_state_dict(state)
     assert fresh.quarantined is shared
-    assert fresh.state_dict() == book.state_dict() == {
-        "applied": {"clip_grad": 1, "quarantine": 1},
-        "clip_threshold": 1.25,
-        "quarantined": [3, 11],
-        "healthy_norms": [1.0, 2.0],
-    }
+    assert (
+        fresh.state_dict()
+        == book.state_dict()
+        == {
+            "applied": {"clip_grad": 1, "quarantine": 1},
+            "clip_threshold": 1.25,
+            "quarantined": [3, 11],
+            "healthy_norms": [1.0, 2.0],
+        }
+    )
     assert fresh.healthy_norms.maxlen == 100
 
 
