@@ -21,7 +21,7 @@ from lightning_nanguard.detection import fused_health_check, grouped_norms, nega
 from lightning_nanguard.events import EventAction, EventKind, NanEvent, NonFiniteTrainingError
 from lightning_nanguard.indices import RecordingBatchSampler, indices_from_batch, record_batch_indices
 from lightning_nanguard.investigation import InvestigationSettings, MicroBatch, investigate
-from lightning_nanguard.recovery import Recovery
+from lightning_nanguard.recovery import Recovery, apply_module_eps
 from lightning_nanguard.remedies import REMEDIES, Remedy, clip_gradients_
 from lightning_nanguard.reporting import EventSinks
 from lightning_nanguard.snapshot import BatchNormSnapshot, batchnorm_buffers, batchnorm_running_vars
@@ -312,6 +312,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         """Cache parameter names and BatchNorm buffers once the model sits on its device."""
         self._named_params = list(pl_module.named_parameters())
         self._bn = BatchNormSnapshot(pl_module)  # restored on every discarded step, checked if check_bn_stats
+        apply_module_eps(pl_module, self.recovery.book.module_eps)  # after a resume
         if self.action == "rollback" and self._params_finite(pl_module):
             self._capture(trainer, pl_module)
 
@@ -686,7 +687,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
 
     def _capture(self, trainer: Trainer, pl_module: LightningModule) -> None:
         first = not self.recovery.snapshot.available
-        self.recovery.capture(trainer, pl_module, extra={"skipped_total": self.skipped_total})
+        self.recovery.capture(trainer, pl_module, extra={})
         if first:
             snapshot = self.recovery.snapshot
             log.info(

@@ -122,6 +122,8 @@ class Recovery:
             culprit = _submodule(pl_module, event.culprit_module)
             change = raise_eps_(culprit, trainer.optimizers, self.eps_factor, self.max_eps)
             if change:
+                if culprit is not None and _is_float(getattr(culprit, "eps", None)):
+                    self.book.module_eps[event.culprit_module] = float(culprit.eps)  # type: ignore[arg-type]
                 self.book.record("raise_eps")
                 self._since_snapshot.append("raise_eps")
                 done.append(change)
@@ -149,6 +151,18 @@ class Recovery:
         """Restore :meth:`state_dict` output."""
         self.book.load_state_dict(state.get("remedies", {}))
         self.rollbacks_total = int(state.get("rollbacks_total", 0))
+
+
+def _is_float(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def apply_module_eps(module: nn.Module, module_eps: dict[str, float]) -> None:
+    """Set the ``eps`` that ``raise_eps`` chose (kept in checkpoints: module attributes are not state)."""
+    for name, eps in module_eps.items():
+        target = _submodule(module, name)
+        if target is not None and _is_float(getattr(target, "eps", None)):
+            setattr(target, "eps", eps)  # noqa: B010
 
 
 def _submodule(module: nn.Module, name: str) -> nn.Module | None:

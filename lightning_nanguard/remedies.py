@@ -153,6 +153,7 @@ class RemedyBook:
     applied: dict[str, int] = field(default_factory=dict)
     clip_threshold: float | None = None
     quarantined: set[int] = field(default_factory=set)
+    module_eps: dict[str, float] = field(default_factory=dict)
     healthy_norms: deque[float] = field(default_factory=lambda: deque(maxlen=100))
 
     def can_apply(self, remedy: str) -> bool:
@@ -174,6 +175,7 @@ class RemedyBook:
             "applied": dict(self.applied),
             "clip_threshold": self.clip_threshold,
             "quarantined": sorted(self.quarantined),
+            "module_eps": dict(self.module_eps),
             "healthy_norms": list(self.healthy_norms),
         }
 
@@ -183,4 +185,5 @@ class RemedyBook:
         self.clip_threshold = state.get("clip_threshold")
         self.quarantined.clear()  # in place: the batch samplers hold this very set
         self.quarantined.update(int(i) for i in state.get("quarantined", []))
+        self.module_eps = {str(k): float(v) for k, v in state.get("module_eps", {}).items()}
         self.healthy_norms = deque((float(v) for v in state.get("healthy_norms", [])), maxlen=100)
