@@ -216,6 +216,7 @@ def test_remedy_book_state_round_trips_through_a_weights_only_checkpoint() -> No
             "clip_threshold": 1.25,
             "quarantined": [3, 11],
             "healthy_norms": [1.0, 2.0],
+            "module_eps": {},
         }
     )
     assert fresh.healthy_norms.maxlen == 100
