@@ -19,9 +19,8 @@ from torch import Tensor, nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.models import BATCH_SIZE, KINDS, make_case, make_net  # noqa: E402
-
 from lightning_nanguard.forensics import diagnose  # noqa: E402
+from tests.models import BATCH_SIZE, KINDS, make_case, make_net  # noqa: E402
 
 DOC = ROOT / "docs" / "anomaly_mode_vs_nanguard.md"
 

@@ -25,6 +25,7 @@ class _Classifier(LightningModule):
 
 def conv_net() -> nn.Module:
     """Few large tensors: three conv blocks with BatchNorm (about 0.6M parameters, 20 tensors)."""
+
     def block(cin: int, cout: int) -> list[nn.Module]:
         return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(), nn.MaxPool2d(2)]
 

@@ -35,10 +35,10 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import MODELS, make  # noqa: E402
+from models import MODELS, make
 
-from lightning_nanguard import NanGuard  # noqa: E402
-from lightning_nanguard.detection import fused_health_check  # noqa: E402
+from lightning_nanguard import NanGuard
+from lightning_nanguard.detection import fused_health_check
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -54,8 +54,9 @@ class StepTimer(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx >= self.warmup:
             self.times.append(time.perf_counter() - self._start)
 
@@ -105,7 +106,7 @@ def step_overhead(rounds: int, steps: int, warmup: int) -> dict[str, dict[str, f
             samples: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
             names = list(VARIANTS)
             for round_index in range(rounds):
-                order = names[round_index % len(names):] + names[: round_index % len(names)]  # rotate
+                order = names[round_index % len(names) :] + names[: round_index % len(names)]  # rotate
                 for variant in order:
                     samples[variant] += fit_once(model_name, variant, steps, warmup, root)
             base = statistics.median(samples["no guard"])
@@ -148,9 +149,10 @@ def kernel_ratios(repeats: int) -> dict[str, dict[str, float]]:
             "floor": lambda flat=flat: torch.linalg.vector_norm(flat).item(),
             "NanGuard check": lambda grads=grads: fused_health_check(grads, with_norm=False).tolist(),
             "NanGuard check + norm": lambda grads=grads: fused_health_check(grads).tolist(),
-            "GradScaler check": lambda grads=grads: torch._amp_foreach_non_finite_check_and_unscale_(
-                grads, found, one
-            ) or found.item(),
+            "GradScaler check": lambda grads=grads, found=found, one=one: (
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one),
+                found.item(),
+            ),
         }
         timings: dict[str, list[float]] = {k: [] for k in candidates}
         for _ in range(5):  # interleave the candidates
@@ -158,8 +160,10 @@ def kernel_ratios(repeats: int) -> dict[str, dict[str, float]]:
                 timings[key].append(_median_time(fn, max(1, repeats // 5)))
         floor = statistics.median(timings["floor"])
         results[name] = {k: statistics.median(v) / floor for k, v in timings.items() if k != "floor"}
-        print(f"{name} ({len(grads)} tensors): " + ", ".join(f"{k} {r:.2f}x" for k, r in results[name].items()),
-              flush=True)
+        print(
+            f"{name} ({len(grads)} tensors): " + ", ".join(f"{k} {r:.2f}x" for k, r in results[name].items()),
+            flush=True,
+        )
     return results
 
 
@@ -180,23 +184,40 @@ def diagnosis_cost(repeats: int) -> dict[str, float]:
             )
             timer = StepTimer(warmup=0)
             guard = NanGuard(verbose=False, bisect=bisect, localize=bisect, save_repro=bisect)
-            trainer = Trainer(max_steps=6, callbacks=[timer, guard], logger=CSVLogger(root), enable_progress_bar=False,
-                              enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1)
+            trainer = Trainer(
+                max_steps=6,
+                callbacks=[timer, guard],
+                logger=CSVLogger(root),
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                enable_checkpointing=False,
+                accelerator="cpu",
+                devices=1,
+            )
             trainer.fit(module, bad_loader)
             healthy = statistics.median(timer.times[1:3] + timer.times[4:])
-            ratios["bad step, detect + skip only" if not bisect else "bad step, full diagnosis"] = timer.times[3] / healthy
+            ratios["bad step, detect + skip only" if not bisect else "bad step, full diagnosis"] = (
+                timer.times[3] / healthy
+            )
             if bisect:
                 ratios["bisection passes (n=32, k=1)"] = float(guard.events[0].details.get("bisect_passes", 0))
     print(", ".join(f"{k}: {v:.2f}" for k, v in ratios.items()), flush=True)
     return ratios
 
 
-def write_report(step: dict[str, dict[str, float]], kernel: dict[str, dict[str, float]],
-                 diagnosis: dict[str, float]) -> None:
+def write_report(
+    step: dict[str, dict[str, float]], kernel: dict[str, dict[str, float]], diagnosis: dict[str, float]
+) -> None:
     DOCS.mkdir(exist_ok=True)
-    lines = ["# Benchmarks", "", f"Generated by `python benchmarks/overhead.py` on {torch.get_num_threads()} CPU threads, "
-             f"torch {torch.__version__}. All numbers are ratios measured side by side in one run.", "",
-             "## Training-step time relative to no guard (median)", ""]
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Generated by `python benchmarks/overhead.py` on {torch.get_num_threads()} CPU threads, "
+        f"torch {torch.__version__}. All numbers are ratios measured side by side in one run.",
+        "",
+        "## Training-step time relative to no guard (median)",
+        "",
+    ]
     variants = list(next(iter(step.values())))
     lines += ["| model | " + " | ".join(variants) + " |", "|---|" + "---|" * len(variants)]
     lines += [f"| {m} | " + " | ".join(f"{r[v]:.3f}" for v in variants) + " |" for m, r in step.items()]

@@ -34,6 +34,15 @@ def _dense(tensors: Iterable[Tensor]) -> list[Tensor]:
     return [t.coalesce().values() if t.is_sparse else t for t in tensors]
 
 
+def _foreach_norm(group: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """L2 norm of each tensor of one (device, dtype) group; fp16/bf16 accumulate in float32."""
+    norm_dtype = _FLOAT32 if dtype in _LOW else None
+    try:
+        return list(torch._foreach_norm(group, 2, dtype=norm_dtype))
+    except (NotImplementedError, RuntimeError):  # sparse gradients (rare): norms of their stored values
+        return list(torch._foreach_norm(_dense(group), 2, dtype=norm_dtype))
+
+
 def grouped_norms(tensors: Sequence[Tensor], device: torch.device | None = None) -> Tensor:
     """Per-tensor L2 norms as one float32 vector, one ``_foreach_norm`` kernel per (device, dtype).
 
@@ -51,12 +60,10 @@ def grouped_norms(tensors: Sequence[Tensor], device: torch.device | None = None)
     if not tensors:
         return torch.zeros(0, dtype=_FLOAT32, device=device)
     target = device if device is not None else tensors[0].device
-    grouped = _group_tensors_by_device_and_dtype([_dense(tensors)])  # type: ignore[list-item]
+    grouped = _group_tensors_by_device_and_dtype([list(tensors)])
     parts: list[Tensor] = []
     for (group_device, dtype), ([group], _) in grouped.items():
-        # float16/bfloat16 accumulate in float32; float64 keeps its precision then narrows.
-        norm_dtype = _FLOAT32 if dtype in _LOW else None
-        norms = torch._foreach_norm(group, 2, dtype=norm_dtype)  # type: ignore[arg-type]
+        norms = _foreach_norm(group, dtype)  # type: ignore[arg-type]
         stacked = torch.stack(norms).to(_FLOAT32)
         if group_device != target:
             stacked = stacked.to(target, non_blocking=True)
@@ -73,15 +80,17 @@ def _nonfinite_flag_fast(tensors: Sequence[Tensor], device: torch.device) -> Ten
     value bitwise equal). Deciding by count costs no Python work per tensor.
     """
     flags: list[Tensor] = []
-    grouped = _group_tensors_by_device_and_dtype([list(_dense(tensors))])
+    grouped = _group_tensors_by_device_and_dtype([list(tensors)])
     for (group_device, dtype), ([group], _) in grouped.items():
         if dtype.is_complex or len(group) < MANY_TENSORS:
-            norms = torch._foreach_norm(group, 2, dtype=_FLOAT32 if dtype in _LOW else None)  # type: ignore[arg-type]
-            flag = ~torch.isfinite(torch.stack(norms)).all()
+            flag = ~torch.isfinite(torch.stack(_foreach_norm(group, dtype))).all()  # type: ignore[arg-type]
         else:
             found = torch.zeros(1, dtype=_FLOAT32, device=group_device)
             one = torch.ones(1, dtype=_FLOAT32, device=group_device)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)  # type: ignore[arg-type]
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)  # type: ignore[arg-type]
+            except (NotImplementedError, RuntimeError):  # sparse gradients (rare): their stored values
+                torch._amp_foreach_non_finite_check_and_unscale_(_dense(group), found, one)  # type: ignore[arg-type]
             flag = found[0] > 0
         flags.append(flag.to(device, non_blocking=True))
     if not flags:
@@ -123,8 +132,8 @@ def fused_health_check(
         >>> fused_health_check([torch.tensor([1.0, float("inf")])], with_norm=False).tolist()
         [1.0, -1.0, 0.0]
     """
-    first = next((t for t in (*grads, *others, *nonnegative)), None)
     if device is None:
+        first = next((t for t in (*grads, *others, *nonnegative)), None)
         device = first.device if first is not None else torch.device("cpu")
     if with_norm:
         grad_norms = grouped_norms(grads, device)

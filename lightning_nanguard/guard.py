@@ -232,6 +232,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
 
         self._trainer: Trainer | None = None
         self._named_params: list[tuple[str, nn.Parameter]] = []
+        self._params: list[nn.Parameter] = []
         self._bn: BatchNormSnapshot | None = None
         self._losses: list[Tensor] = []
         self._micro_batches: list[MicroBatch] = []
@@ -311,6 +312,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Cache parameter names and BatchNorm buffers once the model sits on its device."""
         self._named_params = list(pl_module.named_parameters())
+        self._params = [p for _, p in self._named_params]
         self._bn = BatchNormSnapshot(pl_module)  # restored on every discarded step, checked if check_bn_stats
         apply_module_eps(pl_module, self.recovery.book.module_eps)  # after a resume
         if self.action == "rollback" and self._params_finite(pl_module):
@@ -366,7 +368,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self._window_open = False
         if not self._checking:
             return
-        grads = [p.grad for _, p in self._named_params if p.grad is not None]
+        grads = [g for p in self._params if (g := p.grad) is not None]
         bn_buffers = self._bn.named_buffers if self._bn is not None and self.check_bn_stats else []
         summary = fused_health_check(
             grads,
