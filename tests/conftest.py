@@ -21,6 +21,10 @@ from lightning_nanguard._compat import CALLBACK_BASES
 
 NAMESPACE_IDS = tuple(NAMESPACES)  # ("lightning", "pytorch_lightning")
 
+# Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine oversubscribed
+# threads made one tiny forward/backward ~60x slower. Results do not depend on the thread count.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> Iterator[None]:
