@@ -99,18 +99,22 @@ def fit_once(model_name: str, variant: str, steps: int, warmup: int, root: str) 
 
 
 def step_overhead(rounds: int, steps: int, warmup: int) -> dict[str, dict[str, float]]:
-    """Median step time of each variant divided by the no-guard median, per model."""
+    """Per model and variant: the median over rounds of (median step time / no-guard median step time).
+
+    Each round runs every variant once, in a rotated order, and is compared with its own no-guard
+    run, so slow drift of the machine's speed cancels out.
+    """
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as root:
         for model_name in MODELS:
-            samples: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+            ratios: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
             names = list(VARIANTS)
             for round_index in range(rounds):
                 order = names[round_index % len(names) :] + names[: round_index % len(names)]  # rotate
-                for variant in order:
-                    samples[variant] += fit_once(model_name, variant, steps, warmup, root)
-            base = statistics.median(samples["no guard"])
-            results[model_name] = {v: statistics.median(times) / base for v, times in samples.items()}
+                medians = {v: statistics.median(fit_once(model_name, v, steps, warmup, root)) for v in order}
+                for variant, median in medians.items():
+                    ratios[variant].append(median / medians["no guard"])
+            results[model_name] = {v: statistics.median(r) for v, r in ratios.items()}
             print(f"{model_name}: " + ", ".join(f"{v} {r:.3f}x" for v, r in results[model_name].items()), flush=True)
     return results
 
@@ -259,7 +263,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and repetitions")
     args = parser.parse_args()
-    rounds, steps, repeats = (2, 25, 10) if args.quick else (5, 40, 30)
+    rounds, steps, repeats = (2, 25, 10) if args.quick else (9, 60, 40)
     print("== kernel level", flush=True)
     kernel = kernel_ratios(repeats)
     print("== training step", flush=True)

@@ -25,8 +25,6 @@ __all__ = ["fused_health_check", "grouped_norms", "negative_names", "nonfinite_n
 
 _FLOAT32 = torch.float32
 _LOW = (torch.float16, torch.bfloat16)
-MANY_TENSORS = 512
-"""From this many tensors in a (device, dtype) group, the norm-free check uses GradScaler's kernel."""
 
 
 def _dense(tensors: Iterable[Tensor]) -> list[Tensor]:
@@ -71,31 +69,53 @@ def grouped_norms(tensors: Sequence[Tensor], device: torch.device | None = None)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _nonfinite_flag_fast(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
-    """0-dim bool: NaN/Inf in ``tensors``, choosing the cheaper fused kernel per (device, dtype) group.
+_CONSTANTS: dict[tuple[float, torch.device], Tensor] = {}
 
-    Few tensors: ``_foreach_norm`` (reads each element once, fastest on large tensors). Many tensors:
-    GradScaler's ``_amp_foreach_non_finite_check_and_unscale_`` with a scale of 1 (on CPU its
-    per-tensor overhead is about 5x lower than ``_foreach_norm``'s; multiplying by 1.0 leaves every
-    value bitwise equal). Deciding by count costs no Python work per tensor.
+
+def _constant(value: float, device: torch.device) -> Tensor:
+    """A cached, never-modified 1-element float32 tensor (saves an allocation per step and device)."""
+    key = (value, device)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.full((1,), value, dtype=_FLOAT32, device=device)
+    return _CONSTANTS[key]
+
+
+def _count_nonfinite_(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
+    """1-element float32 tensor on ``device``, > 0 iff some element of ``tensors`` is NaN/Inf.
+
+    Uses GradScaler's fused kernel ``_amp_foreach_non_finite_check_and_unscale_`` with a scale of 1
+    (multiplying by 1.0 leaves every value bitwise equal): one call for all tensors when they share
+    a device, else one per (device, dtype) group. On this CPU it is cheaper than any norm (it only
+    tests, it does not multiply and add). Complex tensors fall back to norms, sparse ones to their
+    stored values.
     """
-    flags: list[Tensor] = []
+    if not tensors:
+        return torch.zeros(1, dtype=_FLOAT32, device=device)
+    one = _constant(1.0, device)
+    total = torch.zeros(1, dtype=_FLOAT32, device=device)
+    try:  # common case, one device: a single call, no grouping (which costs ~60% of the kernel on CPU)
+        torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), total, one)
+        return total
+    except (RuntimeError, NotImplementedError):  # several devices, complex or sparse tensors
+        total.zero_()
+    found: dict[torch.device, Tensor] = {}
     grouped = _group_tensors_by_device_and_dtype([list(tensors)])
     for (group_device, dtype), ([group], _) in grouped.items():
-        if dtype.is_complex or len(group) < MANY_TENSORS:
-            flag = ~torch.isfinite(torch.stack(_foreach_norm(group, dtype))).all()  # type: ignore[arg-type]
-        else:
-            found = torch.zeros(1, dtype=_FLOAT32, device=group_device)
-            one = torch.ones(1, dtype=_FLOAT32, device=group_device)
-            try:
-                torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)  # type: ignore[arg-type]
-            except (NotImplementedError, RuntimeError):  # sparse gradients (rare): their stored values
-                torch._amp_foreach_non_finite_check_and_unscale_(_dense(group), found, one)  # type: ignore[arg-type]
-            flag = found[0] > 0
-        flags.append(flag.to(device, non_blocking=True))
-    if not flags:
-        return torch.zeros((), dtype=torch.bool, device=device)
-    return torch.stack(flags).any()
+        if group_device not in found:
+            found[group_device] = torch.zeros(1, dtype=_FLOAT32, device=group_device)
+        flag = found[group_device]
+        if dtype.is_complex:
+            flag.add_((~torch.isfinite(torch.stack(_foreach_norm(group, dtype))).all()).to(_FLOAT32))  # type: ignore[arg-type]
+            continue
+        one = torch.ones(1, dtype=_FLOAT32, device=group_device)
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, one)  # type: ignore[arg-type]
+        except (NotImplementedError, RuntimeError):  # sparse gradients (rare): their stored values
+            torch._amp_foreach_non_finite_check_and_unscale_(_dense(group), flag, one)  # type: ignore[arg-type]
+    if not found:
+        return torch.zeros(1, dtype=_FLOAT32, device=device)
+    flags = [f if f.device == device else f.to(device, non_blocking=True) for f in found.values()]
+    return flags[0] if len(flags) == 1 else torch.stack(flags).sum(0)
 
 
 def fused_health_check(
@@ -115,13 +135,14 @@ def fused_health_check(
         others: further tensors to check (loss, BatchNorm running statistics).
         nonnegative: tensors that must also have no negative element (``running_var``).
         device: where the result lives; defaults to the device of the first tensor given.
-        with_norm: compute the global gradient norm (else ``grad_norm`` is -1 and groups of many
-            small tensors use the cheaper GradScaler kernel).
+        with_norm: compute the global gradient norm with ``_foreach_norm``; otherwise ``grad_norm``
+            is -1 and the test uses GradScaler's cheaper fused kernel.
 
     Returns:
-        float32 tensor ``[flag, grad_norm, others_flag]``. ``flag`` is 1.0 when some tensor *may*
-        hold a NaN/Inf (confirm with :func:`nonfinite_names`) or a negative value where none is
-        allowed; ``others_flag`` is the same for ``others`` and ``nonnegative`` alone.
+        float32 tensor ``[flag, grad_norm, others_flag]``. ``flag`` is > 0 when some tensor *may*
+        hold a NaN/Inf (confirm with :func:`nonfinite_names`: with norms, a finite tensor can
+        overflow its norm) or a negative value where none is allowed; ``others_flag`` is the same
+        for ``others`` and ``nonnegative`` alone.
         ``grad_norm`` is NaN when a gradient holds a NaN, +Inf when one holds +/-Inf (and no NaN).
 
     Example:
@@ -135,19 +156,19 @@ def fused_health_check(
     if device is None:
         first = next((t for t in (*grads, *others, *nonnegative)), None)
         device = first.device if first is not None else torch.device("cpu")
-    if with_norm:
-        grad_norms = grouped_norms(grads, device)
-        grads_bad = ~torch.isfinite(grad_norms).all()
-        grad_norm = torch.linalg.vector_norm(grad_norms) if grads else torch.zeros((), dtype=_FLOAT32, device=device)
-    else:
-        grads_bad = _nonfinite_flag_fast(grads, device)
-        grad_norm = torch.full((), -1.0, dtype=_FLOAT32, device=device)
-    others_bad = ~torch.isfinite(grouped_norms(others, device)).all()
     nonempty = [t for t in nonnegative if t.numel()]
+    if not with_norm:  # the fast path: a handful of kernels whatever the number of tensors
+        # sqrt of a negative value is NaN: negativity joins the same non-finite test
+        others_found = _count_nonfinite_([*others, *(torch._foreach_sqrt(nonempty) if nonempty else [])], device)
+        grads_found = _count_nonfinite_(grads, device)
+        return torch.cat((grads_found + others_found, _constant(-1.0, device), others_found))
+    grad_norms = grouped_norms(grads, device)
+    grads_bad = ~torch.isfinite(grad_norms).all()
+    grad_norm = torch.linalg.vector_norm(grad_norms) if grads else torch.zeros((), dtype=_FLOAT32, device=device)
+    others_bad = ~torch.isfinite(grouped_norms(others, device)).all()
     if nonempty:
         negated_maxima = torch._foreach_max(torch._foreach_neg(nonempty))
-        if negated_maxima:
-            others_bad = others_bad | (torch.stack(negated_maxima).to(device=device, dtype=_FLOAT32) > 0).any()
+        others_bad = others_bad | (torch.stack(negated_maxima).to(device=device, dtype=_FLOAT32) > 0).any()
     return torch.stack(((grads_bad | others_bad).to(_FLOAT32), grad_norm, others_bad.to(_FLOAT32)))
 
 
