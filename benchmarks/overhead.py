@@ -263,7 +263,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and repetitions")
     args = parser.parse_args()
-    rounds, steps, repeats = (2, 25, 10) if args.quick else (9, 60, 40)
+    rounds, steps, repeats = (2, 25, 10) if args.quick else (7, 40, 30)
     print("== kernel level", flush=True)
     kernel = kernel_ratios(repeats)
     print("== training step", flush=True)
