@@ -284,3 +284,16 @@ class IsolationModule(pl.LightningModule):
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+# (culprit_module, culprit_op, phase) NanGuard must report per failure class of models.py,
+# names relative to the LightningModule (shared by the forensics and localisation tests)
+EXPECTED: dict[str, tuple[str, str, str]] = {
+    "cosine_norm": ("net.norm", "SqrtBackward0", "backward"),
+    "power_pool": ("net.pool", "PowBackward1", "backward"),
+    "bn_overflow": ("net.input_bn", "running_var", "forward"),
+    "masked_div": ("net.ratio", "DivBackward0", "backward"),
+    "acos": ("net.angle", "AcosBackward0", "backward"),
+    "log_zero": ("net.criterion", "LogBackward0", "forward"),
+    "input_data": ("net.0", "AddmmBackward0", "forward"),
+}

@@ -15,7 +15,7 @@ import forensics_models as fm
 import pytest
 import torch
 from conftest import StepRecorder, build_trainer
-from forensics_models import one_thread  # noqa: F401 (fixture)
+from forensics_models import EXPECTED, one_thread  # noqa: F401 (fixture)
 from models import BATCH_SIZE, KINDS, make_case, make_loader, make_module, origin_line
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
@@ -26,16 +26,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 FM_FILE = fm.__file__
 
-# culprit_module, culprit_op, phase per failure class (the module is the LightningModule)
-EXPECTED: dict[str, tuple[str, str, str]] = {
-    "cosine_norm": ("net.norm", "SqrtBackward0", "backward"),
-    "power_pool": ("net.pool", "PowBackward1", "backward"),
-    "bn_overflow": ("net.input_bn", "running_var", "forward"),
-    "masked_div": ("net.ratio", "DivBackward0", "backward"),
-    "acos": ("net.angle", "AcosBackward0", "backward"),
-    "log_zero": ("net.criterion", "LogBackward0", "forward"),
-    "input_data": ("net.0", "AddmmBackward0", "forward"),
-}
 MODULE_TYPES = {
     "cosine_norm": "CosineNormLinear",
     "power_pool": "PowerPool",

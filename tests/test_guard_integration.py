@@ -79,15 +79,19 @@ def test_healthy_training_is_bitwise_unchanged_by_the_guard(make_trainer: Any, n
     assert "nan_skipped" not in trainer.progress_bar_metrics
 
 
+@pytest.mark.parametrize("with_norm", [True, False], ids=["norm-every-step", "element-test-only"])
 def test_finite_gradients_with_an_overflowing_norm_are_not_an_incident(
-    make_trainer: Any, ns_name: str, recorder: Any
+    make_trainer: Any, ns_name: str, recorder: Any, with_norm: bool
 ) -> None:
-    guard = NanGuard(verbose=False)
+    # remedies=["clip_grad"] makes the guard compute the norm every step (here without a logger)
+    guard = NanGuard(verbose=False, remedies=["clip_grad"] if with_norm else None)
     _, module = _fit(make_trainer, ns_name, guard, kind="norm_overflow", callbacks=(recorder,))
     assert guard.active
     assert guard.events == []
     assert guard.bad_steps_total == 0
-    assert guard.last_grad_norm == math.inf  # 16 gradients of 1e20: the float32 norm overflows
+    # 16 gradients of 1e20: the float32 norm overflows (and is confirmed element-wise as finite);
+    # without a norm the element-wise test never flags them at all
+    assert guard.last_grad_norm == (math.inf if with_norm else None)
     assert all(record.changed_params() == ["net.weight"] for record in recorder.records)  # every step applied
     assert recorder.records[-1].adam_steps("after") == [4.0]
     assert _all_finite(module)

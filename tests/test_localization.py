@@ -15,7 +15,7 @@ from typing import Any
 import forensics_models
 import pytest
 import torch
-from forensics_models import one_thread  # noqa: F401 (fixture)
+from forensics_models import EXPECTED, one_thread  # noqa: F401 (fixture)
 from models import BATCH_SIZE, KINDS, make_case, make_module, origin_line
 from torch import Tensor, nn
 
@@ -25,16 +25,6 @@ from lightning_nanguard.localization import Localization, localize, user_frame
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# (culprit_module, culprit_op, phase) per failure class, names relative to the LightningModule
-EXPECTED: dict[str, tuple[str, str, str]] = {
-    "cosine_norm": ("net.norm", "SqrtBackward0", "backward"),
-    "power_pool": ("net.pool", "PowBackward1", "backward"),
-    "bn_overflow": ("net.input_bn", "running_var", "forward"),
-    "masked_div": ("net.ratio", "DivBackward0", "backward"),
-    "acos": ("net.angle", "AcosBackward0", "backward"),
-    "log_zero": ("net.criterion", "LogBackward0", "forward"),
-    "input_data": ("net.0", "AddmmBackward0", "forward"),
-}
 BAD_POSITION = 3  # sample 11 = batch 1, position 3
 
 
