@@ -21,7 +21,14 @@ import torch
 from torch import Tensor
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-__all__ = ["fused_health_check", "grouped_norms", "negative_names", "nonfinite_names"]
+__all__ = [
+    "all_finite",
+    "bad_batchnorm_names",
+    "fused_health_check",
+    "grouped_norms",
+    "negative_names",
+    "nonfinite_names",
+]
 
 _FLOAT32 = torch.float32
 _LOW = (torch.float16, torch.bfloat16)
@@ -198,6 +205,38 @@ def negative_names(named_tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
         return []
     negative = _to_host([(t < 0).any() for t in tensors])
     return [name for name, bad in zip(names, negative, strict=True) if bad]
+
+
+def bad_batchnorm_names(named_buffers: Iterable[tuple[str, Tensor]]) -> list[str]:
+    """BatchNorm buffers holding NaN/Inf, then ``running_var`` buffers holding a negative value.
+
+    Example:
+        >>> bad_batchnorm_names([("bn.running_mean", torch.tensor([float("nan")])),
+        ...                      ("bn.running_var", torch.tensor([-1.0]))])
+        ['bn.running_mean', 'bn.running_var']
+    """
+    floats = [(name, tensor) for name, tensor in named_buffers if tensor.is_floating_point()]
+    bad = nonfinite_names(floats)
+    negative = negative_names((name, tensor) for name, tensor in floats if name.endswith("running_var"))
+    return bad + [name for name in negative if name not in bad]
+
+
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """Element-wise: no NaN/Inf in any of ``tensors`` (floating/complex; others are ignored).
+
+    One fused norm pass and one host read; only when a norm is non-finite (which a finite tensor
+    can also cause, by overflowing its norm) are the tensors checked element by element.
+
+    Example:
+        >>> all_finite([torch.ones(2), torch.full((4,), 1e30)])  # the float32 norm overflows
+        True
+        >>> all_finite([torch.tensor([1.0, float("nan")]), torch.arange(3)])
+        False
+    """
+    floats = [t.detach() for t in tensors if t.is_floating_point() or t.is_complex()]
+    if not floats or bool(torch.isfinite(grouped_norms(floats)).all()):
+        return True
+    return not nonfinite_names((str(i), t) for i, t in enumerate(floats))
 
 
 def _to_host(flags: Sequence[Tensor]) -> list[bool]:

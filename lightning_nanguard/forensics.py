@@ -21,7 +21,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_nanguard.batching import BatchSlicer, batch_size, slice_batch
 from lightning_nanguard.bisection import BisectionResult, find_offending
-from lightning_nanguard.detection import fused_health_check, negative_names, nonfinite_names
+from lightning_nanguard.detection import bad_batchnorm_names, fused_health_check, nonfinite_names
 from lightning_nanguard.events import NanEvent
 from lightning_nanguard.isolation import isolated
 from lightning_nanguard.localization import Localization, localize
@@ -166,8 +166,8 @@ class SubBatchRunner:
         ).tolist()[0]
         if not flag:
             return False
-        named = [("loss", loss.detach()), *((str(i), g) for i, g in enumerate(grads)), *buffers]
-        return bool(nonfinite_names(named) or negative_names(b for b in buffers if b[0].endswith("running_var")))
+        named = [("loss", loss.detach()), *((str(i), g) for i, g in enumerate(grads))]
+        return bool(nonfinite_names(named) or bad_batchnorm_names(buffers))
 
 
 def _user_batch_size(batch: Any, slicer: BatchSlicer, module: nn.Module) -> int:

@@ -17,11 +17,17 @@ import torch
 from torch import Tensor, nn
 
 from lightning_nanguard._compat import CALLBACK_BASES
-from lightning_nanguard.detection import fused_health_check, grouped_norms, negative_names, nonfinite_names
+from lightning_nanguard.detection import (
+    all_finite,
+    bad_batchnorm_names,
+    fused_health_check,
+    grouped_norms,
+    nonfinite_names,
+)
 from lightning_nanguard.events import EventAction, EventKind, NanEvent, NonFiniteTrainingError
 from lightning_nanguard.indices import RecordingBatchSampler, indices_from_batch, record_batch_indices
 from lightning_nanguard.investigation import InvestigationSettings, MicroBatch, investigate
-from lightning_nanguard.recovery import Recovery, apply_module_eps
+from lightning_nanguard.recovery import Recovery, apply_module_eps, grad_scaler
 from lightning_nanguard.remedies import REMEDIES, Remedy, clip_gradients_
 from lightning_nanguard.reporting import EventSinks
 from lightning_nanguard.snapshot import BatchNormSnapshot, batchnorm_buffers, batchnorm_running_vars
@@ -369,7 +375,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         if not self._checking:
             return
         grads = [g for p in self._params if (g := p.grad) is not None]
-        bn_buffers = self._bn.named_buffers if self._bn is not None and self.check_bn_stats else []
+        bn_buffers = self._checked_bn_buffers()
         summary = fused_health_check(
             grads,
             others=[*self._losses, *(t for _, t in bn_buffers if t.is_floating_point())],
@@ -396,7 +402,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             # this rank's gradients through the all-reduce. Skip with it; the event is that rank's.
             self._remote_bad_step(optimizer)
             return
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scaler = grad_scaler(trainer)
         # An fp16 overflow gives Inf (and, through Inf * 0 or Inf - Inf, NaN) gradients with a finite loss
         # and finite BatchNorm statistics: the GradScaler's to skip. NaN without any Inf is no overflow
         # (0/0 in a sqrt or a masked division): an incident.
@@ -470,11 +476,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     def _inspect(self, trainer: Trainer, grads: list[Tensor], grad_norm: float) -> NanEvent | None:
         """Bad path: confirm element-wise and name the tensors (a finite tensor may overflow its norm)."""
         bad_grads = nonfinite_names((n, p.grad) for n, p in self._named_params if p.grad is not None)
-        checked = self._bn.named_buffers if self._bn is not None and self.check_bn_stats else []
-        bn_buffers = [(n, t) for n, t in checked if t.is_floating_point()]
-        bad_buffers = nonfinite_names(bn_buffers)
-        negative = negative_names((n, t) for n, t in bn_buffers if n.endswith("running_var"))
-        bad_buffers += [n for n in negative if n not in bad_buffers]
+        bn_buffers = self._checked_bn_buffers()
+        bad_buffers = bad_batchnorm_names(bn_buffers)
         losses = [float(loss.float().sum()) for loss in self._losses]
         kinds: list[EventKind] = []
         if any(not math.isfinite(v) for v in losses):
@@ -500,12 +503,19 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             nonfinite_buffers=tuple(bad_buffers),
             loss=loss,
             grad_norm=grad_norm,
-            details={"grads_checked": len(grads), "buffers_checked": len(bn_buffers)},
+            details={
+                "grads_checked": len(grads),
+                "buffers_checked": sum(t.is_floating_point() for _, t in bn_buffers),
+            },
         )
+
+    def _checked_bn_buffers(self) -> list[tuple[str, Tensor]]:
+        """The BatchNorm buffers the check covers (none with ``check_bn_stats=False``)."""
+        return self._bn.named_buffers if self._bn is not None and self.check_bn_stats else []
 
     @staticmethod
     def _loss_scale(trainer: Trainer) -> float | None:
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scaler = grad_scaler(trainer)
         return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
 
     # ------------------------------------------------------------------ action
@@ -699,8 +709,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             )
 
     def _params_finite(self, module: nn.Module) -> bool:
-        tensors = [t.detach() for t in module.state_dict().values() if t.is_floating_point() or t.is_complex()]
-        return bool(torch.isfinite(grouped_norms(tensors)).all()) if tensors else True
+        return all_finite(list(module.state_dict().values()))
 
     # ------------------------------------------------------------------ manual loops
 
@@ -718,9 +727,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         """
         named = list(module.named_parameters())
         grads = [(n, p.grad) for n, p in named if p.grad is not None]
-        buffers = [(n, t) for n, t in batchnorm_buffers(module) if t.is_floating_point()]
         bad_grads = tuple(nonfinite_names(grads))
-        bad_buffers = tuple(nonfinite_names(buffers))
+        bad_buffers = tuple(bad_batchnorm_names(batchnorm_buffers(module)))
         bad_params = tuple(nonfinite_names(named))
         loss_bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
         kinds = [
@@ -765,7 +773,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         }
         if self.last_grad_norm is not None:
             metrics["nanguard/grad_norm"] = self.last_grad_norm
-        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        if grad_scaler(trainer) is not None:
             metrics["nanguard/amp_overflow_total"] = float(self.amp_overflow_total)
         if self.action == "rollback":
             metrics["nanguard/rollbacks_total"] = float(self.recovery.rollbacks_total)
@@ -783,8 +791,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """Never save non-finite weights: save the last good snapshot instead, or refuse."""
         state = checkpoint.get("state_dict", {})
-        tensors = [t for t in state.values() if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())]
-        if not tensors or bool(torch.isfinite(grouped_norms(tensors)).all()):
+        if all_finite([t for t in state.values() if isinstance(t, Tensor)]):
             return
         snapshot = self.recovery.snapshot
         if snapshot.available:

@@ -31,14 +31,15 @@ from lightning_nanguard.rollback import TrainingSnapshot
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
-__all__ = ["Recovery"]
+__all__ = ["Recovery", "apply_module_eps", "grad_scaler"]
 
 
 def _schedulers(trainer: Trainer) -> list[Any]:
     return [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", [])]
 
 
-def _scaler(trainer: Trainer) -> Any:
+def grad_scaler(trainer: Trainer) -> Any:
+    """The Trainer's GradScaler (``16-mixed``), or ``None`` (32-bit, bf16)."""
     return getattr(trainer.precision_plugin, "scaler", None)
 
 
@@ -74,7 +75,7 @@ class Recovery:
     def capture(self, trainer: Trainer, pl_module: LightningModule, extra: dict[str, Any]) -> None:
         """Take a last-good snapshot (the caller checked that the weights are finite)."""
         self.snapshot.capture(
-            pl_module, trainer.optimizers, _scaler(trainer), _schedulers(trainer), trainer.global_step, extra
+            pl_module, trainer.optimizers, grad_scaler(trainer), _schedulers(trainer), trainer.global_step, extra
         )
         self._since_snapshot = []
 
@@ -86,7 +87,7 @@ class Recovery:
         """
         if not self.snapshot.available:
             return None
-        self.snapshot.restore(pl_module, trainer.optimizers, _scaler(trainer), _schedulers(trainer))
+        self.snapshot.restore(pl_module, trainer.optimizers, grad_scaler(trainer), _schedulers(trainer))
         self.rollbacks_total += 1
         for remedy in self._since_snapshot:
             self._reapply(trainer, remedy)
