@@ -171,10 +171,8 @@ def kernel_ratios(repeats: int) -> dict[str, dict[str, float]]:
     return results
 
 
-def diagnosis_cost(repeats: int) -> dict[str, float]:
+def diagnosis_cost() -> dict[str, float]:
     """Time of a bad step (with bisection/localisation/bundle) over a healthy step, batch of 32, one bad sample."""
-    import lightning_nanguard.guard as guard_module  # noqa: F401 - makes the import cost not count
-
     ratios: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as root:
         for bisect in (False, True):
@@ -269,7 +267,7 @@ def main() -> None:
     print("== training step", flush=True)
     step = step_overhead(rounds, steps, warmup=5)
     print("== diagnosis", flush=True)
-    diagnosis = diagnosis_cost(repeats)
+    diagnosis = diagnosis_cost()
     write_report(step, kernel, diagnosis)
     print(f"wrote {DOCS / 'benchmarks.md'} and {DOCS / 'benchmarks.png'}")
 
