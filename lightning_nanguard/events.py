@@ -11,13 +11,15 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-__all__ = ["EVENT_KINDS", "EventAction", "EventKind", "NanEvent", "NonFiniteTrainingError"]
+__all__ = ["EVENT_CAUSES", "EVENT_KINDS", "EventAction", "EventCause", "EventKind", "NanEvent", "NonFiniteTrainingError"]
 
-EventKind = Literal["loss", "grad", "bn_stats", "param", "loss_scale"]
+EventKind = Literal["loss", "grad", "bn_stats", "param", "loss_scale", "loss_spike", "grad_spike"]
 EventAction = Literal["skipped", "raised", "warned", "rolled_back"]
-EVENT_KINDS: tuple[EventKind, ...] = ("loss", "grad", "bn_stats", "param", "loss_scale")
+EventCause = Literal["data", "input", "state", "interaction"]
+EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
+EVENT_CAUSES: tuple[EventCause, ...] = get_args(EventCause)
 
 
 def _json_float(value: float | None) -> float | str | None:
@@ -40,8 +42,10 @@ class NanEvent:
         epoch: ``trainer.current_epoch``.
         batch_idx: index of the batch within the epoch (the last micro-batch under accumulation).
         rank: global rank of the process that saw the non-finite value.
-        kinds: what was non-finite, a subset of ``("loss", "grad", "bn_stats", "param", "loss_scale")``
-            (``"loss_scale"``: a GradScaler's scale collapsed under repeated overflow).
+        kinds: what was wrong, a subset of ``("loss", "grad", "bn_stats", "param", "loss_scale",
+            "loss_spike", "grad_spike")`` (``"loss_scale"``: a GradScaler's scale collapsed under
+            repeated overflow; ``"loss_spike"``/``"grad_spike"``: a finite loss or gradient norm far
+            above its recent healthy values).
         nonfinite_grads: qualified names of parameters whose gradient holds NaN/Inf.
         nonfinite_buffers: qualified names of BatchNorm buffers holding NaN/Inf (or a negative
             ``running_var``), e.g. ``"net.1.running_var"``.
@@ -60,6 +64,10 @@ class NanEvent:
         grad_norm: global L2 norm of all gradients of the step (``inf``/``nan`` allowed).
         nonfinite_params: qualified names of parameters whose values hold NaN/Inf.
         details: free-form notes (why samples were not attributable, source text, hints).
+        cause: the verdict of the diagnosis: ``"data"`` (a proper subset of the samples reproduces
+            it), ``"input"`` (the batch itself holds NaN/Inf), ``"state"`` (the weights or optimizer
+            state are at fault: no sample is to blame), ``"interaction"`` (samples that fail only
+            together), or ``None`` (not investigated).
 
     Example:
         >>> event = NanEvent(global_step=3, epoch=0, batch_idx=3, rank=0, kinds=("loss",),
@@ -90,6 +98,7 @@ class NanEvent:
     grad_norm: float | None = None
     nonfinite_params: tuple[str, ...] = ()
     details: Mapping[str, Any] = field(default_factory=dict)
+    cause: EventCause | None = None
 
     def replace(self, **changes: Any) -> NanEvent:
         """A copy with some fields changed (events are immutable).
