@@ -34,6 +34,7 @@ CONTRACT_KEYS = [
     "grad_norm",
     "nonfinite_params",
     "details",
+    "cause",
 ]
 
 
