@@ -13,7 +13,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-__all__ = ["EVENT_CAUSES", "EVENT_KINDS", "EventAction", "EventCause", "EventKind", "NanEvent", "NonFiniteTrainingError"]
+__all__ = [
+    "EVENT_CAUSES",
+    "EVENT_KINDS",
+    "EventAction",
+    "EventCause",
+    "EventKind",
+    "NanEvent",
+    "NonFiniteTrainingError",
+]
 
 EventKind = Literal["loss", "grad", "bn_stats", "param", "loss_scale", "loss_spike", "grad_spike"]
 EventAction = Literal["skipped", "raised", "warned", "rolled_back"]

@@ -32,6 +32,7 @@ from lightning_nanguard.remedies import REMEDIES, Remedy, clip_gradients_
 from lightning_nanguard.reporting import EventSinks
 from lightning_nanguard.snapshot import BatchNormSnapshot, batchnorm_buffers, batchnorm_running_vars
 from lightning_nanguard.strategy import apply_nanguard_strategy, remove_nanguard_strategy, strategy_kind
+from lightning_nanguard.timing import GuardClock
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -81,7 +82,8 @@ def _failsafe(hook: _F) -> _F:
         if not self.active:
             return None
         try:
-            return hook(self, *args, **kwargs)
+            with self.clock.measure(hook.__name__):
+                return hook(self, *args, **kwargs)
         except NonFiniteTrainingError:
             raise
         except Exception as error:
@@ -235,6 +237,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.last_grad_norm: float | None = None
         self.recovery = Recovery(tuple(self.remedies), max_remedy_applications, lr_backoff_factor, eps_factor, max_eps)
         self.sinks = EventSinks(verbose)
+        self.clock = GuardClock()  # `guard.clock.enabled = True` measures the time spent in the guard
 
         self._trainer: Trainer | None = None
         self._named_params: list[tuple[str, nn.Parameter]] = []
@@ -332,6 +335,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             sampler = record_batch_indices(trainer.train_dataloader)
             if sampler is not None:
                 sampler.nanguard_exclude = self.recovery.book.quarantined
+                sampler.nanguard_clock = self.clock
                 self._samplers.append(sampler)
 
     # ------------------------------------------------------------------ per batch
@@ -633,7 +637,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         if trainer is None or pl_module is None or not self.active:
             return
         try:
-            self._after_step(trainer, pl_module)
+            with self.clock.measure("after_optimizer_step"):
+                self._after_step(trainer, pl_module)
         except NonFiniteTrainingError:
             raise
         except Exception as error:  # same contract as the hooks

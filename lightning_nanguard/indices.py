@@ -19,9 +19,12 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_nanguard.timing import GuardClock
+
 __all__ = ["RecordingBatchSampler", "indices_from_batch", "record_batch_indices"]
 
 _RECORDING_CLASSES: dict[type, type] = {}
+_IDLE_CLOCK = GuardClock()
 
 
 class RecordingBatchSampler(Protocol):
@@ -33,6 +36,7 @@ class RecordingBatchSampler(Protocol):
 
     nanguard_fifo: deque[list[int] | None]
     nanguard_exclude: set[int]
+    nanguard_clock: GuardClock
 
     def __iter__(self) -> Iterator[list[int]]: ...
 
@@ -49,14 +53,16 @@ def _recording_iter(self: Any) -> Iterator[list[int]]:
     fifo = self.nanguard_fifo
     fifo.clear()  # a new pass over the data starts a new record
     exclude: set[int] = getattr(self, "nanguard_exclude", set())
+    clock: GuardClock = getattr(self, "nanguard_clock", None) or _IDLE_CLOCK
     for indices in self._nanguard_base_iter():
-        as_ints = _as_ints(indices)
-        if exclude and as_ints is not None:  # quarantined samples are never yielded again
-            kept = [k for k, i in enumerate(as_ints) if i not in exclude]
-            if not kept:
-                continue
-            indices, as_ints = [indices[k] for k in kept], [as_ints[k] for k in kept]
-        fifo.append(as_ints)  # one entry per batch (None: unknown) keeps the FIFO aligned
+        with clock.measure("batch_sampler"):
+            as_ints = _as_ints(indices)
+            if exclude and as_ints is not None:  # quarantined samples are never yielded again
+                kept = [k for k, i in enumerate(as_ints) if i not in exclude]
+                if not kept:
+                    continue
+                indices, as_ints = [indices[k] for k in kept], [as_ints[k] for k in kept]
+            fifo.append(as_ints)  # one entry per batch (None: unknown) keeps the FIFO aligned
         yield indices
 
 

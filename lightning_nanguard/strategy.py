@@ -67,6 +67,7 @@ class NanGuardStrategyMixin(abc.ABC):  # ABC: same metaclass and layout as Light
             sampler = record_batch_indices(dataloader)
             if sampler is not None:
                 sampler.nanguard_exclude = guard.remedy_book.quarantined
+                sampler.nanguard_clock = guard.clock
         return dataloader
 
 
