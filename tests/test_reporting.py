@@ -20,7 +20,7 @@ from lightning_nanguard.reporting import (
     event_markdown,
     event_text,
 )
-from lightning_nanguard.reporting.tensorboard import EVENT_TEXT_TAG, SCALAR_TAGS, custom_scalars_layout
+from lightning_nanguard.reporting.tensorboard import CHARTS, EVENT_TEXT_TAG, SCALAR_TAGS, custom_scalars_layout
 
 
 def simple_event(**changes: Any) -> NanEvent:
@@ -63,13 +63,22 @@ def test_event_text_simple() -> None:
 
 def test_event_markdown_simple() -> None:
     assert event_markdown(simple_event()) == (
-        "**NanGuard** step 7 (epoch 0, batch 7): non-finite loss -> step skipped\n"
-        "\n"
-        "| | |\n"
+        "| **NanGuard** | step 7 (epoch 0, batch 7): non-finite loss -> step skipped |\n"
         "|---|---|\n"
         "| non-finite | loss |\n"
         "| loss | nan |"
     )
+
+
+def test_event_markdown_renders_as_one_table_without_an_empty_row() -> None:
+    """TensorBoard's own markdown renderer: the headline is the header row, no row is empty."""
+    from tensorboard.plugin_util import markdown_to_safe_html
+
+    html = markdown_to_safe_html(event_markdown(rich_event()))
+    assert html.count("<table>") == 1
+    assert "<th><strong>NanGuard</strong></th>" in html
+    assert "<th></th>" not in html and "<td></td>" not in html
+    assert "<td>hint</td>\n<td>a&#124;b</td>" in html  # the escaped pipe stays inside its cell
 
 
 def test_event_text_rich() -> None:
@@ -91,12 +100,12 @@ def test_event_text_rich() -> None:
 
 def test_event_markdown_quotes_code_and_escapes_pipes() -> None:
     text = event_markdown(rich_event())
-    assert text.startswith("**NanGuard** step 12 (epoch 1, batch 4)")
+    assert text.startswith("| **NanGuard** | step 12 (epoch 1, batch 4)")
     assert "| BatchNorm buffers (1) | `net.1.running_var` |" in text
     assert "`SqrtBackward0`" in text
     assert "| hint | a&#124;b |" in text  # a '|' inside a cell would break the table
     rows = [line for line in text.splitlines() if line.startswith("| ")]
-    assert all(line.count("|") == 3 for line in rows[1:])
+    assert all(line.count("|") == 3 for line in rows)
 
 
 def test_text_for_an_event_without_attribution() -> None:
@@ -140,17 +149,32 @@ def test_terminal_also_logs(caplog: pytest.LogCaptureFixture) -> None:
 # ------------------------------------------------------------------------------------ TensorBoard
 
 
-def test_layout() -> None:
+def test_layout_charts_every_known_tag_by_default_one_series_each() -> None:
     layout = custom_scalars_layout()
     assert list(layout) == ["NanGuard"]
-    charted = {tag for _, (kind, tags) in layout["NanGuard"].items() for tag in tags if kind == "Multiline"}
-    assert set(SCALAR_TAGS) <= charted
+    charts = layout["NanGuard"]
+    assert [tags for kind, tags in charts.values()] == [[tag] for tag in CHARTS]
+    assert {kind for kind, _ in charts.values()} == {"Multiline"}
+    assert set(SCALAR_TAGS) <= {tags[0] for _, tags in charts.values()}
+
+
+def test_layout_only_charts_the_tags_the_run_logs() -> None:
+    tags = ["nanguard/skipped_total", "nanguard/grad_norm", "nanguard/bad_steps_total", "val_loss"]
+    charts = custom_scalars_layout(tags)["NanGuard"]
+    assert list(charts) == ["gradient norm", "bad steps", "skipped steps"]  # CHARTS order, foreign tags ignored
+    assert not any("rollbacks" in t or "amp_overflow" in t for _, series in charts.values() for t in series)
+    # bad_steps_total and skipped_total are equal under action="skip": never in one chart
+    assert all(len(series) == 1 for _, series in charts.values())
+    assert custom_scalars_layout(["nanguard/new_counter_total"])["NanGuard"] == {
+        "new counter total": ["Multiline", ["nanguard/new_counter_total"]]
+    }
 
 
 def test_tensorboard_reporter_writes_text_scalars_and_layout(tmp_path: Path, tb_reader: Any) -> None:
     writer = SummaryWriter(str(tmp_path))
     reporter = TensorBoardReporter(writer)
-    reporter.register_layout()
+    tags = ["nanguard/grad_norm", "nanguard/bad_steps_total", "nanguard/skipped_total", "nanguard/rollbacks_total"]
+    reporter.register_layout(tags)
     reporter.register_layout()  # once per writer
     reporter.scalars({"nanguard/grad_norm": 1.5, "nanguard/skipped_total": 0.0}, step=2)
     reporter.scalars({"nanguard/grad_norm": math.inf, "nanguard/skipped_total": 1.0}, step=3)
@@ -168,8 +192,8 @@ def test_tensorboard_reporter_writes_text_scalars_and_layout(tmp_path: Path, tb_
     assert len(layouts) == 1
     category = layouts[0].category[0]
     assert category.title == "NanGuard"
-    assert [chart.title for chart in category.chart] == list(custom_scalars_layout()["NanGuard"])
-    assert list(category.chart[1].multiline.tag) == ["nanguard/bad_steps_total", "nanguard/skipped_total"]
+    assert [chart.title for chart in category.chart] == ["gradient norm", "bad steps", "skipped steps", "rollbacks"]
+    assert [list(chart.multiline.tag) for chart in category.chart] == [[tag] for tag in tags]
 
 
 def test_tensorboard_report_flushes_immediately(tmp_path: Path, tb_reader: Any) -> None:
