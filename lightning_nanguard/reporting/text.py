@@ -88,16 +88,21 @@ def event_text(event: NanEvent) -> str:
 
 
 def event_markdown(event: NanEvent) -> str:
-    """Markdown report (a heading and a two-column table) for TensorBoard's text dashboard.
+    """Markdown report for TensorBoard's text dashboard: a two-column table headed by the headline.
+
+    The headline is the table's header row (a markdown table needs one; an empty one shows as a
+    blank row). ``|`` inside a value is escaped so it cannot split a cell.
 
     Example:
         >>> print(event_markdown(NanEvent(7, 0, 7, 0, ("loss",), "skipped", loss=float("nan"))))
-        **NanGuard** step 7 (epoch 0, batch 7): non-finite loss -> step skipped
-        <BLANKLINE>
-        | | |
+        | **NanGuard** | step 7 (epoch 0, batch 7): non-finite loss -> step skipped |
         |---|---|
         | non-finite | loss |
         | loss | nan |
     """
-    rows = [f"| {label} | {value.replace('|', '&#124;')} |" for label, value in event_lines(event, code="`")]
-    return "\n".join([f"**NanGuard** {event.headline()}", "", "| | |", "|---|---|", *rows])
+
+    def cell(text: str) -> str:
+        return text.replace("|", "&#124;").replace("\n", " ")
+
+    rows = [f"| {cell(label)} | {cell(value)} |" for label, value in event_lines(event, code="`")]
+    return "\n".join([f"| **NanGuard** | {cell(event.headline())} |", "|---|---|", *rows])
