@@ -6,6 +6,9 @@ the samples it contains: tensors (first dimension), tuples, lists, namedtuples, 
 non-tensor leaves such as a list of strings with one entry per sample. Anything else can be
 handled by a user slicer (``NanGuard(batch_slicer=...)`` or a ``nanguard_slice_batch`` method on
 the LightningModule).
+
+:func:`nonfinite_fields` finds, without running the model, which fields of a batch hold NaN/Inf
+and in which samples.
 """
 
 from __future__ import annotations
@@ -13,16 +16,21 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import UserDict
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor
 
-__all__ = ["BatchSlicer", "UnsliceableBatchError", "batch_size", "slice_batch"]
+__all__ = ["BatchField", "BatchSlicer", "UnsliceableBatchError", "batch_size", "nonfinite_fields", "slice_batch"]
 
 BatchSlicer = Callable[[Any, Sequence[int]], Any]
 """``slicer(batch, positions) -> sub_batch``: keep the samples at ``positions``, in that order."""
+
+
+BatchField: TypeAlias = str | int
+"""Where a tensor sits in a batch: a key or attribute (``"pixel_values"``), a position in a tuple or
+list (``0``), a dotted path when nested (``"inputs.x"``, ``"0.x"``), or ``"<batch>"`` for a bare tensor."""
 
 
 class UnsliceableBatchError(TypeError):
@@ -121,3 +129,82 @@ def slice_batch(batch: Any, positions: Sequence[int], size: int | None = None) -
         return obj
 
     return cut(batch)
+
+
+def _named_tensors(batch: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Tensor]]:
+    """Every tensor of ``batch`` with its path of keys, attribute names and positions."""
+    if isinstance(batch, Tensor):
+        yield path, batch
+    elif isinstance(batch, Mapping | UserDict):
+        for key, value in batch.items():
+            yield from _named_tensors(value, (*path, key))
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for f in dataclasses.fields(batch):
+            yield from _named_tensors(getattr(batch, f.name), (*path, f.name))
+    elif _is_namedtuple(batch):
+        for name, value in zip(batch._fields, batch, strict=True):
+            yield from _named_tensors(value, (*path, name))
+    elif isinstance(batch, list | tuple):
+        for position, value in enumerate(batch):
+            yield from _named_tensors(value, (*path, position))
+
+
+def _field_name(path: tuple[Any, ...]) -> BatchField:
+    if not path:
+        return "<batch>"
+    if len(path) == 1 and isinstance(path[0], str | int):
+        return path[0]
+    return ".".join(str(part) for part in path)
+
+
+def _float(tensor: Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def nonfinite_fields(
+    batch: Any, size: int | None = None, slicer: BatchSlicer | None = None
+) -> dict[BatchField, list[int] | None]:
+    """Fields of ``batch`` holding NaN/Inf, each with the positions of the samples holding it.
+
+    A tensor whose first dimension is the batch size is read per sample; a NaN/Inf elsewhere
+    (a tensor shared by all samples) maps to ``None``: no sample is to blame for it. With a custom
+    ``slicer`` (the layout is the user's), every sample is cut out and read on its own.
+
+    Args:
+        batch: the batch, as ``training_step`` received it.
+        size: number of samples (default: :func:`batch_size`).
+        slicer: the batch slicer the diagnosis uses, when not the built-in one.
+
+    Example:
+        >>> x = torch.ones(4, 3)
+        >>> x[2, 1] = float("nan")
+        >>> nonfinite_fields({"x": x, "y": torch.zeros(4), "ids": torch.arange(4)})
+        {'x': [2]}
+        >>> nonfinite_fields((torch.full((2,), float("inf")), torch.ones(2)))
+        {0: [0, 1]}
+    """
+    floats = [(path, t) for path, t in _named_tensors(batch) if _float(t)]
+    if not floats:
+        return {}
+    whole = torch.stack([torch.isfinite(t).all() for _, t in floats]).tolist()
+    suspects = [(path, t) for (path, t), finite in zip(floats, whole, strict=True) if not finite]
+    if not suspects:
+        return {}
+    n = size if size is not None else batch_size(batch)
+    found: dict[BatchField, list[int] | None] = {}
+    if slicer is not None and slicer is not slice_batch:
+        per_sample: dict[tuple[Any, ...], list[int]] = {path: [] for path, _ in suspects}
+        for position in range(n):
+            for path, tensor in _named_tensors(slicer(batch, [position])):
+                if path in per_sample and _float(tensor) and not bool(torch.isfinite(tensor).all()):
+                    per_sample[path].append(position)
+        # a NaN/Inf no single sample carries (the slicer dropped or reshaped the field) blames no sample
+        return {_field_name(path): (samples or None) for path, samples in per_sample.items()}
+    for path, tensor in suspects:
+        name = _field_name(path)
+        if tensor.dim() > 0 and tensor.shape[0] == n:
+            bad_rows = ~torch.isfinite(tensor.reshape(n, -1)).all(dim=1)
+            found[name] = [int(i) for i in bad_rows.nonzero().flatten().tolist()]
+        else:
+            found[name] = None
+    return found

@@ -22,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["BisectionResult", "find_offending"]
@@ -47,6 +47,7 @@ class BisectionResult:
         reason: why the result is not attributable (empty when it is).
         smallest_bad: the smallest bad group seen (for localisation), possibly the whole batch.
         complete: False when ``max_passes`` stopped the search early (``offending`` is then partial).
+        interacting: bad groups holding no sample that is bad on its own (they fail only together).
     """
 
     offending: list[int] | None
@@ -54,9 +55,17 @@ class BisectionResult:
     reason: str = ""
     smallest_bad: list[int] = field(default_factory=list)
     complete: bool = True
+    interacting: list[list[int]] = field(default_factory=list)
 
 
-def find_offending(n: int, is_bad: Predicate, max_passes: int = 64, confirm_whole: bool = True) -> BisectionResult:
+def find_offending(
+    n: int,
+    is_bad: Predicate,
+    max_passes: int = 64,
+    confirm_whole: bool = True,
+    known: Mapping[tuple[int, ...], bool] | None = None,
+    spent: int = 0,
+) -> BisectionResult:
     """Find the positions in ``range(n)`` that make ``is_bad`` true, by adaptive splitting.
 
     Args:
@@ -65,20 +74,35 @@ def find_offending(n: int, is_bad: Predicate, max_passes: int = 64, confirm_whol
         max_passes: stop after this many calls and report what was found so far.
         confirm_whole: first check that the whole batch is bad (it may not be: the bad values can
             come from the weights' history, or from randomness the re-run does not reproduce).
+        known: results of groups already run (e.g. the whole batch and single samples, by an
+            earlier check): reused without a pass. A group holding a single sample known to be bad
+            is bad too.
+        spent: passes already used by that earlier check; they count towards ``max_passes``
+            (``passes`` in the result counts this search's own).
 
     Example:
         >>> find_offending(4, lambda positions: len(positions) == 4).reason
         'no single sample is non-finite on its own: the samples only fail together (batch interaction)'
+        >>> find_offending(8, lambda positions: 5 in positions, known={tuple(range(8)): True, (5,): True}).passes
+        3
     """
     passes = 0
     smallest_bad: list[int] = list(range(n))
+    results = dict(known or {})
+    bad_singles = {group[0] for group, bad in results.items() if bad and len(group) == 1}
 
     def test(positions: list[int]) -> bool:
         nonlocal passes, smallest_bad
-        if passes >= max_passes:
-            raise _PassBudgetExhausted
-        passes += 1
-        bad = is_bad(positions)
+        key = tuple(positions)
+        if key in results:
+            bad = results[key]
+        elif bad_singles.intersection(positions):
+            bad = True
+        else:
+            if spent + passes >= max_passes:
+                raise _PassBudgetExhausted
+            passes += 1
+            bad = is_bad(positions)
         if bad and len(positions) < len(smallest_bad):
             smallest_bad = list(positions)
         return bad
@@ -139,11 +163,11 @@ def find_offending(n: int, is_bad: Predicate, max_passes: int = 64, confirm_whol
             reason = "no sub-batch was non-finite (the whole batch was not re-run: confirm_whole=False)"
         else:
             reason = f"max_bisect_passes={max_passes} reached before a single sample was isolated"
-        return BisectionResult(None, passes, reason, smallest_bad, complete)
+        return BisectionResult(None, passes, reason, smallest_bad, complete, interacting)
     notes = []
     if interacting:
         notes.append(f"some groups only fail together: {interacting}")
     if not complete:
         notes.append(f"max_bisect_passes={max_passes} reached: more samples may be offending")
     reason = "; ".join(notes)
-    return BisectionResult(sorted(offending), passes, reason, smallest_bad, complete)
+    return BisectionResult(sorted(offending), passes, reason, smallest_bad, complete, interacting)

@@ -1,51 +1,51 @@
-"""Diagnose a bad batch: which samples, which module, which op, which line.
+"""Diagnose a bad batch: what caused it (the data, the batch itself, the model state), which samples, where.
 
-:func:`diagnose` combines the pieces: it re-runs the LightningModule's ``training_step`` on
-sub-batches (:mod:`~lightning_nanguard.batching`), each run fully isolated
-(:mod:`~lightning_nanguard.isolation`), searches the offending samples by adaptive group testing
-(:mod:`~lightning_nanguard.bisection`) and localises the origin on the smallest bad group
-(:mod:`~lightning_nanguard.localization`). It needs no Trainer, so ``replay`` uses it too.
+:func:`diagnose` combines the pieces. It re-runs the LightningModule's ``training_step`` on
+sub-batches (:mod:`~lightning_nanguard.runner`), each run fully isolated
+(:mod:`~lightning_nanguard.isolation`), and decides the cause in this order:
+
+1. the weights are already non-finite: ``"state"`` (0 passes);
+2. the batch itself holds NaN/Inf: ``"input"`` (:func:`~lightning_nanguard.verdict.check_input`);
+3. a reference sub-batch of a recent healthy step fails too, or every sample tried fails on its
+   own: ``"state"`` (:func:`~lightning_nanguard.verdict.check_state`, at most 4 passes);
+4. otherwise the offending samples are searched by adaptive group testing
+   (:mod:`~lightning_nanguard.bisection`): ``"data"`` when samples reproduce it, ``"interaction"``
+   when samples only fail together.
+
+The origin is then localised on the *full* batch, following the offending samples' rows
+(:mod:`~lightning_nanguard.localization`), so the op named is one that happens in the real batch.
+It needs no Trainer, so ``replay`` uses it too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch import nn
 
-from lightning_nanguard.batching import BatchSlicer, batch_size, slice_batch
+from lightning_nanguard.batching import BatchField, BatchSlicer
 from lightning_nanguard.bisection import BisectionResult, find_offending
-from lightning_nanguard.detection import bad_batchnorm_names, fused_health_check, nonfinite_names
-from lightning_nanguard.events import NanEvent
+from lightning_nanguard.compact import compact_channels
+from lightning_nanguard.detection import nonfinite_names
+from lightning_nanguard.events import EventCause, NanEvent
+from lightning_nanguard.hints import hint_for
 from lightning_nanguard.isolation import isolated
 from lightning_nanguard.localization import Localization, localize
-from lightning_nanguard.snapshot import batchnorm_buffers, batchnorm_running_vars
+from lightning_nanguard.runner import StepFn, SubBatchRunner, finite_threshold, loss_from_output
+from lightning_nanguard.verdict import InputCheck, StateCheck, check_input, check_state, describe_fields
 
 __all__ = ["Diagnosis", "SubBatchRunner", "diagnose", "event_with_diagnosis", "loss_from_output"]
 
 log = logging.getLogger("lightning_nanguard")
 
-StepFn = Callable[[Any, int], Any]
-
-
-def loss_from_output(output: Any) -> Tensor | None:
-    """The loss in what ``training_step`` returned: a tensor, a mapping with ``"loss"``, or ``None``.
-
-    Example:
-        >>> loss_from_output({"loss": torch.tensor(1.0), "extra": 2}).item()
-        1.0
-    """
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
-        return output["loss"]
-    return None
+_NOT_REPRODUCED = (
+    "re-running the batch on the same weights gave finite values (non-deterministic ops, or the "
+    "values depend on state the re-run does not reproduce)"
+)
 
 
 @dataclass(frozen=True)
@@ -56,12 +56,19 @@ class Diagnosis:
         batch_size: samples in the batch.
         offending: positions of offending samples (``None``: not attributable).
         reason: why not attributable, or notes on partial results.
-        passes: forward/backward passes the bisection used.
+        passes: forward/backward passes used in all (the state check's included, the localisation
+            pass not).
         localization: origin of the first non-finite value (``None`` if not localised).
         error: the exception text if a re-run failed (diagnosis then stops, training goes on).
-        smallest_bad: the smallest group of positions that re-ran non-finite (localised on).
+        smallest_bad: the smallest group of positions that re-ran bad.
         known_good: positions that re-ran finite; with BatchNorm in train mode a single sample is
             re-run next to the first of them, so a repro bundle saves it as a reference sample.
+        cause: ``"data"``, ``"input"``, ``"state"``, ``"interaction"``, or ``None`` (not investigated:
+            bisection off, or nothing reproduced).
+        state_passes: passes spent deciding whether the model state is at fault (at most 4).
+        input_fields: batch fields holding NaN/Inf (cause ``"input"``, or noted next to another cause).
+        source_root: the directory source paths are shown relative to (``None``: the working directory).
+        loss_threshold: the loss above which a (sub-)batch counted as bad (loss-spike mode).
     """
 
     batch_size: int | None
@@ -72,116 +79,24 @@ class Diagnosis:
     error: str | None = None
     smallest_bad: list[int] = field(default_factory=list)
     known_good: list[int] = field(default_factory=list)
+    cause: EventCause | None = None
+    state_passes: int = 0
+    input_fields: tuple[BatchField, ...] = ()
+    source_root: str | None = None
+    loss_threshold: float | None = None
 
+    @property
+    def full_details(self) -> dict[str, Any]:
+        """Details too long for an event (every non-finite BatchNorm channel), for the repro bundle.
 
-class SubBatchRunner:
-    """Runs ``training_step`` on sub-batches and tells whether each produces NaN/Inf.
-
-    A sub-batch is bad when its loss, its gradients (``torch.autograd.grad``, ``.grad`` untouched)
-    or the BatchNorm statistics its forward produces are non-finite. Every run is isolated.
-    BatchNorm in train mode refuses a single sample, so a single sample is run next to a sample
-    already known to be good when there is one, and with BatchNorm in eval mode otherwise.
-
-    Args:
-        module: the LightningModule (or any module).
-        batch: the full batch, as ``training_step`` received it.
-        step_fn: ``step_fn(batch, batch_idx) -> output`` (default: ``module.training_step``).
-        batch_idx: passed to ``step_fn``.
-        slicer: cuts a batch to given positions (default :func:`slice_batch`). When the built-in
-            :func:`batch_size` cannot read the batch size (e.g. sequence-first tensors), the slicer
-            may provide it as a ``slicer.batch_size(batch)`` attribute, or the module as a
-            ``nanguard_batch_size(batch)`` method.
-        context: returns a context manager entered around each run (e.g. autocast).
-    """
-
-    def __init__(
-        self,
-        module: nn.Module,
-        batch: Any,
-        step_fn: StepFn | None = None,
-        batch_idx: int = 0,
-        slicer: BatchSlicer | None = None,
-        context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
-    ) -> None:
-        self.module = module
-        self.batch = batch
-        self.step_fn: StepFn = step_fn if step_fn is not None else module.training_step  # type: ignore[assignment]
-        self.batch_idx = batch_idx
-        self.slicer: BatchSlicer = slicer if slicer is not None else slice_batch
-        self.context = context if context is not None else contextlib.nullcontext
-        self.size = batch_size(batch) if slicer is None else _user_batch_size(batch, slicer, module)
-        self.params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.has_train_bn = any(isinstance(m, _BatchNorm) and m.training for m in module.modules())
-        self.known_good: list[int] = []
-        self.passes = 0
-
-    def padded(self, positions: Sequence[int]) -> tuple[list[int], bool]:
-        """Positions to run and whether BatchNorm must run in eval mode."""
-        positions = list(positions)
-        if len(positions) == 1 and self.has_train_bn:
-            if self.known_good:
-                return [*positions, self.known_good[0]], False
-            return positions, True
-        return positions, False
-
-    def sub_batch(self, positions: Sequence[int]) -> Any:
-        if len(positions) == self.size and list(positions) == list(range(self.size)):
-            return self.batch
-        return self.slicer(self.batch, list(positions))
-
-    @contextlib.contextmanager
-    def _mode(self, bn_eval: bool) -> Iterator[None]:
-        if bn_eval:
-            for child in self.module.modules():
-                if isinstance(child, _BatchNorm):
-                    child.eval()
-        with self.context(), torch.enable_grad():
-            yield
-
-    def forward(self, positions: Sequence[int]) -> Tensor | None:
-        """Loss of the sub-batch (call inside :func:`isolated`); padding and BN mode applied."""
-        run, bn_eval = self.padded(positions)
-        with self._mode(bn_eval):
-            return loss_from_output(self.step_fn(self.sub_batch(run), self.batch_idx))
-
-    def is_bad(self, positions: Sequence[int]) -> bool:
-        """One isolated forward/backward pass of ``positions``."""
-        self.passes += 1
-        with isolated(self.module):
-            loss = self.forward(positions)
-            if loss is None:
-                return False
-            grads: Sequence[Tensor | None] = ()
-            if loss.requires_grad and self.params:
-                grads = torch.autograd.grad(loss.sum(), [p for _, p in self.params], allow_unused=True)
-            bad = self._nonfinite(loss, [g for g in grads if g is not None])
-        if not bad:
-            self.known_good.extend(p for p in positions if p not in self.known_good)
-        return bad
-
-    def _nonfinite(self, loss: Tensor, grads: list[Tensor]) -> bool:
-        buffers = [(n, t) for n, t in batchnorm_buffers(self.module) if t.is_floating_point()]
-        flag = fused_health_check(
-            grads, [loss.detach(), *(t for _, t in buffers)], batchnorm_running_vars(buffers)
-        ).tolist()[0]
-        if not flag:
-            return False
-        named = [("loss", loss.detach()), *((str(i), g) for i, g in enumerate(grads))]
-        return bool(nonfinite_names(named) or bad_batchnorm_names(buffers))
-
-
-def _user_batch_size(batch: Any, slicer: BatchSlicer, module: nn.Module) -> int:
-    """The batch size for a custom slicer: its ``batch_size`` attribute, the module's hook, or the built-in rule."""
-    for size_of in (getattr(slicer, "batch_size", None), getattr(module, "nanguard_batch_size", None)):
-        if callable(size_of):
-            return int(size_of(batch))
-    try:
-        return batch_size(batch)
-    except TypeError as error:
-        raise TypeError(
-            f"{error}; with a custom batch_slicer, give it a `batch_size(batch)` attribute (or define "
-            "`nanguard_batch_size(batch)` on the module) when the batch size cannot be read from the batch"
-        ) from error
+        Example:
+            >>> Diagnosis(8, [1], localization=Localization(bn_channels={"bn": [0, 1]})).full_details
+            {'bn_channels': {'bn': [0, 1]}}
+        """
+        full: dict[str, Any] = {}
+        if self.localization is not None and self.localization.bn_channels:
+            full["bn_channels"] = {name: list(c) for name, c in self.localization.bn_channels.items()}
+        return full
 
 
 def diagnose(
@@ -195,8 +110,11 @@ def diagnose(
     localize_origin: bool = True,
     max_passes: int = 64,
     known_good: Sequence[int] = (),
+    reference_batch: Any | None = None,
+    loss_threshold: float | None = None,
+    source_root: str | None = None,
 ) -> Diagnosis:
-    """Find the offending samples of ``batch`` and localise the origin, leaving no trace.
+    """Decide the cause of a bad ``batch``, find its offending samples and localise the origin, leaving no trace.
 
     Args:
         module: the model whose ``training_step`` (or ``step_fn``) produced NaN/Inf.
@@ -205,14 +123,21 @@ def diagnose(
         batch_idx: passed to ``step_fn``.
         slicer: custom batch slicer ``slicer(batch, positions)``.
         context: context manager factory entered around each run (autocast).
-        bisect: search the offending samples (otherwise only localise on the whole batch). Skipped
-            when the weights are already non-finite: no sample is then to blame.
+        bisect: decide the cause and search the offending samples (otherwise only localise on the
+            whole batch; the cause is then ``None``).
         localize_origin: name module, op and source line.
-        max_passes: cap on forward/backward passes of the search.
+        max_passes: cap on forward/backward passes (state check and search together).
         known_good: positions known to be finite (a repro bundle's reference sample): single
             samples are re-run next to the first one when BatchNorm is in train mode.
+        reference_batch: a small sub-batch (>= 2 samples) of a recent healthy step, cut with the
+            same slicer: if it is bad with the current weights, the cause is ``"state"`` (1 pass).
+        loss_threshold: loss-spike mode: a (sub-)batch is also bad when its loss exceeds this value;
+            the origin is localised only if some run turned non-finite.
+        source_root: show source paths relative to this directory when under it (the working
+            directory at ``fit`` start); default: the current working directory.
 
     Example:
+        >>> import torch
         >>> class Net(nn.Module):
         ...     def __init__(self):
         ...         super().__init__()
@@ -221,62 +146,219 @@ def diagnose(
         ...         return (self.w * x).sum(dim=1).log().sum()
         >>> x = torch.tensor([[1.0, 1, 1], [0, 0, 0], [2, 2, 2], [1, 2, 3]])
         >>> found = diagnose(Net(), x)
-        >>> found.offending, found.localization.op
-        ([1], 'LogBackward0')
+        >>> found.cause, found.offending, found.localization.op, found.localization.function
+        ('data', [1], 'LogBackward0', 'torch.log')
     """
+    threshold = finite_threshold(loss_threshold)
+    if loss_threshold is not None and threshold is None:
+        log.warning("NanGuard: loss_threshold=%r is not a finite number; diagnosing NaN/Inf only", loss_threshold)
+    common: dict[str, Any] = {"source_root": source_root, "loss_threshold": threshold}
     try:
-        runner = SubBatchRunner(module, batch, step_fn, batch_idx, slicer, context)
+        runner = SubBatchRunner(module, batch, step_fn, batch_idx, slicer, context, threshold)
     except Exception as error:  # an unsliceable batch or a failing user hook: report, never raise
-        return Diagnosis(None, None, reason=str(error), error=str(error) or repr(error))
+        return Diagnosis(None, None, reason=str(error), error=str(error) or repr(error), **common)
     runner.known_good = [int(p) for p in known_good]
-    result = BisectionResult(None, 0, "bisection disabled", list(range(runner.size)))
+    whole = list(range(runner.size))
+    if runner.size == 0:
+        return Diagnosis(0, None, reason="the batch is empty", **common)
     bad_weights = nonfinite_names((n, p.detach()) for n, p in module.named_parameters())
-    if bad_weights:  # every sample fails on such weights: the samples are not the cause
-        shown = ", ".join(bad_weights[:3]) + (f" (+{len(bad_weights) - 3} more)" if len(bad_weights) > 3 else "")
-        reason = f"the weights are already non-finite ({shown}): every sample fails, whatever the data"
-        result = BisectionResult(None, 0, reason, list(range(runner.size)))
+    if bad_weights or not bisect:
+        if bad_weights:  # every sample fails on such weights: the samples are not the cause
+            shown = ", ".join(bad_weights[:3]) + (f" (+{len(bad_weights) - 3} more)" if len(bad_weights) > 3 else "")
+            reason = f"the weights are already non-finite ({shown}): every sample fails, whatever the data"
+        else:
+            reason = "bisection disabled"
+        localization, failure = _localized(runner, None, localize_origin, source_root, scan_input=True)
+        cause: EventCause | None = "state" if bad_weights and bisect else None
+        return Diagnosis(runner.size, None, reason, 0, localization, failure, whole, cause=cause, **common)
+    reference: SubBatchRunner | None = None
     try:
-        if bisect and not bad_weights:
-            result = find_offending(runner.size, runner.is_bad, max_passes=max_passes)
+        inputs = check_input(runner, reference_batch, max_passes)
+        if inputs.fields and inputs.confirmed:
+            return _input_diagnosis(runner, inputs, common)
+        reference = _reference_runner(runner, reference_batch)
+        what = "non-finite" if threshold is None else f"non-finite or above the loss threshold {threshold:.6g}"
+        state = check_state(runner, reference, max_passes - runner.passes, what)
+        if state.state or state.reproduced is False:
+            return _state_diagnosis(runner, reference, state, inputs, localize_origin, common)
+        spent = runner.passes + (reference.passes if reference is not None else 0)
+        result = find_offending(runner.size, runner.is_bad, max_passes=max_passes, known=state.known, spent=spent)
     except Exception as error:  # the guard must never kill training
         log.warning("NanGuard: re-running training_step for diagnosis failed: %r", error, exc_info=True)
         return Diagnosis(
             runner.size,
             None,
             reason=f"re-running training_step failed: {error!r}",
-            passes=runner.passes,
+            passes=runner.passes + (reference.passes if reference is not None else 0),
             error=repr(error),
+            **common,
         )
-    localization = None
-    localization_error = None
-    group = result.smallest_bad or (result.offending[:1] if result.offending else [])
-    if localize_origin and group:
-        try:
-            localization = _localize_group(runner, group)
-        except Exception as error:  # keep the samples found: only the origin is unknown
-            log.warning("NanGuard: localising the origin failed: %r", error, exc_info=True)
-            localization_error = f"localisation failed: {error!r}"
+    return _search_diagnosis(runner, reference, state, inputs, result, localize_origin, common)
+
+
+def _reference_runner(runner: SubBatchRunner, reference_batch: Any) -> SubBatchRunner | None:
+    if reference_batch is None:
+        return None
+    try:
+        reference = SubBatchRunner(
+            runner.module,
+            reference_batch,
+            runner.step_fn,
+            runner.batch_idx,
+            runner.slicer if runner.custom_slicer else None,
+            runner.context,
+            runner.loss_threshold,
+        )
+    except Exception as error:  # an unreadable reference: decide without it
+        log.warning("NanGuard: the reference sub-batch cannot be used, deciding without it: %r", error)
+        return None
+    return reference if reference.size > 0 else None
+
+
+def _input_diagnosis(runner: SubBatchRunner, inputs: InputCheck, common: dict[str, Any]) -> Diagnosis:
+    """The batch holds NaN/Inf: its samples are named, the origin is the input before any op."""
+    offending = list(inputs.samples) if inputs.samples and not inputs.shared_fields else None
+    reason = ""
+    if offending is None:
+        reason = (
+            f"the batch field(s) {describe_fields(inputs.shared_fields)} hold NaN/Inf outside the sample "
+            "dimension: no sample is to blame"
+        )
+    localization = Localization(
+        phase="forward",
+        op="<input>",
+        hint=hint_for("<input>", "forward"),
+        input_nonfinite=True,
+        input_fields=inputs.fields,
+        loss_finite=False,
+    )
     return Diagnosis(
-        batch_size=runner.size,
-        offending=result.offending,
-        reason=result.reason,
-        passes=result.passes,
-        localization=localization,
-        error=localization_error,
-        smallest_bad=result.smallest_bad,
+        runner.size,
+        offending,
+        reason,
+        runner.passes,
+        localization,
+        smallest_bad=list(inputs.samples),
         known_good=list(runner.known_good),
+        cause="input",
+        input_fields=inputs.fields,
+        **common,
     )
 
 
-def _localize_group(runner: SubBatchRunner, group: list[int]) -> Localization:
-    run, bn_eval = runner.padded(group)
-    with isolated(runner.module), runner._mode(bn_eval):
-        sub = runner.sub_batch(run)
+def _state_diagnosis(
+    runner: SubBatchRunner,
+    reference: SubBatchRunner | None,
+    state: StateCheck,
+    inputs: InputCheck,
+    localize_origin: bool,
+    common: dict[str, Any],
+) -> Diagnosis:
+    """The model state is at fault (no sample named), or nothing reproduced (no verdict)."""
+    passes = runner.passes + (reference.passes if reference is not None else 0)
+    if not state.state:
+        return Diagnosis(
+            runner.size, None, _NOT_REPRODUCED, passes, state_passes=state.passes, input_fields=inputs.fields, **common
+        )
+    nonfinite = runner.saw_nonfinite or (reference is not None and reference.saw_nonfinite)
+    localization, error = _localized(
+        runner, None, localize_origin and _spike_localizes(runner, nonfinite), common["source_root"]
+    )
+    return Diagnosis(
+        runner.size,
+        None,
+        state.reason,
+        passes,
+        localization,
+        error,
+        list(range(runner.size)),
+        list(runner.known_good),
+        cause="state",
+        state_passes=state.passes,
+        input_fields=inputs.fields,
+        **common,
+    )
+
+
+def _search_diagnosis(
+    runner: SubBatchRunner,
+    reference: SubBatchRunner | None,
+    state: StateCheck,
+    inputs: InputCheck,
+    result: BisectionResult,
+    localize_origin: bool,
+    common: dict[str, Any],
+) -> Diagnosis:
+    """The samples were searched: ``"data"`` when some reproduce it, ``"interaction"`` when only groups do."""
+    cause: EventCause | None = None
+    if result.offending:
+        cause = "data"
+    elif result.interacting:
+        cause = "interaction"
+    rows = result.offending if cause == "data" and not runner.custom_slicer else None
+    localization = error = None
+    if result.offending or result.smallest_bad:
+        localize_here = localize_origin and _spike_localizes(runner, runner.saw_nonfinite)
+        localization, error = _localized(runner, rows, localize_here, common["source_root"])
+    reason = result.reason
+    if inputs.fields:
+        note = f"the batch also holds NaN/Inf in {describe_fields(inputs.fields)}, but other samples fail too"
+        reason = f"{reason}; {note}" if reason else note
+    passes = runner.passes + (reference.passes if reference is not None else 0)
+    return Diagnosis(
+        runner.size,
+        result.offending,
+        reason,
+        passes,
+        localization,
+        error,
+        result.smallest_bad,
+        list(runner.known_good),
+        cause=cause,
+        state_passes=state.passes,
+        input_fields=inputs.fields,
+        **common,
+    )
+
+
+def _spike_localizes(runner: SubBatchRunner, saw_nonfinite: bool) -> bool:
+    """In loss-spike mode the origin of a merely large loss is not localised, only that of a NaN/Inf."""
+    return runner.loss_threshold is None or saw_nonfinite
+
+
+def _localized(
+    runner: SubBatchRunner, rows: list[int] | None, wanted: bool, source_root: str | None, scan_input: bool = False
+) -> tuple[Localization | None, str | None]:
+    """Localise on the full batch (following ``rows``); a failure keeps the rest of the diagnosis.
+
+    ``scan_input``: report a batch holding NaN/Inf as the origin (when no input verdict was made).
+    """
+    if not wanted:
+        return None, None
+    try:
+        found = _localize_batch(runner, rows, source_root, scan_input)
+        if rows is not None and found.phase is None:  # nothing in those rows: the whole batch
+            found = _localize_batch(runner, None, source_root, scan_input)
+        return found, None
+    except Exception as error:  # keep the samples found: only the origin is unknown
+        log.warning("NanGuard: localising the origin failed: %r", error, exc_info=True)
+        return None, f"localisation failed: {error!r}"
+
+
+def _localize_batch(
+    runner: SubBatchRunner, rows: list[int] | None, source_root: str | None, scan_input: bool
+) -> Localization:
+    """One instrumented forward/backward of the full batch, isolated, as training ran it."""
+    with isolated(runner.module), runner.mode(False):
         return localize(
             runner.module,
-            lambda: loss_from_output(runner.step_fn(sub, runner.batch_idx)),
-            batch=sub,
+            lambda: loss_from_output(runner.step_fn(runner.batch, runner.batch_idx)),
+            batch=runner.batch,
             params=runner.params,
+            rows=rows,
+            batch_size=runner.size,
+            source_root=source_root,
+            input_fields=None if scan_input else (),
         )
 
 
@@ -287,7 +369,10 @@ def event_with_diagnosis(
     dataset_indices: Sequence[int] | None = None,
     batch_size: int | None = None,
 ) -> NanEvent:
-    """Fill the forensic fields of ``event`` from ``diagnosis``.
+    """Fill the forensic fields of ``event`` (and its ``cause``) from ``diagnosis``.
+
+    Per-channel details are kept short (:mod:`~lightning_nanguard.compact`); the full lists are in
+    ``diagnosis.full_details``, for the repro bundle.
 
     Args:
         event: the event of the bad step.
@@ -296,10 +381,18 @@ def event_with_diagnosis(
             (replay diagnoses a saved sub-batch); identity when ``None``.
         dataset_indices: dataset index of every sample of the diagnosed batch, when known.
         batch_size: size of the original batch (default: the diagnosed batch's size).
+
+    Example:
+        >>> event = NanEvent(3, 0, 3, 0, ("loss",), "skipped")
+        >>> filled = event_with_diagnosis(event, Diagnosis(8, [2], cause="data"), dataset_indices=range(10, 18))
+        >>> filled.cause, filled.offending_samples, filled.dataset_indices
+        ('data', (2,), (12,))
     """
     details = dict(event.details)
     details["batch_size"] = batch_size if batch_size is not None else diagnosis.batch_size
     details["bisect_passes"] = diagnosis.passes
+    if diagnosis.cause is not None or diagnosis.state_passes:
+        details["state_passes"] = diagnosis.state_passes
     offending: tuple[int, ...] | None = None
     indices: tuple[int, ...] | None = None
     if diagnosis.offending is not None:
@@ -312,16 +405,37 @@ def event_with_diagnosis(
         details["bisect_note"] = diagnosis.reason  # partial result or interacting groups next to the samples
     if diagnosis.error:
         details["diagnosis_error"] = diagnosis.error
+    if diagnosis.input_fields:
+        details["input_fields"] = list(diagnosis.input_fields)
+    if diagnosis.loss_threshold is not None:
+        details["loss_threshold"] = diagnosis.loss_threshold
+    changes: dict[str, Any] = {"offending_samples": offending, "dataset_indices": indices, "cause": diagnosis.cause}
     loc = diagnosis.localization
-    changes: dict[str, Any] = {"offending_samples": offending, "dataset_indices": indices}
     if loc is not None and loc.phase is not None:
         changes.update(culprit_module=loc.module, culprit_op=loc.op, source_line=loc.source_line, phase=loc.phase)
-        for key, value in (("module_type", loc.module_type), ("source_text", loc.source_text), ("hint", loc.hint)):
-            if value:
-                details[key] = value
-        if loc.input_nonfinite:
-            details["input_nonfinite"] = True
-        if loc.bn_channels:
-            details["bn_channels"] = {name: list(channels) for name, channels in loc.bn_channels.items()}
+        details.update(_origin_details(loc))
     changes["details"] = details
     return event.replace(**changes)
+
+
+def _origin_details(loc: Localization) -> dict[str, Any]:
+    details: dict[str, Any] = {}
+    for key, value in (
+        ("module_type", loc.module_type),
+        ("source_text", loc.source_text),
+        ("hint", loc.hint),
+        ("function", loc.function),
+        ("source_path", loc.source_path),
+    ):
+        if value:
+            details[key] = value
+    if loc.stack:
+        details["stack"] = [{"file": path, "line": line, "function": name} for path, line, name in loc.stack]
+    if loc.input_nonfinite:
+        details["input_nonfinite"] = True
+    if loc.bn_channels:
+        shown, summary = compact_channels(loc.bn_channels)
+        details["bn_channels"] = shown
+        if summary is not None:
+            details["bn_channels_summary"] = summary
+    return details

@@ -287,13 +287,24 @@ class IsolationModule(pl.LightningModule):
 
 
 # (culprit_module, culprit_op, phase) NanGuard must report per failure class of models.py,
-# names relative to the LightningModule (shared by the forensics and localisation tests)
-EXPECTED: dict[str, tuple[str, str, str]] = {
+# names relative to the LightningModule (shared by the forensics and localisation tests);
+# NaN/Inf in the batch is the origin before any op: no module
+EXPECTED: dict[str, tuple[str | None, str, str]] = {
     "cosine_norm": ("net.norm", "SqrtBackward0", "backward"),
     "power_pool": ("net.pool", "PowBackward1", "backward"),
     "bn_overflow": ("net.input_bn", "running_var", "forward"),
     "masked_div": ("net.ratio", "DivBackward0", "backward"),
     "acos": ("net.angle", "AcosBackward0", "backward"),
     "log_zero": ("net.criterion", "LogBackward0", "forward"),
-    "input_data": ("net.0", "AddmmBackward0", "forward"),
+    "input_data": (None, "<input>", "forward"),
+}
+# the torch function of each origin (``None``: not an op)
+FUNCTIONS: dict[str, str | None] = {
+    "cosine_norm": "torch.sqrt",
+    "power_pool": "torch.pow",
+    "bn_overflow": None,
+    "masked_div": "torch.div",
+    "acos": "torch.acos",
+    "log_zero": "torch.log",
+    "input_data": None,
 }

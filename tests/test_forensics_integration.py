@@ -15,7 +15,7 @@ import forensics_models as fm
 import pytest
 import torch
 from conftest import StepRecorder, build_trainer
-from forensics_models import EXPECTED, one_thread  # noqa: F401 (fixture)
+from forensics_models import EXPECTED, FUNCTIONS, one_thread  # noqa: F401 (fixture)
 from models import BATCH_SIZE, KINDS, make_case, make_loader, make_module, origin_line
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
@@ -87,18 +87,25 @@ def test_failure_class(kind: str, value: float | None, tmp_path: Path) -> None:
     assert event.offending_samples == (3,)
     assert event.dataset_indices == (11,)
     assert (event.culprit_module, event.culprit_op, event.phase) == (module, op, phase)
-    source_of(event, "models.py", origin_line(case.origin))
-    assert event.details["source_text"].endswith(f"# ORIGIN: {case.origin}")
-    assert event.details["module_type"] == MODULE_TYPES[kind]
     assert event.details["batch_size"] == BATCH_SIZE
-    assert event.details["bisect_passes"] == 6
     assert event.details["hint"]
+    assert event.details.get("function") == FUNCTIONS[kind]
     assert "not_attributable" not in event.details and "diagnosis_error" not in event.details
-    if kind == "bn_overflow":
-        assert event.details["bn_channels"] == {"net.input_bn": [2]}
-    if kind == "input_data":
+    if kind == "input_data":  # read off the batch (field 0 of [x, y]); one pass confirms the others
+        assert event.cause == "input" and event.details["input_fields"] == [0]
+        assert (event.details["bisect_passes"], event.details["state_passes"]) == (1, 0)
         assert event.details["input_nonfinite"] is True
         assert "the batch itself holds NaN/Inf" in event.details["hint"]
+        assert event.source_line is None and "module_type" not in event.details
+    else:  # the whole batch, one healthy probe (position 1), the search
+        assert event.cause == "data" and "input_fields" not in event.details
+        assert (event.details["bisect_passes"], event.details["state_passes"]) == (7, 2)
+        source_of(event, "models.py", origin_line(case.origin))
+        assert event.details["source_text"].endswith(f"# ORIGIN: {case.origin}")
+        assert event.details["module_type"] == MODULE_TYPES[kind]
+        assert event.details["stack"][-1]["line"] == origin_line(case.origin)
+    if kind == "bn_overflow":
+        assert event.details["bn_channels"] == {"net.input_bn": [2]}
     assert_skipped(recorder, 1)
     assert guard.active and trainer.global_step == 4
 
@@ -132,7 +139,8 @@ def test_pytorch_lightning_namespace(tmp_path: Path) -> None:
         pytest.param((15,), (7,), id="last"),
         pytest.param((9, 14), (1, 6), id="two"),
         pytest.param((8, 15), (0, 7), id="first-and-last"),
-        pytest.param(tuple(range(8, 16)), tuple(range(8)), id="every-sample"),
+        pytest.param((8, 9, 10), (0, 1, 2), id="three-in-a-row"),
+        pytest.param((8, 12, 15), (0, 4, 7), id="three-spread-out"),
     ],
 )
 def test_offending_positions(bad: tuple[int, ...], offending: tuple[int, ...], tmp_path: Path) -> None:
@@ -142,20 +150,24 @@ def test_offending_positions(bad: tuple[int, ...], offending: tuple[int, ...], t
     assert event.offending_samples == offending
     assert event.dataset_indices == bad
     assert (event.culprit_module, event.culprit_op) == ("net.norm", "SqrtBackward0")
-    assert event.details["bisect_passes"] <= 2 * len(bad) * math.log2(BATCH_SIZE) + 2
+    assert event.cause == "data"  # a few bad samples are never taken for the model state
+    # the state check (<= 4 passes) comes on top of the search's 2*k*log2(n) + 2
+    assert event.details["bisect_passes"] <= 2 * len(bad) * math.log2(BATCH_SIZE) + 2 + 3
     assert_skipped(recorder, 1)
     saved = torch.load(Path(event.repro_path) / "batch.pt", weights_only=True)
     assert saved[0].shape[0] == len(bad)  # the bundle holds the offending samples only
 
 
-def test_every_sample_bad_with_batchnorm(tmp_path: Path) -> None:
-    """Single samples run with BatchNorm in eval mode when no good sample exists to pair them with."""
+def test_every_sample_holding_nan_is_an_input_fault(tmp_path: Path) -> None:
+    """Every sample of the batch holds NaN: all of them are named, read off the batch without a pass."""
     case = make_case("input_data", bad=tuple(range(8, 16)))
     guard, _, recorder = fit(make_module("lightning", "input_data"), make_loader(case.dataset), tmp_path)
     event = only_event(guard)
+    assert event.cause == "input" and event.details["input_fields"] == [0]
     assert event.offending_samples == tuple(range(8))
     assert event.dataset_indices == tuple(range(8, 16))
-    assert (event.culprit_module, event.culprit_op, event.phase) == ("net.0", "AddmmBackward0", "forward")
+    assert (event.culprit_module, event.culprit_op, event.phase) == (None, "<input>", "forward")
+    assert event.details["bisect_passes"] == 0
     assert_skipped(recorder, 1)
 
 
@@ -522,7 +534,8 @@ def test_report_and_tensorboard_text_show_the_diagnosis(
     line = origin_line("cosine_norm")
     for expected in (
         "offending samples [5] of 8 (dataset indices [13])",
-        "backward of SqrtBackward0 in module net.norm (CosineNormLinear)",
+        "cause data: the offending samples reproduce it on their own",
+        "backward: SqrtBackward0 (gradient of torch.sqrt) in module net.norm (CosineNormLinear)",
         f"models.py:{line} xnorm = (x * x).sum(-1, keepdim=True).sqrt()",
         "add eps inside the root",
         "python -m lightning_nanguard replay",
@@ -532,4 +545,5 @@ def test_report_and_tensorboard_text_show_the_diagnosis(
     assert len(texts) == 1 and texts[0][0] == 1
     text = texts[0][1]
     assert "[5] of 8 (dataset indices [13])" in text and "`SqrtBackward0`" in text and "`net.norm`" in text
+    assert "gradient of `torch.sqrt`" in text and "| cause | data:" in text
     assert f"models.py:{line}" in text and "add eps inside the root" in text

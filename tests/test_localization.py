@@ -10,12 +10,14 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import forensics_models
+import models
 import pytest
 import torch
-from forensics_models import EXPECTED, one_thread  # noqa: F401 (fixture)
+from forensics_models import EXPECTED, FUNCTIONS, one_thread  # noqa: F401 (fixture)
 from models import BATCH_SIZE, KINDS, make_case, make_module, origin_line
 from torch import Tensor, nn
 
@@ -76,20 +78,29 @@ def test_localize_names_module_op_phase_and_line(kind: str, value: float | None)
 
     culprit_module, culprit_op, phase = EXPECTED[kind]
     assert (found.module, found.op, found.phase) == (culprit_module, culprit_op, phase)
-    assert found.source_line is not None
-    assert found.source_line.endswith(f"models.py:{origin_line(kind)}")
-    assert found.source_text is not None and found.source_text.endswith(f"# ORIGIN: {kind}")
+    assert found.function == FUNCTIONS[kind]
     assert found.hint is not None
-    assert found.module_type == type(module.get_submodule(culprit_module)).__name__
     case = make_case(kind, value=value)
     assert found.loss_finite == case.finite_loss
     assert found.input_nonfinite == (kind == "input_data")
+    if kind == "input_data":  # the batch itself, before any op: no module, no line
+        assert "the batch itself holds NaN/Inf" in found.hint
+        assert found.input_fields == (0,)  # [x, y]: the NaN/Inf is in x
+        assert found.source_line is None and found.module_type is None and found.stack == ()
+        assert found.bn_channels == {"net.1": list(range(8))}
+    else:
+        assert found.input_fields == ()
+        assert found.source_line is not None
+        assert found.source_line.endswith(f"models.py:{origin_line(kind)}")
+        assert found.source_path == str(Path(models.__file__).resolve())
+        assert found.source_text is not None and found.source_text.endswith(f"# ORIGIN: {kind}")
+        assert found.module_type == type(module.get_submodule(culprit_module)).__name__
+        # the short user stack, innermost last: the op's line, then the callers in user code
+        assert found.stack[-1] == (found.source_line.rsplit(":", 1)[0], origin_line(kind), found.stack[-1][2])
+        assert any(frame[2] == "training_step" for frame in found.stack) and len(found.stack) <= 8
     if kind == "bn_overflow":
         assert found.bn_channels == {"net.input_bn": [2]}  # the corrupted feature is column 2
         assert found.grads_finite
-    if kind == "input_data":
-        assert "the batch itself holds NaN/Inf" in found.hint
-        assert found.bn_channels == {"net.1": list(range(8))}
     assert_no_hooks(module)
     if kind not in ("bn_overflow", "input_data"):  # localize is not isolated (the caller isolates)
         assert all(torch.equal(v, state[k]) for k, v in module.state_dict().items())
@@ -106,7 +117,7 @@ def test_hints_for_each_class() -> None:
     assert "division by zero" in found["masked_div"]
     assert "clamp the argument to [-1+eps, 1-eps]" in found["acos"]
     assert "log(0)" in found["log_zero"]
-    assert found["input_data"] is None  # an addmm alone is no known origin
+    assert "the batch itself holds NaN/Inf" in found["input_data"]
     masked = hint_for("DivBackward0", "backward", masked_forward=True)
     assert masked is not None and "mask the denominator before dividing" in masked
     assert hint_for("LinalgVectorNormBackward0", "backward") == hint_for("SqrtBackward0", "backward")
@@ -284,8 +295,12 @@ def test_diagnose_without_a_trainer(kind: str) -> None:
     loc = found.localization
     assert loc is not None
     assert (loc.module, loc.op, loc.phase) == EXPECTED[kind]
-    assert loc.source_line is not None and loc.source_line.endswith(f"models.py:{origin_line(kind)}")
-    assert found.passes == 6  # position 3 of 8
+    if kind == "input_data":  # read off the batch; one pass confirms the other 7 samples are healthy
+        assert (found.cause, found.input_fields, found.passes, found.state_passes) == ("input", (0,), 1, 0)
+        assert loc.source_line is None
+    else:  # the whole batch, one probe (position 1, healthy: not the model state), then the search
+        assert (found.cause, found.passes, found.state_passes) == ("data", 7, 2)
+        assert loc.source_line is not None and loc.source_line.endswith(f"models.py:{origin_line(kind)}")
     # isolated: weights, BatchNorm buffers, grads and the RNG are exactly as before
     assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
     assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in module.parameters() if p.grad is not None)
@@ -367,7 +382,7 @@ def test_a_failing_localisation_keeps_the_samples(monkeypatch: pytest.MonkeyPatc
     def broken(*args: Any) -> Any:
         raise RuntimeError("instrumentation broke")
 
-    monkeypatch.setattr(forensics, "_localize_group", broken)
+    monkeypatch.setattr(forensics, "_localize_batch", broken)
     found = diagnose(make_module("lightning", "acos"), bad_batch("acos"))
     assert found.offending == [BAD_POSITION] and found.localization is None
     assert found.error == "localisation failed: RuntimeError('instrumentation broke')"
