@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lightning_nanguard.compact import channels_text
 from lightning_nanguard.events import NanEvent
+from lightning_nanguard.explain import cause_text, origin_text, stack_text
 
 __all__ = ["event_lines", "event_markdown", "event_text"]
 
@@ -33,6 +35,9 @@ def event_lines(event: NanEvent, code: str = "") -> list[tuple[str, str]]:
     """
     d = event.details
     rows: list[tuple[str, str]] = [("non-finite", ", ".join(event.kinds))]
+    cause = cause_text(event)
+    if cause:
+        rows.append(("cause", cause))
     if event.nonfinite_grads:
         rows.append((f"parameter grads ({len(event.nonfinite_grads)})", _names(event.nonfinite_grads, code)))
     if event.nonfinite_buffers:
@@ -52,18 +57,17 @@ def event_lines(event: NanEvent, code: str = "") -> list[tuple[str, str]]:
         rows.append(("offending samples", samples))
     elif d.get("not_attributable"):
         rows.append(("offending samples", f"not attributable to individual samples: {d['not_attributable']}"))
-    if event.culprit_op is not None or event.culprit_module is not None:
-        module = event.culprit_module if event.culprit_module else "<LightningModule>"
-        module_type = f" ({d['module_type']})" if d.get("module_type") else ""
-        origin = (
-            f"{event.phase or '?'} of {code}{event.culprit_op or '?'}{code} in module {code}{module}{code}{module_type}"
-        )
+    origin = origin_text(event, code)
+    if origin:
         rows.append(("origin", origin))
     if event.source_line:
         text = d.get("source_text")
         rows.append(("source", f"{event.source_line}" + (f"  {code}{text}{code}" if text else "")))
+    stack = stack_text(event)
+    if stack:
+        rows.append(("call stack", stack))
     if d.get("bn_channels"):
-        rows.append(("BatchNorm channels", str(d["bn_channels"])))
+        rows.append(("BatchNorm channels", channels_text(d["bn_channels"], d.get("bn_channels_summary"))))
     if d.get("hint"):
         rows.append(("hint", str(d["hint"])))
     if event.remedies:
