@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -229,6 +231,13 @@ def _relative(path: str | os.PathLike[str]) -> str:
         return str(absolute)
 
 
+def _tensorboard_command() -> str:
+    """How to start TensorBoard from here: ``tensorboard`` if it is on PATH, else this interpreter's."""
+    if shutil.which("tensorboard"):
+        return "tensorboard"
+    return f"{_relative(sys.executable)} -m tensorboard.main"
+
+
 def all_finite(module: nn.Module) -> bool:
     """Whether every parameter and buffer (BatchNorm statistics included) of ``module`` is finite."""
     tensors = [*module.parameters(), *module.buffers()]
@@ -241,7 +250,7 @@ def summarize(trainer: Trainer, model: nn.Module) -> str:
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
             lines.append(f"TensorBoard logs:  {_relative(logger.log_dir)}")
-            lines.append(f"  view them with:  tensorboard --logdir {_relative(logger.log_dir)}")
+            lines.append(f"  view them with:  {_tensorboard_command()} --logdir {_relative(logger.log_dir)}")
         elif logger.log_dir is not None:
             lines.append(f"{type(logger).__name__ + ' logs:':<19}{_relative(logger.log_dir)}")
     guards = [callback for callback in getattr(trainer, "callbacks", []) if isinstance(callback, NanGuard)]

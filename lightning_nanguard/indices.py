@@ -13,7 +13,7 @@ field of the batch instead (``NanGuard(index_key=...)``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -21,7 +21,13 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_nanguard.timing import GuardClock
 
-__all__ = ["RecordingBatchSampler", "indices_from_batch", "record_batch_indices"]
+__all__ = [
+    "RecordingBatchSampler",
+    "indices_from_batch",
+    "next_recorded_indices",
+    "record_batch_indices",
+    "stop_recording",
+]
 
 _RECORDING_CLASSES: dict[type, type] = {}
 _IDLE_CLOCK = GuardClock()
@@ -70,7 +76,7 @@ def _recording_class(cls: type) -> type:
     """A direct subclass of ``cls`` (same layout, so ``__class__`` can be swapped) that records."""
     if cls not in _RECORDING_CLASSES:
         _RECORDING_CLASSES[cls] = type(
-            f"Recording{cls.__name__}",
+            f"NanGuardRecording{cls.__name__}",
             (cls,),
             {
                 "__iter__": _recording_iter,
@@ -81,8 +87,16 @@ def _recording_class(cls: type) -> type:
     return _RECORDING_CLASSES[cls]
 
 
-def record_batch_indices(loader: Any) -> RecordingBatchSampler | None:
+def record_batch_indices(
+    loader: Any, exclude: set[int] | None = None, clock: GuardClock | None = None
+) -> RecordingBatchSampler | None:
     """Make ``loader`` record the dataset indices of its batches; return the recording sampler.
+
+    Args:
+        loader: a ``DataLoader`` (anything else is left alone).
+        exclude: dataset indices the sampler must drop from every batch from now on (the set is
+            shared: items added later are dropped too).
+        clock: measures the time the recording adds.
 
     Returns ``None`` when the loader has no batch sampler to record from.
 
@@ -106,7 +120,37 @@ def record_batch_indices(loader: Any) -> RecordingBatchSampler | None:
             return None
     if not hasattr(batch_sampler, "nanguard_fifo"):
         batch_sampler.nanguard_fifo = deque()  # type: ignore[attr-defined]
+    if exclude is not None:
+        batch_sampler.nanguard_exclude = exclude  # type: ignore[attr-defined]
+    if clock is not None:
+        batch_sampler.nanguard_clock = clock  # type: ignore[attr-defined]
     return batch_sampler  # type: ignore[return-value]
+
+
+def next_recorded_indices(samplers: Sequence[RecordingBatchSampler]) -> list[int] | None:
+    """The dataset indices of the training batch that starts now: the oldest recorded list, ``None`` if unknown."""
+    for sampler in samplers:
+        if sampler.nanguard_fifo:
+            return sampler.nanguard_fifo.popleft()
+    return None
+
+
+def stop_recording(sampler: Any) -> None:
+    """Give a sampler made to record by :func:`record_batch_indices` its own class back.
+
+    Example:
+        >>> from torch.utils.data import TensorDataset
+        >>> loader = DataLoader(TensorDataset(torch.arange(4)), batch_size=2)
+        >>> sampler = record_batch_indices(loader)
+        >>> stop_recording(sampler)
+        >>> type(loader.batch_sampler).__name__, hasattr(loader.batch_sampler, "nanguard_fifo")
+        ('BatchSampler', False)
+    """
+    original = next((base for base, recording in _RECORDING_CLASSES.items() if type(sampler) is recording), None)
+    if original is not None:
+        sampler.__class__ = original
+    for attr in ("nanguard_fifo", "nanguard_exclude", "nanguard_clock"):
+        vars(sampler).pop(attr, None)
 
 
 def indices_from_batch(batch: Any, key: str | int) -> list[int] | None:

@@ -18,36 +18,37 @@ from lightning_nanguard.batching import slice_batch
 from lightning_nanguard.events import NanEvent
 from lightning_nanguard.forensics import Diagnosis, diagnose, event_with_diagnosis
 from lightning_nanguard.repro import prune_bundles, save_bundle
+from lightning_nanguard.window import MicroBatch
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
-__all__ = ["InvestigationSettings", "MicroBatch", "investigate", "training_step_of"]
+__all__ = ["InvestigationSettings", "investigate", "training_step_of"]
 
 log = logging.getLogger("lightning_nanguard")
 
 Slicer = Callable[[Any, Sequence[int]], Any]
 
 
-@dataclass
-class MicroBatch:
-    """A (micro-)batch of the current optimizer step, kept until the step is checked."""
-
-    batch: Any
-    batch_idx: int
-    dataset_indices: list[int] | None
-
-
 @dataclass(frozen=True)
 class InvestigationSettings:
-    """What to do on a bad step (mirrors the ``NanGuard`` arguments of the same names)."""
+    """What to do on a bad step (mirrors the ``NanGuard`` arguments of the same names).
+
+    ``diagnose_here`` is False where re-running ``training_step`` on one rank is impossible (FSDP).
+    """
 
     bisect: bool = True
     localize: bool = True
-    max_bisect_passes: int = 64
+    max_bisect_passes: int = 128
     save_repro: bool = True
     max_repro_bundles: int = 5
     batch_slicer: Slicer | None = None
+    diagnose_here: bool = True
+
+    @property
+    def investigates(self) -> bool:
+        """Whether a bad step is re-run or saved at all."""
+        return self.bisect or self.localize or self.save_repro
 
 
 def training_step_of(pl_module: LightningModule) -> Callable[[Any, int], Any]:

@@ -5,12 +5,12 @@
 LR schedulers, decides which remedies fit an incident, and keeps the counts that go into
 checkpoints and TensorBoard.
 
-Which remedy for which incident:
+Which remedy for which incident, decided by the incident's ``cause`` at the first incident:
 
-- offending samples found, dataset indices known -> ``quarantine`` them;
+- ``"data"`` or ``"input"`` (samples named, dataset indices known) -> ``quarantine`` them;
 - origin localised in a layer with ``eps`` (norm layers) -> ``raise_eps`` (also Adam's ``eps``);
-- not attributable to samples (the weights or the learning rate are the problem), or a rollback
-  -> ``clip_grad`` and ``lr_backoff``.
+- ``"state"`` (the weights or the learning rate are the problem), ``"interaction"`` or not
+  attributable to samples, or a rollback -> ``clip_grad`` and ``lr_backoff``.
 
 Remedies and rollbacks compose: the learning rate and optimizer ``eps`` live in the optimizer and
 scheduler state a rollback restores, so ``lr_backoff`` and ``raise_eps`` applied after the last
@@ -20,11 +20,13 @@ triggers the rollback stays in force).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
+from torch import Tensor, nn
 
-from lightning_nanguard.events import NanEvent
+from lightning_nanguard.detection import all_finite, nonfinite_names
+from lightning_nanguard.events import NonFiniteTrainingError
 from lightning_nanguard.remedies import RemedyBook, clip_threshold, lr_backoff_, raise_eps_
 from lightning_nanguard.rollback import TrainingSnapshot
 
@@ -109,26 +111,45 @@ class Recovery:
         """Feed the clipping threshold with the norm of a healthy step."""
         self.book.healthy_norms.append(grad_norm)
 
-    def apply(self, trainer: Trainer, pl_module: LightningModule, event: NanEvent, rolled_back: bool) -> list[str]:
-        """Apply the remedies that fit ``event``; return their descriptions."""
+    def apply(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        cause: str | None,
+        quarantine: Sequence[int] = (),
+        culprit_module: str | None = None,
+        rolled_back: bool = False,
+    ) -> list[str]:
+        """Apply the remedies that fit the shared verdict of an incident; return their descriptions.
+
+        The same call runs on every rank with the same arguments, so every rank changes the same things.
+
+        Args:
+            trainer: the Trainer (optimizers, LR schedulers).
+            pl_module: the model (for ``raise_eps`` on ``culprit_module``).
+            cause: the verdict: ``"data"``/``"input"`` quarantine samples; ``"state"``, ``"interaction"``
+                or ``None`` (not attributable to samples) clip gradients and back off the learning rate.
+            quarantine: dataset indices of the offending samples (all ranks').
+            culprit_module: where the first NaN/Inf was produced (its ``eps`` is raised).
+            rolled_back: a rollback happens at this step (clip and back off whatever the cause).
+        """
         done: list[str] = []
-        attributable = event.offending_samples is not None
-        if attributable and event.dataset_indices and self.book.can_apply("quarantine"):
-            new = set(event.dataset_indices) - self.book.quarantined
+        if cause in ("data", "input") and quarantine and self.book.can_apply("quarantine"):
+            new = set(quarantine) - self.book.quarantined
             if new:
                 self.book.quarantined.update(new)  # shared with the recording batch samplers
                 self.book.record("quarantine")
                 done.append(f"quarantine: dataset indices {sorted(new)} will not be trained on again")
-        if event.culprit_module is not None and self.book.can_apply("raise_eps"):
-            culprit = _submodule(pl_module, event.culprit_module)
+        if culprit_module is not None and self.book.can_apply("raise_eps"):
+            culprit = _submodule(pl_module, culprit_module)
             change = raise_eps_(culprit, trainer.optimizers, self.eps_factor, self.max_eps)
             if change:
                 if culprit is not None and _is_float(getattr(culprit, "eps", None)):
-                    self.book.module_eps[event.culprit_module] = float(culprit.eps)  # type: ignore[arg-type]
+                    self.book.module_eps[culprit_module] = float(culprit.eps)  # type: ignore[arg-type]
                 self.book.record("raise_eps")
                 self._since_snapshot.append("raise_eps")
                 done.append(change)
-        if rolled_back or not attributable:
+        if rolled_back or cause not in ("data", "input"):
             if self.book.can_apply("clip_grad"):
                 threshold = clip_threshold(self.book.healthy_norms, self.book.clip_threshold)
                 if threshold is not None:
@@ -143,6 +164,31 @@ class Recovery:
         return done
 
     # ------------------------------------------------------------------ checkpoint
+
+    def make_checkpoint_finite_(self, checkpoint: dict[str, Any]) -> str | None:
+        """Never let a checkpoint hold NaN/Inf weights: put the last good snapshot in, or refuse.
+
+        Returns:
+            ``None`` when the weights are finite (nothing changed), else a description of the substitution.
+
+        Raises:
+            NonFiniteTrainingError: the weights are not finite and there is no snapshot to save instead.
+        """
+        state = checkpoint.get("state_dict", {})
+        if all_finite([t for t in state.values() if isinstance(t, Tensor)]):
+            return None
+        if self.snapshot.available:
+            checkpoint["state_dict"] = {k: v.clone() for k, v in self.snapshot.module.value().items()}
+            checkpoint["optimizer_states"] = [mirror.value() for mirror in self.snapshot.optimizers]
+            checkpoint["nanguard_substituted_step"] = self.snapshot.global_step
+            step = self.snapshot.global_step
+            return f"the weights hold NaN/Inf; the checkpoint holds the last good snapshot (step {step})"
+        bad = nonfinite_names((k, v) for k, v in state.items() if isinstance(v, Tensor) and v.is_floating_point())
+        raise NonFiniteTrainingError(
+            f"NanGuard refuses to save a checkpoint with non-finite weights ({bad[:5]}). Use action='skip' or "
+            "'rollback' so NaN/Inf never reaches the weights.",
+            [],
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Remedy state and rollback count (primitives only)."""

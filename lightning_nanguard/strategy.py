@@ -15,8 +15,11 @@ The mixin owns what happens around the optimizer step on every rank:
   ``on_before_optimizer_step``, where the guard makes the one distributed skip decision per step
   (one ``reduce`` of the bad flag, every rank, any rank bad means all ranks skip), then runs the
   guard's after-step work (parameter check, snapshot, rollback) on every rank;
-- ``process_dataloader``: makes each loader record the dataset indices of its batches before
-  Lightning first iterates it.
+- ``process_dataloader``: makes each *training* loader record the dataset indices of its batches
+  (and drop quarantined items) before Lightning first iterates it; validation, test and predict
+  loaders are left alone, and every swap is undone at teardown.
+
+The wrapper touches nothing of the guard's: it is given a :class:`StrategyHooks` with what it needs.
 """
 
 from __future__ import annotations
@@ -25,14 +28,47 @@ import abc
 import copyreg
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, SupportsIndex
+from dataclasses import dataclass, field
+from typing import Any, SupportsIndex
 
-from lightning_nanguard.indices import record_batch_indices
+from lightning_nanguard.events import NonFiniteTrainingError
+from lightning_nanguard.indices import RecordingBatchSampler, record_batch_indices, stop_recording
+from lightning_nanguard.timing import GuardClock
 
-if TYPE_CHECKING:
-    from lightning_nanguard.guard import NanGuard
+__all__ = [
+    "NanGuardStrategyMixin",
+    "StrategyHooks",
+    "apply_nanguard_strategy",
+    "remove_nanguard_strategy",
+    "strategy_kind",
+    "supported_strategy_kind",
+]
 
-__all__ = ["NanGuardStrategyMixin", "apply_nanguard_strategy", "remove_nanguard_strategy", "strategy_kind"]
+
+@dataclass
+class StrategyHooks:
+    """What the strategy wrapper needs from the guard, passed in.
+
+    Attributes:
+        after_optimizer_step: called on every rank after each optimizer step (rollback, weight check).
+        active: whether the guard still acts (``False``: the wrapper passes everything through).
+        record_indices: whether training loaders record the dataset indices of their batches.
+        exclude: dataset indices never to yield again (quarantine), shared with the guard.
+        clock: measures the time spent in the wrapper's work.
+        samplers: the batch samplers made to record (undone by :func:`remove_nanguard_strategy`).
+    """
+
+    after_optimizer_step: Callable[[Any], None]
+    active: Callable[[], bool]
+    record_indices: bool = True
+    exclude: set[int] = field(default_factory=set)
+    clock: GuardClock = field(default_factory=GuardClock)
+    samplers: list[RecordingBatchSampler] = field(default_factory=list)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["samplers"] = []  # loaders belong to the process that iterates them
+        return state
 
 _GENERATED: dict[type, type] = {}
 _NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # how objects of plain classes pickle
@@ -41,15 +77,14 @@ _NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # how objects of pla
 class NanGuardStrategyMixin(abc.ABC):  # ABC: same metaclass and layout as Lightning strategies
     """Put in front of a Lightning strategy class; see the module docs."""
 
-    _nanguard: NanGuard | None
+    _nanguard: StrategyHooks | None
     _nanguard_original_class: type
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        guard = getattr(self, "_nanguard", None)
-        if guard is None or not guard.active:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
-        guard._after_optimizer_step(optimizer)
+        hooks = getattr(self, "_nanguard", None)
+        if hooks is not None and hooks.active():
+            hooks.after_optimizer_step(optimizer)
         return output
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
@@ -62,13 +97,30 @@ class NanGuardStrategyMixin(abc.ABC):  # ABC: same metaclass and layout as Light
 
     def process_dataloader(self, dataloader: Any) -> Any:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
-        guard = getattr(self, "_nanguard", None)
-        if guard is not None and guard.records_indices:
-            sampler = record_batch_indices(dataloader)
-            if sampler is not None:
-                sampler.nanguard_exclude = guard.remedy_book.quarantined
-                sampler.nanguard_clock = guard.clock
+        hooks = getattr(self, "_nanguard", None)
+        trainer = getattr(getattr(self, "lightning_module", None), "_trainer", None)
+        training = bool(getattr(trainer, "training", False))  # Lightning also processes val/test/predict loaders
+        if hooks is not None and hooks.record_indices and training:
+            sampler = record_batch_indices(dataloader, exclude=hooks.exclude, clock=hooks.clock)
+            if sampler is not None and sampler not in hooks.samplers:
+                hooks.samplers.append(sampler)
         return dataloader
+
+
+def supported_strategy_kind(strategy: Any) -> str:
+    """:func:`strategy_kind`, refusing DeepSpeed with a clear error (its engine owns the optimizer step).
+
+    Raises:
+        NonFiniteTrainingError: under DeepSpeed.
+    """
+    kind = strategy_kind(strategy)
+    if kind == "deepspeed":
+        raise NonFiniteTrainingError(
+            "NanGuard does not support DeepSpeed: its engine owns the optimizer step, so a bad step cannot be "
+            "skipped from Lightning. Remove NanGuard, or use DDP/FSDP.",
+            [],
+        )
+    return kind
 
 
 def strategy_kind(strategy: Any) -> str:
@@ -116,17 +168,22 @@ def _rewrapped(original: type, *args: Any) -> Any:
     return instance
 
 
-def apply_nanguard_strategy(strategy: Any, guard: NanGuard) -> None:
-    """Swap ``strategy``'s class for its ``NanGuard<Original>`` subclass and attach ``guard``."""
+def apply_nanguard_strategy(strategy: Any, hooks: StrategyHooks) -> None:
+    """Swap ``strategy``'s class for its ``NanGuard<Original>`` subclass and attach ``hooks``."""
     cls = type(strategy)
     if not issubclass(cls, NanGuardStrategyMixin):
         strategy._nanguard_original_class = cls
         strategy.__class__ = _wrapped_class(cls)
-    strategy._nanguard = guard
+    strategy._nanguard = hooks
 
 
 def remove_nanguard_strategy(strategy: Any) -> None:
-    """Undo :func:`apply_nanguard_strategy` (the Trainer's strategy is its own class again)."""
+    """Undo :func:`apply_nanguard_strategy`: the strategy and the recorded samplers get their own classes back."""
+    hooks = getattr(strategy, "_nanguard", None)
+    if isinstance(hooks, StrategyHooks):
+        for sampler in hooks.samplers:
+            stop_recording(sampler)
+        hooks.samplers.clear()
     original = getattr(strategy, "_nanguard_original_class", None)
     if original is not None and isinstance(strategy, NanGuardStrategyMixin):
         strategy.__class__ = original

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import pickle
 from pathlib import Path
@@ -16,6 +17,7 @@ from models import BATCH_SIZE, make_case, make_loader, make_module
 
 from lightning_nanguard import NanEvent, NanGuard, NonFiniteTrainingError, read_events
 from lightning_nanguard._compat import CALLBACK_BASES
+from lightning_nanguard.decision import Counters
 from lightning_nanguard.reporting import event_markdown
 
 TEXT_TAG = "nanguard/events/text_summary"
@@ -160,8 +162,7 @@ def test_tensorboard_and_csv_loggers_together(
     assert run.scalars("nanguard/skipped_total") == [(0, 0.0), (1, 1.0), (2, 1.0), (3, 1.0)]
     assert run.scalars("nanguard/bad_steps_total") == [(0, 0.0), (1, 1.0), (2, 1.0), (3, 1.0)]
     norms = dict(run.scalars("nanguard/grad_norm"))
-    assert sorted(norms) == [0, 1, 2, 3]
-    assert math.isnan(norms[1])  # the bad step's NaN gradient norm
+    assert sorted(norms) == [0, 2, 3]  # the bad step's NaN norm is not drawn (it would break the line)
     assert all(0 < norms[s] < math.inf for s in (0, 2, 3))
     assert TEXT_TAG in run.tags["tensors"]
     texts = run.texts(TEXT_TAG)
@@ -212,8 +213,11 @@ def test_checkpoint_resume_keeps_counters_and_events(make_trainer: Any, ns_name:
 
 def test_state_dict_round_trip_without_a_trainer(tmp_path: Path) -> None:
     guard = NanGuard()
-    guard.bad_steps_total, guard.skipped_total, guard.consecutive_bad_steps = 150, 140, 2
-    guard.events = [
+    names = [f.name for f in dataclasses.fields(Counters)]
+    counters = Counters(**{name: 100 + i for i, name in enumerate(names)})  # every counter distinct
+    guard.controller.counters = counters
+    guard.controller.last_grad_norm = 2.5
+    guard.events[:] = [
         NanEvent(i, 0, i, 0, ("loss", "grad"), "skipped", nonfinite_grads=("w",), loss=math.nan, grad_norm=math.inf)
         for i in range(150)
     ]
@@ -225,7 +229,9 @@ def test_state_dict_round_trip_without_a_trainer(tmp_path: Path) -> None:
 
     restored = NanGuard()
     restored.load_state_dict(loaded_state)
-    assert (restored.bad_steps_total, restored.skipped_total, restored.consecutive_bad_steps) == (150, 140, 2)
+    assert restored.counters == counters  # every counter, amp_overflow_total and consecutive_overflows too
+    assert (restored.bad_steps_total, restored.amp_overflow_total) == (counters.bad_steps_total, 103)
+    assert restored.last_grad_norm == 2.5
     assert _dicts(restored.events) == _dicts(guard.events[50:])
     assert math.isnan(restored.events[0].loss)  # type: ignore[arg-type]
     assert restored.events[0].grad_norm == math.inf
@@ -233,7 +239,7 @@ def test_state_dict_round_trip_without_a_trainer(tmp_path: Path) -> None:
 
     fresh = NanGuard()
     fresh.load_state_dict({})  # an older checkpoint without these keys
-    assert (fresh.bad_steps_total, fresh.skipped_total, fresh.consecutive_bad_steps, fresh.events) == (0, 0, 0, [])
+    assert (fresh.counters, fresh.last_grad_norm, fresh.events) == (Counters(), None, [])
 
 
 def test_pickle_before_and_after_fit(make_trainer: Any, ns_name: str) -> None:

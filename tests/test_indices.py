@@ -52,7 +52,7 @@ def test_a_new_pass_clears_the_record_and_recording_is_idempotent() -> None:
     assert len(sampler.nanguard_fifo) == 2
     first = next(iter(data))  # a new pass (e.g. the next epoch) starts a new record
     assert list(sampler.nanguard_fifo) == [first["idx"].tolist()]
-    assert type(data.batch_sampler).__name__ == "RecordingBatchSampler"
+    assert type(data.batch_sampler).__name__ == "NanGuardRecordingBatchSampler"
     assert isinstance(data.batch_sampler, BatchSampler)
 
 

@@ -17,6 +17,7 @@ from lightning_nanguard import NanGuard, NonFiniteTrainingError
 from lightning_nanguard._compat import CALLBACK_BASES
 from lightning_nanguard.strategy import (
     NanGuardStrategyMixin,
+    StrategyHooks,
     apply_nanguard_strategy,
     remove_nanguard_strategy,
     strategy_kind,
@@ -56,16 +57,22 @@ def test_strategy_is_wrapped_during_fit_and_restored_after(ns_name: str, tmp_pat
     restored = pickle.loads(probe.seen["pickled"])
     assert type(restored) is wrapped
     assert isinstance(restored, ns.strategies.SingleDeviceStrategy)
-    assert isinstance(restored._nanguard, NanGuard)
-    assert restored._nanguard._trainer is None  # the callback never pickles the Trainer
+    assert isinstance(restored._nanguard, StrategyHooks)
+    assert isinstance(restored._nanguard.after_optimizer_step.__self__, NanGuard)
+    assert restored._nanguard.after_optimizer_step.__self__._trainer is None  # never pickles the Trainer
+
+
+def _hooks(guard: NanGuard | None = None) -> StrategyHooks:
+    guard = guard or NanGuard(verbose=False)
+    return StrategyHooks(guard._after_optimizer_step, guard._strategy_active)
 
 
 def test_both_namespaces_pickle_side_by_side() -> None:
     """``lightning.pytorch`` and ``pytorch_lightning`` both have a ``SingleDeviceStrategy``: no name clash."""
-    guard = NanGuard(verbose=False)
+    hooks = _hooks()
     strategies = [ns.strategies.SingleDeviceStrategy("cpu") for ns in NAMESPACES.values()]
     for strategy in strategies:
-        apply_nanguard_strategy(strategy, guard)
+        apply_nanguard_strategy(strategy, hooks)
     for strategy, ns in zip(strategies, NAMESPACES.values(), strict=True):
         restored = pickle.loads(pickle.dumps(strategy))
         assert type(restored) is type(strategy)
@@ -80,7 +87,7 @@ def test_wrapped_strategy_unpickles_where_the_class_was_never_generated(monkeypa
     import lightning.pytorch as pl
 
     strategy = pl.strategies.DDPStrategy(accelerator=None)
-    apply_nanguard_strategy(strategy, NanGuard(verbose=False))
+    apply_nanguard_strategy(strategy, _hooks())
     data = pickle.dumps(strategy)
     monkeypatch.setattr(strategy_module, "_GENERATED", {})
     for name in [n for n in vars(strategy_module) if n.startswith("NanGuardDDPStrategy")]:
@@ -90,7 +97,7 @@ def test_wrapped_strategy_unpickles_where_the_class_was_never_generated(monkeypa
     assert type(restored).__name__ == "NanGuardDDPStrategy"
     assert isinstance(restored, pl.strategies.DDPStrategy)
     assert isinstance(restored, pl.strategies.ParallelStrategy)
-    assert isinstance(restored._nanguard, NanGuard)
+    assert isinstance(restored._nanguard, StrategyHooks)
     remove_nanguard_strategy(restored)
     assert type(restored) is pl.strategies.DDPStrategy
 
@@ -99,7 +106,7 @@ def test_apply_is_idempotent_and_remove_restores() -> None:
     import lightning.pytorch as pl
 
     strategy = pl.strategies.DDPStrategy(accelerator=None)
-    first, second = NanGuard(verbose=False), NanGuard(verbose=False)
+    first, second = _hooks(), _hooks()
     apply_nanguard_strategy(strategy, first)
     wrapped = type(strategy)
     apply_nanguard_strategy(strategy, second)  # a second fit: same class, the new guard
@@ -153,12 +160,32 @@ def test_inactive_guard_makes_the_wrapper_transparent(tmp_path: Path) -> None:
     assert not all(torch.isfinite(p).all() for p in module.parameters())  # NaN went through: nothing guarded
 
 
-def test_process_dataloader_makes_the_loader_record_indices(tmp_path: Path) -> None:
-    guard = NanGuard(verbose=False)
-    trainer = build_trainer("lightning", tmp_path, callbacks=[guard], max_steps=1)
+class SamplerProbe(*CALLBACK_BASES):  # type: ignore[misc]
+    """The class of the training and validation loaders' batch samplers while training runs."""
+
+    def __init__(self) -> None:
+        self.sampler: Any = None
+        self.train: list[str] = []
+        self.val: list[str] = []
+
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        self.sampler = trainer.train_dataloader.batch_sampler
+        self.train.append(type(self.sampler).__name__)
+
+    def on_validation_batch_start(self, trainer: Any, *args: Any) -> None:
+        self.val.append(type(trainer.val_dataloaders.batch_sampler).__name__)
+
+
+def test_process_dataloader_makes_only_the_training_loader_record_and_undoes_it(tmp_path: Path) -> None:
+    guard, probe = NanGuard(verbose=False), SamplerProbe()
+    trainer = build_trainer("lightning", tmp_path, callbacks=[guard, probe], limit_train_batches=2, limit_val_batches=1)
     case = make_case("input_data", bad=())
     loader: DataLoader = make_loader(case.dataset)
-    trainer.fit(make_module("lightning", "input_data"), loader)
-    sampler = trainer.train_dataloader.batch_sampler
-    assert type(sampler).__name__ == "RecordingBatchSampler"
-    assert sampler.nanguard_exclude is guard.remedy_book.quarantined
+    val_loader: DataLoader = make_loader(case.dataset)
+    module = make_module("lightning", "input_data")
+    module.__class__ = type("WithValidation", (type(module),), {"validation_step": lambda self, batch, idx: None})
+    trainer.fit(module, loader, val_loader)
+    assert probe.train == ["NanGuardRecordingBatchSampler"] * 2  # during training
+    assert probe.val == ["BatchSampler"]  # validation loaders are left alone
+    assert type(probe.sampler).__name__ == "BatchSampler"  # teardown undid the swap
+    assert not hasattr(probe.sampler, "nanguard_exclude")

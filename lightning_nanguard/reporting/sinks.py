@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -49,16 +49,21 @@ class EventSinks:
         """``<log_dir>/nanguard``, where events and repro bundles go."""
         return os.path.join(self.log_dir, "nanguard") if self.log_dir is not None else None
 
-    def attach(self, trainer: Trainer) -> None:
-        """Resolve the log directory (a collective: every rank must call this) and the writers."""
-        self.log_dir = trainer.log_dir or trainer.default_root_dir
+    def attach(self, trainer: Trainer, tags: Sequence[str] | None = None) -> None:
+        """Resolve the log directory (a collective: every rank must call this) and the writers.
+
+        The log directory is the first ``TensorBoardLogger``'s (so a run's incidents sit with its
+        scalars), else the Trainer's ``log_dir`` (its first logger's), else ``default_root_dir``.
+        ``tags`` are the scalar tags the run can log (the custom-scalars layout shows only those).
+        """
+        self.log_dir = _log_dir(trainer)
         self.jsonl = JsonlEventLog(os.path.join(self.log_dir, "nanguard", EVENTS_FILENAME))
         self.tensorboard = []
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 if isinstance(logger, TENSORBOARD_LOGGER_TYPES):
                     reporter = TensorBoardReporter(logger.experiment)
-                    reporter.register_layout()
+                    reporter.register_layout(tags)
                     self.tensorboard.append(reporter)
 
     def event(self, event: NanEvent, rank: int, trainer: Trainer | None = None) -> None:
@@ -78,8 +83,21 @@ class EventSinks:
         connector = getattr(trainer, "_logger_connector", None)
         return bool(connector.should_update_logs) if connector is not None else True
 
-    def scalars(self, trainer: Trainer, metrics: Mapping[str, float], force: bool = False) -> None:
-        """Log ``metrics`` through every Trainer logger, on logging steps (or always with ``force``)."""
-        if (force or self.logging_due(trainer)) and trainer.is_global_zero:
+    @staticmethod
+    def write_scalars(trainer: Trainer, metrics: Mapping[str, float], step: int) -> None:
+        """Log ``metrics`` at ``step`` through every Trainer logger (rank zero only)."""
+        if trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(dict(metrics), step=trainer.global_step)
+                logger.log_metrics(dict(metrics), step=step)
+
+
+def _log_dir(trainer: Trainer) -> str:
+    """The first TensorBoardLogger's ``log_dir``, else ``trainer.log_dir``, else ``default_root_dir``.
+
+    Rank zero's answer, broadcast (one collective on every rank, as ``trainer.log_dir`` does), so
+    that every rank writes to the same directory.
+    """
+    board = next((lg for lg in trainer.loggers if isinstance(lg, TENSORBOARD_LOGGER_TYPES)), None)
+    if board is None:
+        return str(trainer.log_dir or trainer.default_root_dir)
+    return str(trainer.strategy.broadcast(board.log_dir))

@@ -1,0 +1,568 @@
+"""One optimizer step under the guard: check, agree, decide, act. The Trainer-facing half of the policy.
+
+:class:`StepController` is what ``NanGuard``'s hooks call. Per optimizer step, on every rank:
+
+1. the :class:`~lightning_nanguard.window.StepWindow` collects the micro-batches and losses;
+2. :meth:`StepController.check_step` runs the fused check, reduces its flags over ranks and reads
+   them to the host once (:class:`~lightning_nanguard.decision.StepHealth`);
+3. a step that is healthy everywhere ends there; otherwise each rank describes what it found
+   (:class:`~lightning_nanguard.incidents.IncidentInspector`), the reports are gathered, and
+   :func:`~lightning_nanguard.decision.decide` gives one decision for every rank, which this class
+   carries out: drop the update, remedies, rollback, the event, raising;
+4. after the optimizer step, :meth:`StepController.after_optimizer_step` rolls back when due,
+   checks the weights and refreshes the last good snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_nanguard.agreement import RankAgreement
+from lightning_nanguard.decision import (
+    Counters,
+    Policy,
+    RankReport,
+    StepDecision,
+    StepHealth,
+    decide,
+    local_vector,
+    shared_part,
+)
+from lightning_nanguard.detection import all_finite, bad_batchnorm_names, fused_health_check, nonfinite_names
+from lightning_nanguard.events import EventAction, NanEvent, NonFiniteTrainingError
+from lightning_nanguard.incidents import IncidentInspector
+from lightning_nanguard.investigation import InvestigationSettings
+from lightning_nanguard.recovery import Recovery, grad_scaler
+from lightning_nanguard.remedies import clip_gradients_
+from lightning_nanguard.reporting.recorder import IncidentRecorder
+from lightning_nanguard.reporting.scalars import scalar_tags
+from lightning_nanguard.snapshot import batchnorm_buffers
+from lightning_nanguard.window import StepWindow
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+    from torch.optim import Optimizer
+
+__all__ = ["StepController", "escalation_message"]
+
+log = logging.getLogger("lightning_nanguard")
+
+DONE: dict[str, EventAction] = {"skip": "skipped", "raise": "raised", "warn": "warned", "rollback": "skipped"}
+REFERENCE_EVERY_N_STEPS = 100
+EVENTS_KEPT_IN_CHECKPOINT = 100
+
+
+@dataclass
+class ParamCheckSettings:
+    """When the weights are checked and snapshots taken (mirrors the ``NanGuard`` arguments)."""
+
+    check_params_every_n_steps: int = 50
+    snapshot_every_n_steps: int = 100
+
+
+def escalation_message(rule: str, counters: Counters, policy: Policy, event: NanEvent | None, where: str) -> str:
+    """The message every rank raises with when an escalation rule fires.
+
+    Example:
+        >>> escalation_message("max_events", Counters(bad_steps_total=3), Policy(max_events=3), None, "")[:58]
+        'NanGuard: 3 bad steps in total reached max_events=3; last:'
+    """
+    if rule == "max_consecutive_bad_steps":
+        what = (
+            f"{counters.consecutive_bad_steps} consecutive bad steps reached max_consecutive_bad_steps="
+            f"{policy.max_consecutive_bad_steps}"
+        )
+    else:
+        what = f"{counters.bad_steps_total} bad steps in total reached max_events={policy.max_events}"
+    last = event.headline() if event is not None else "on another rank (see its events)"
+    return (
+        f"NanGuard: {what}; last: {last}. Skipping no longer helps: the weights, the learning rate or the data "
+        "pipeline is at fault, not single batches. Use action='rollback' with remedies=['clip_grad', "
+        f"'lr_backoff'], lower the learning rate, or inspect the events.{where}"
+    )
+
+
+class StepController:
+    """Carries out the guard's per-step policy on one rank (see module docs).
+
+    Args:
+        policy: the decision rules.
+        inspection: what to investigate on a bad step.
+        param_checks: when to check the weights and take snapshots.
+        recovery: snapshots, rollback and remedies.
+        recorder: events, sinks and scalars.
+        track_batchnorm: check BatchNorm statistics.
+        with_norm: compute the gradient norm every step (``clip_grad`` needs it).
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        inspection: InvestigationSettings,
+        param_checks: ParamCheckSettings,
+        recovery: Recovery,
+        recorder: IncidentRecorder,
+        track_batchnorm: bool = True,
+        with_norm: bool = False,
+    ) -> None:
+        self.policy = policy
+        self.inspection = inspection
+        self.param_checks = param_checks
+        self.recovery = recovery
+        self.recorder = recorder
+        self.track_batchnorm = track_batchnorm
+        self.with_norm = with_norm
+        self.window = StepWindow()
+        self.counters = Counters()
+        self.agreement = RankAgreement(None, 1)
+        self.last_grad_norm: float | None = None
+        self.failing = False  # an internal error: keep joining the collectives until every rank disables
+        self.disabled = False
+        self.pending_rollback = False
+        self.step_was_bad = False
+        self.reported_step: int | None = None
+        self.named_params: list[tuple[str, nn.Parameter]] = []
+        self.params: list[nn.Parameter] = []
+
+    # ------------------------------------------------------------------ setup
+
+    def configure(self, arguments: Mapping[str, Any], strategy_kind: str = "single") -> None:
+        """Take the ``NanGuard`` arguments as they are now (at ``setup``; users may change them after ``__init__``)."""
+        a = arguments
+        diagnose_here = strategy_kind != "fsdp"
+        if not diagnose_here:
+            self.recorder.notices.warn(
+                "fsdp",
+                "NanGuard: under FSDP bad steps are detected and skipped on all ranks, but "
+                "bisection and localisation are off (they would re-run sharded forwards on one rank).",
+            )
+        self.policy = Policy(
+            action=a["action"],
+            max_consecutive_bad_steps=a["max_consecutive_bad_steps"],
+            max_events=a["max_events"],
+            rollback_after_consecutive=a["rollback_after_consecutive"],
+            min_loss_scale=a["min_loss_scale"],
+            max_consecutive_overflows=a["max_consecutive_overflows"],
+        )
+        self.inspection = InvestigationSettings(
+            a["bisect"],
+            a["localize"],
+            a["max_bisect_passes"],
+            a["save_repro"],
+            a["max_repro_bundles"],
+            a["batch_slicer"],
+            diagnose_here,
+        )
+        self.param_checks = ParamCheckSettings(a["check_params_every_n_steps"], a["snapshot_every_n_steps"])
+        self.track_batchnorm = a["check_bn_stats"]
+        self.with_norm = "clip_grad" in (a["remedies"] or ())
+
+    def attach(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Bind to the Trainer's strategy and the model's parameters (``on_train_start``)."""
+        self.agreement = RankAgreement(trainer.strategy, trainer.world_size)
+        self.named_params = list(pl_module.named_parameters())
+        self.params = [p for _, p in self.named_params]
+        self.window.attach(pl_module, self.track_batchnorm)
+        self.recorder.rank = trainer.global_rank
+
+    def scalar_tags(self, trainer: Trainer) -> list[str]:
+        """The ``nanguard/`` scalar tags this run can log."""
+        remedies = self.recovery.book.enabled
+        return scalar_tags(self.policy.action, remedies, grad_scaler(trainer) is not None, spikes=False)
+
+    def warn_what_cannot_be_skipped(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """One warning each for manual optimisation and LBFGS: their steps are reported, not skipped."""
+        if not pl_module.automatic_optimization and self.policy.action in ("skip", "rollback"):
+            self.recorder.notices.warn(
+                "manual",
+                "NanGuard: manual optimisation; bad steps are detected and reported but not "
+                "skipped, bisected or rolled back automatically. Call `guard.check(self)` in your "
+                "training_step before `optimizer.step()` to act on them.",
+            )
+        if any(isinstance(opt, torch.optim.LBFGS) for opt in trainer.optimizers):
+            self.recorder.notices.warn(
+                "lbfgs",
+                "NanGuard: LBFGS evaluates its closure many times per step, so a step cannot "
+                "be skipped halfway; bad steps are detected and reported only.",
+            )
+
+    def checking(self, trainer: Trainer, every_n_steps: int) -> bool:
+        """Whether the optimizer step about to run is checked (the same answer on every rank)."""
+        return trainer.global_step % every_n_steps == 0
+
+    # ------------------------------------------------------------------ the check
+
+    def check_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
+        """Check the step, agree with the other ranks, and carry out the decision."""
+        inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        if isinstance(inner, torch.optim.LBFGS) and self.reported_step == trainer.global_step:
+            return  # LBFGS evaluates its closure (and this hook) many times per step: one event per step
+        grads = [g for p in self.params if (g := p.grad) is not None]
+        health = self._health(trainer, pl_module, grads)
+        if health.grad_norm >= 0 or math.isnan(health.grad_norm):
+            self.last_grad_norm = health.grad_norm
+        if health.healthy:
+            self._healthy(trainer, pl_module, grads, health.grad_norm)
+            return
+        report, event = self._inspect(trainer, pl_module, optimizer, health, grads)
+        reports = self.agreement.gather(report) if self._collective(pl_module) else [report]
+        decision, after = decide(reports, self.counters, self._policy(pl_module, optimizer), self._next_scale(trainer))
+        self._carry_out(trainer, pl_module, optimizer, decision, after, event, grads, health.grad_norm)
+
+    def _collective(self, pl_module: LightningModule) -> bool:
+        # manual optimisation may call optimizer.step() a different number of times per rank: no collectives
+        return self.agreement.distributed and pl_module.automatic_optimization
+
+    def _health(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor]) -> StepHealth:
+        device = pl_module.device
+        if self.failing:
+            summary = torch.tensor([0.0, -1.0, 0.0], device=device)
+        else:
+            bn = self.window.batchnorm_buffers
+            summary = fused_health_check(
+                grads,
+                others=[*self.window.losses, *(t for _, t in bn if t.is_floating_point())],
+                nonnegative=self.window.running_vars,
+                device=device,
+                with_norm=self.with_norm or self.recorder.logging_due(trainer),
+            )
+        vector = local_vector(summary, failed=self.failing)
+        if self._collective(pl_module):
+            vector = torch.cat((vector, self.agreement.sum(shared_part(vector))))
+        return StepHealth.from_values(vector.tolist())  # the one host read of a healthy step
+
+    def _healthy(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor], grad_norm: float) -> None:
+        self.counters = self.counters.replace(consecutive_bad_steps=0, consecutive_overflows=0, consecutive_spikes=0)
+        self.step_was_bad = False
+        if math.isfinite(grad_norm) and grad_norm >= 0:  # -1: not computed this step
+            self.recovery.remember_healthy_norm(grad_norm)
+            threshold = self.recovery.book.clip_threshold
+            if threshold is not None:
+                clip_gradients_(grads, grad_norm, threshold)
+        self.window.refresh_reference(trainer.global_step, REFERENCE_EVERY_N_STEPS, self.inspection.batch_slicer)
+        self.window.forget_batches()
+        self.recorder.scalars(trainer, self.metrics(self.counters))
+
+    # ------------------------------------------------------------------ a step that is bad somewhere
+
+    def _policy(self, pl_module: LightningModule, optimizer: Optimizer) -> Policy:
+        inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        can_skip = pl_module.automatic_optimization and not isinstance(inner, torch.optim.LBFGS)
+        return self.policy if can_skip == self.policy.can_skip else _with(self.policy, can_skip=can_skip)
+
+    def _inspect(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        optimizer: Optimizer,
+        health: StepHealth,
+        grads: list[Tensor],
+    ) -> tuple[RankReport, NanEvent | None]:
+        """What this rank found; never raises (a failure becomes a ``failed`` report)."""
+        rank = trainer.global_rank
+        if self.failing:
+            return RankReport(rank, failed=True), None
+        try:
+            inspector = IncidentInspector(self.inspection, self.window, self.named_params, self.recorder)
+            predicted = decide([RankReport(rank, incident=True)], self.counters, self._policy(pl_module, optimizer))
+            return inspector.inspect(trainer, pl_module, health, grads, predicted[0].action)
+        except NonFiniteTrainingError:
+            raise
+        except Exception as error:
+            self.fail(error, "the inspection of a bad step")
+            return RankReport(rank, failed=True), None
+
+    def _next_scale(self, trainer: Trainer) -> float | None:
+        scaler = grad_scaler(trainer)
+        if scaler is None or not scaler.is_enabled():
+            return None
+        return float(scaler.get_scale()) * scaler.get_backoff_factor()  # what update() sets after an overflow
+
+    def _carry_out(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        optimizer: Optimizer,
+        decision: StepDecision,
+        counters: Counters,
+        event: NanEvent | None,
+        grads: list[Tensor],
+        grad_norm: float,
+    ) -> None:
+        before, self.counters = self.counters, counters
+        if decision.disable:
+            self.disable_everywhere()
+        if decision.outcome == "healthy":  # a finite tensor whose norm overflowed: not an incident
+            self._healthy(trainer, pl_module, grads, grad_norm)
+            return
+        if decision.outcome == "overflow":  # the GradScaler skips this step by itself
+            self.recorder.scalars(trainer, self.metrics(self.counters), previous=self.metrics(before))
+            return
+        self.step_was_bad = True
+        self.reported_step = trainer.global_step
+        if decision.discard:
+            self.window.discard_update(optimizer)
+        self.window.forget_batches()
+        if decision.rollback_due:
+            self.pending_rollback = True  # done after the optimizer step, when the scaler has updated
+        remedies = self.recovery.apply(
+            trainer,
+            pl_module,
+            cause=decision.cause,
+            quarantine=decision.quarantine,
+            culprit_module=decision.culprit_module,
+            rolled_back=decision.rollback_due,
+        )
+        event = self._shared_event(trainer, decision, event)
+        if event is not None:
+            action = DONE[decision.action or "warn"]
+            if decision.rollback_due and self.recovery.snapshot.available:
+                action = "rolled_back"
+            event = event.replace(action=action, cause=decision.cause or event.cause)
+            if remedies:
+                event = event.replace(remedies=(*event.remedies, *remedies))
+            self.recorder.record(trainer, pl_module, event)
+        self.recorder.scalars(trainer, self.metrics(self.counters), previous=self.metrics(before))
+        self.recorder.progress(trainer, self.counters.skipped_total)
+        if decision.action == "raise":
+            raise NonFiniteTrainingError(self._raise_message(decision, event), self._history(decision, event))
+
+    def _shared_event(self, trainer: Trainer, decision: StepDecision, event: NanEvent | None) -> NanEvent | None:
+        """This rank's event; a collapsed loss scale (no rank's own NaN/Inf) is recorded by rank zero."""
+        if event is not None or decision.outcome != "loss_scale" or trainer.global_rank != 0:
+            return event
+        return NanEvent(
+            global_step=trainer.global_step,
+            epoch=trainer.current_epoch,
+            batch_idx=self.window.batch_idx,
+            rank=trainer.global_rank,
+            kinds=("loss_scale",),
+            action="warned",
+            grad_norm=self.last_grad_norm,
+            details={
+                "loss_scale": self._next_scale(trainer),
+                "consecutive_overflows": self.counters.consecutive_overflows,
+                "hint": "the loss scale collapsed: the model overflows fp16 even unscaled; use bf16-mixed, lower "
+                "the learning rate, or find the op producing huge values",
+            },
+        )
+
+    def _raise_message(self, decision: StepDecision, event: NanEvent | None) -> str:
+        path = self.recorder.events_path
+        where = f" Events are in {path}." if path is not None else ""
+        if decision.escalation is not None:
+            return escalation_message(decision.escalation, self.counters, self.policy, event, where)
+        what = event.headline() if event is not None else "another rank saw NaN/Inf (see its event)"
+        return (
+            f"NanGuard: {what}. The optimizer step was not applied, so the weights are still finite. "
+            "Inspect the event (error.event), then use action='skip' to train past bad batches or fix the "
+            f"origin.{where}"
+        )
+
+    def _history(self, decision: StepDecision, event: NanEvent | None) -> list[NanEvent]:
+        events = self.recorder.events
+        if decision.escalation is None:
+            return events[-1:] if event is not None else []
+        if decision.escalation == "max_events":
+            return list(events)
+        return events[-self.policy.max_consecutive_bad_steps :]
+
+    # ------------------------------------------------------------------ after the optimizer step
+
+    def after_optimizer_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Roll back when due; check the weights and refresh the snapshot every few steps (every rank)."""
+        if self.pending_rollback and not self.failing:
+            self.pending_rollback = False
+            self.rollback(trainer, pl_module, reason="consecutive bad steps")
+            return
+        step = trainer.global_step + 1  # global_step increments after this call
+        every = self.param_checks.check_params_every_n_steps
+        check_params = bool(every) and step % every == 0
+        snapshot_due = (
+            self.policy.action == "rollback"
+            and not self.step_was_bad
+            and step % self.param_checks.snapshot_every_n_steps == 0
+        )
+        if not (check_params or snapshot_due):
+            return
+        finite_here = True if self.failing else all_finite(list(pl_module.state_dict().values()))
+        nonfinite_anywhere = self.agreement.any(not finite_here) if self._collective(pl_module) else not finite_here
+        if self.failing:
+            return
+        if not nonfinite_anywhere:
+            if snapshot_due:
+                self.capture(trainer, pl_module)
+            return
+        self._nonfinite_weights(trainer, pl_module, finite_here)
+
+    def _nonfinite_weights(self, trainer: Trainer, pl_module: LightningModule, finite_here: bool) -> None:
+        before = self.counters
+        self.counters = before.replace(bad_steps_total=before.bad_steps_total + 1)
+        event = None
+        if not finite_here:
+            names = tuple(
+                nonfinite_names(self.named_params) + nonfinite_names(batchnorm_buffers(pl_module))
+            )
+            event = NanEvent(
+                global_step=trainer.global_step,
+                epoch=trainer.current_epoch,
+                batch_idx=self.window.batch_idx,
+                rank=trainer.global_rank,
+                kinds=("param",),
+                action="warned",
+                nonfinite_params=names,
+                cause="state",
+                details={"hint": "NaN/Inf reached the weights through an update with finite gradients (overflow)"},
+            )
+        if self.policy.action == "rollback" and self.recovery.snapshot.available:
+            description = self.rollback(trainer, pl_module, reason="non-finite weights")
+            remedies = self.recovery.apply(trainer, pl_module, cause="state", rolled_back=True)
+            if event is not None:
+                self.recorder.record(
+                    trainer, pl_module, event.replace(action="rolled_back", remedies=(description, *remedies))
+                )
+        elif self.policy.action == "warn":
+            if event is not None:
+                self.recorder.record(trainer, pl_module, event)
+        else:
+            if event is not None:
+                event = event.replace(action="raised")
+                self.recorder.record(trainer, pl_module, event)
+            shown = event.nonfinite_params[:3] if event is not None else "on another rank"
+            raise NonFiniteTrainingError(
+                f"NanGuard: NaN/Inf reached the weights ({shown}) at step {trainer.global_step}; skipping steps "
+                "cannot undo that. Use action='rollback' (keeps a last good snapshot) or restart from the last "
+                "checkpoint with a lower learning rate.",
+                [event] if event is not None else [],
+            )
+        self.recorder.scalars(trainer, self.metrics(self.counters), previous=self.metrics(before))
+
+    def rollback(self, trainer: Trainer, pl_module: LightningModule, reason: str) -> str:
+        """Restore the last good snapshot (every rank at the same step); raise when there is none."""
+        description = self.recovery.rollback(trainer, pl_module)
+        if description is None:
+            raise NonFiniteTrainingError(
+                f"NanGuard: a rollback is due ({reason}) but no last good snapshot exists yet.", self.recorder.events
+            )
+        self.counters = self.counters.replace(consecutive_bad_steps=0)
+        log.warning("[rank %d] NanGuard: %s (%s)", trainer.global_rank, description, reason)
+        self.recorder.scalars(trainer, self.metrics(self.counters), force=True)
+        return description
+
+    def capture(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Take a last good snapshot (the weights were checked finite on every rank)."""
+        first = not self.recovery.snapshot.available
+        self.recovery.capture(trainer, pl_module, extra={})
+        if first:
+            snapshot = self.recovery.snapshot
+            log.info(
+                "NanGuard: rollback snapshot of %.1f MiB on the host, %.1f ms to take",
+                snapshot.nbytes / 2**20,
+                snapshot.seconds * 1e3,
+            )
+
+    def initial_snapshot(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The first last-good snapshot, at the start of training, when the weights are finite."""
+        if all_finite(list(pl_module.state_dict().values())):
+            self.capture(trainer, pl_module)
+
+    def metrics(self, counters: Counters) -> dict[str, float | None]:
+        """The ``nanguard/`` scalars for ``counters`` (the recorder keeps the tags this run logs)."""
+        return {
+            "nanguard/grad_norm": self.last_grad_norm,
+            "nanguard/bad_steps_total": float(counters.bad_steps_total),
+            "nanguard/skipped_total": float(counters.skipped_total),
+            "nanguard/spikes_total": float(counters.spikes_total),
+            "nanguard/amp_overflow_total": float(counters.amp_overflow_total),
+            "nanguard/rollbacks_total": float(self.recovery.rollbacks_total),
+            "nanguard/remedies_total": float(self.recovery.book.total),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, the last gradient norm, remedy state and the last 100 events, as primitives."""
+        return {
+            **dataclasses.asdict(self.counters),
+            "last_grad_norm": self.last_grad_norm,
+            "events": [event.to_dict() for event in self.recorder.events[-EVENTS_KEPT_IN_CHECKPOINT:]],
+            "recovery": self.recovery.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; keys added in later versions default sensibly."""
+        self.counters = Counters(**{name: int(state.get(name, 0)) for name in Counters.__dataclass_fields__})
+        norm = state.get("last_grad_norm")
+        self.last_grad_norm = float(norm) if norm is not None else None
+        self.recorder.events[:] = [NanEvent.from_dict(summary) for summary in state.get("events", [])]
+        self.recovery.load_state_dict(state.get("recovery", {}))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["agreement"] = RankAgreement(None, 1)  # never pickle the strategy or the batches
+        state["window"] = StepWindow()
+        state["named_params"], state["params"] = [], []
+        return state
+
+    # ------------------------------------------------------------------ manual loops
+
+    def manual_check(self, trainer: Trainer | None, module: nn.Module, loss: Tensor | None) -> NanEvent | None:
+        """``NanGuard.check``: gradients, BatchNorm statistics, weights and ``loss`` of ``module``, now."""
+        named = list(module.named_parameters())
+        bad_grads = tuple(nonfinite_names((n, p.grad) for n, p in named if p.grad is not None))
+        bad_buffers = tuple(bad_batchnorm_names(batchnorm_buffers(module)))
+        bad_params = tuple(nonfinite_names(named))
+        loss_bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
+        flags = (("loss", loss_bad), ("grad", bad_grads), ("bn_stats", bad_buffers), ("param", bad_params))
+        kinds = tuple(kind for kind, bad in flags if bad)
+        if not kinds:
+            return None
+        event = NanEvent(
+            global_step=trainer.global_step if trainer else 0,
+            epoch=trainer.current_epoch if trainer else 0,
+            batch_idx=self.window.batch_idx,
+            rank=trainer.global_rank if trainer else 0,
+            kinds=kinds,  # type: ignore[arg-type]
+            action="warned",
+            nonfinite_grads=bad_grads,
+            nonfinite_buffers=bad_buffers,
+            nonfinite_params=bad_params,
+            loss=float(loss.detach().float().sum()) if loss is not None else None,
+        )
+        self.counters = self.counters.replace(bad_steps_total=self.counters.bad_steps_total + 1)
+        self.recorder.events.append(event)
+        if trainer is not None:
+            self.recorder.sinks.event(event, trainer.global_rank, trainer)
+        return event
+
+    # ------------------------------------------------------------------ failure of the guard itself
+
+    def fail(self, error: BaseException, where: str) -> None:
+        """An internal error: disable now (one process) or at the next agreement (every rank together)."""
+        if self.failing or self.disabled:
+            return
+        log.warning(
+            "NanGuard disabled itself after an internal error in %s: %r. Training continues unguarded; "
+            "please report this with the traceback.",
+            where,
+            error,
+            exc_info=(type(error), error, error.__traceback__),
+        )
+        if self.agreement.distributed:
+            self.failing = True  # still takes part in the per-step reduce, which disables every rank
+        else:
+            self.disabled = True
+
+    def disable_everywhere(self) -> None:
+        """Every rank saw some rank's failure in the same reduce: all stop guarding after this step."""
+        self.disabled = True
+
+
+def _with(policy: Policy, **changes: Any) -> Policy:
+    return dataclasses.replace(policy, **changes)

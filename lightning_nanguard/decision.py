@@ -1,0 +1,349 @@
+"""What happened at one optimizer step, and what every rank does about it. Trainer-free.
+
+Every path of the guard goes through the same three steps, on every rank:
+
+1. :class:`StepHealth` names the values of the step's one host read: this rank's flags from the
+   fused check (and, under DDP, their sums over all ranks, reduced in the same tensor).
+2. When a step is not healthy on some rank, each rank describes what it found in a
+   :class:`RankReport` (its own NaN/Inf incident, an AMP overflow, a loss spike, an internal
+   failure, the cause and what the remedies need), and the reports of all ranks are gathered.
+3. :func:`decide` turns the reports, the shared :class:`Counters` and the :class:`Policy` into one
+   :class:`StepDecision`. Its inputs are identical on every rank, so is its output: every rank
+   skips, raises, rolls back and applies remedies at the same step, for the same reason.
+
+Example:
+    >>> policy = Policy(action="skip", max_consecutive_bad_steps=2)
+    >>> bad = [RankReport(rank=0, incident=True, cause="data", quarantine=(7,))]
+    >>> first, counters = decide(bad, Counters(), policy)
+    >>> first.outcome, first.action, first.discard, counters.consecutive_bad_steps
+    ('incident', 'skip', True, 1)
+    >>> second, counters = decide(bad, counters, policy)
+    >>> second.action, second.escalation
+    ('raise', 'max_consecutive_bad_steps')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "LOCAL_FIELDS",
+    "SHARED_FIELDS",
+    "Counters",
+    "Outcome",
+    "Policy",
+    "RankReport",
+    "StepDecision",
+    "StepHealth",
+    "decide",
+    "local_vector",
+    "shared_part",
+]
+
+Outcome = Literal["healthy", "incident", "overflow", "loss_scale", "spike"]
+StepAction = Literal["skip", "raise", "warn", "rollback"]
+
+LOCAL_FIELDS: tuple[str, ...] = ("bad", "grad_norm", "others_bad", "spike", "failed")
+"""This rank's values, in the order of :func:`local_vector`."""
+SHARED_FIELDS: tuple[str, ...] = ("bad", "others_bad", "spike", "failed")
+"""The flags summed over ranks (DDP), in the order of :func:`shared_part`."""
+
+# Which cause wins when ranks disagree: the weights are shared, so a state verdict anywhere is the
+# verdict; then NaN/Inf in a batch, then samples that reproduce it, then samples that only fail together.
+_CAUSE_PRIORITY = ("state", "input", "data", "interaction")
+
+
+def local_vector(summary: Tensor, spike: Tensor | None = None, failed: bool = False) -> Tensor:
+    """This rank's flags as one float32 device vector laid out as :data:`LOCAL_FIELDS`.
+
+    Args:
+        summary: ``fused_health_check`` output ``[bad, grad_norm, others_bad]``.
+        spike: 1-element flag of the loss-spike check (``None``: no check).
+        failed: this rank's guard failed internally and cannot check (the vector then says so).
+
+    Example:
+        >>> local_vector(torch.tensor([0.0, 2.5, 0.0])).tolist()
+        [0.0, 2.5, 0.0, 0.0, 0.0]
+    """
+    device, dtype = summary.device, torch.float32
+    spike = spike.reshape(1).to(dtype) if spike is not None else torch.zeros(1, dtype=dtype, device=device)
+    flag = torch.full((1,), 1.0 if failed else 0.0, dtype=dtype, device=device)
+    return torch.cat((summary.to(dtype), spike, flag))
+
+
+def shared_part(vector: Tensor) -> Tensor:
+    """The entries of a :func:`local_vector` that are summed over ranks (views, no index tensor).
+
+    Example:
+        >>> shared_part(torch.tensor([1.0, 9.0, 0.0, 1.0, 0.0])).tolist()
+        [1.0, 0.0, 1.0, 0.0]
+    """
+    return torch.cat((vector[0:1], vector[2:5]))
+
+
+@dataclass(frozen=True)
+class StepHealth:
+    """The step's one host read, named.
+
+    Attributes:
+        bad: this rank's check flagged a possible NaN/Inf (gradients, loss or BatchNorm statistics).
+        grad_norm: global L2 norm of the gradients (-1 when not computed this step).
+        others_bad: this rank's loss or BatchNorm statistics flagged.
+        spike: this rank's loss is a spike.
+        failed: this rank's guard failed internally.
+        ranks_bad, ranks_others_bad, ranks_spike, ranks_failed: how many ranks raised each flag
+            (this rank's flag without DDP).
+    """
+
+    bad: bool
+    grad_norm: float
+    others_bad: bool
+    spike: bool
+    failed: bool
+    ranks_bad: int
+    ranks_others_bad: int
+    ranks_spike: int
+    ranks_failed: int
+
+    @classmethod
+    def from_values(cls, values: Sequence[float]) -> StepHealth:
+        """From ``local + shared`` values read to the host (``shared`` absent without DDP).
+
+        Example:
+            >>> StepHealth.from_values([0.0, 1.5, 0.0, 0.0, 0.0]).healthy
+            True
+            >>> health = StepHealth.from_values([0.0, 1.5, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+            >>> health.healthy, health.ranks_bad, health.bad
+            (False, 1, False)
+        """
+        bad, grad_norm, others_bad, spike, failed = values[: len(LOCAL_FIELDS)]
+        shared = list(values[len(LOCAL_FIELDS) :]) or [bad, others_bad, spike, failed]
+        return cls(
+            bad=bad > 0,
+            grad_norm=float(grad_norm),
+            others_bad=others_bad > 0,
+            spike=spike > 0,
+            failed=failed > 0,
+            ranks_bad=int(shared[0]),
+            ranks_others_bad=int(shared[1]),
+            ranks_spike=int(shared[2]),
+            ranks_failed=int(shared[3]),
+        )
+
+    @property
+    def healthy(self) -> bool:
+        """No rank flagged anything: the fast path."""
+        return not (self.ranks_bad or self.ranks_spike or self.ranks_failed)
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank found on a step that was not healthy somewhere.
+
+    Attributes:
+        rank: global rank.
+        incident: this rank confirmed NaN/Inf of its own, element-wise (not an AMP overflow).
+        overflow: Inf-only gradients under a GradScaler with a finite loss and BatchNorm statistics
+            (the scaler skips such a step itself).
+        spike: this rank's loss is a spike.
+        failed: this rank's guard failed internally.
+        cause: the diagnosis verdict of this rank's incident (``None``: not investigated).
+        quarantine: dataset indices of the offending samples (cause ``data``/``input``).
+        culprit_module: module where the first NaN/Inf was produced (for ``raise_eps``).
+    """
+
+    rank: int
+    incident: bool = False
+    overflow: bool = False
+    spike: bool = False
+    failed: bool = False
+    cause: str | None = None
+    quarantine: tuple[int, ...] = ()
+    culprit_module: str | None = None
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The configuration that decides a step (mirrors the ``NanGuard`` arguments of the same names).
+
+    ``can_skip`` is False when the update cannot be dropped from a hook (manual optimisation,
+    LBFGS): ``skip`` and ``rollback`` then act as ``warn``.
+    """
+
+    action: StepAction = "skip"
+    max_consecutive_bad_steps: int = 10
+    max_events: int | None = None
+    rollback_after_consecutive: int = 3
+    min_loss_scale: float = 1.0
+    max_consecutive_overflows: int = 20
+    spike_action: Literal["skip", "warn", "off"] = "skip"
+    spike_rebaseline_after: int = 5
+    can_skip: bool = True
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Counts that mean the same on every rank: a bad step is a step that was bad on any rank."""
+
+    bad_steps_total: int = 0
+    skipped_total: int = 0
+    consecutive_bad_steps: int = 0
+    amp_overflow_total: int = 0
+    consecutive_overflows: int = 0
+    spikes_total: int = 0
+    consecutive_spikes: int = 0
+
+    def replace(self, **changes: int) -> Counters:
+        """A copy with some counts changed."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """What every rank does about one step.
+
+    Attributes:
+        outcome: ``healthy``; ``incident`` (NaN/Inf on some rank); ``overflow`` (the GradScaler's
+            business, counted only); ``loss_scale`` (the scale collapsed: an incident); ``spike``.
+        action: what is done: ``skip``, ``raise``, ``warn`` or ``rollback`` (``None`` when healthy).
+        discard: drop this step's update (gradients to ``None``, BatchNorm statistics restored).
+        escalation: the rule that made the guard raise whatever ``action`` is configured.
+        rollback_due: restore the last good snapshot after the optimizer step.
+        cause: the shared verdict of the incident.
+        quarantine: dataset indices to quarantine (union over ranks).
+        culprit_module: module for ``raise_eps`` (lowest reporting rank).
+        rebaseline: the spike statistic must start over (several spikes in a row).
+        disable: some rank's guard failed: every rank disables its guard after this step.
+    """
+
+    outcome: Outcome
+    action: StepAction | None = None
+    discard: bool = False
+    escalation: str | None = None
+    rollback_due: bool = False
+    cause: str | None = None
+    quarantine: tuple[int, ...] = ()
+    culprit_module: str | None = None
+    rebaseline: bool = False
+    disable: bool = False
+    reports: tuple[RankReport, ...] = field(default=(), repr=False)
+
+    @property
+    def bad(self) -> bool:
+        """An incident (NaN/Inf or a collapsed loss scale), counted toward escalation."""
+        return self.outcome in ("incident", "loss_scale")
+
+
+def _shared_cause(reports: Sequence[RankReport]) -> str | None:
+    causes = {r.cause for r in reports if r.incident and r.cause}
+    return next((c for c in _CAUSE_PRIORITY if c in causes), None)
+
+
+def _rank(report: RankReport) -> int:
+    return report.rank
+
+
+def _escalation(counters: Counters, policy: Policy) -> str | None:
+    if counters.consecutive_bad_steps >= policy.max_consecutive_bad_steps:
+        return "max_consecutive_bad_steps"
+    if policy.max_events is not None and counters.bad_steps_total >= policy.max_events:
+        return "max_events"
+    return None
+
+
+def decide(
+    reports: Sequence[RankReport],
+    counters: Counters,
+    policy: Policy,
+    next_loss_scale: float | None = None,
+) -> tuple[StepDecision, Counters]:
+    """One decision for the step from every rank's report; the counters after it.
+
+    Args:
+        reports: one report per rank (a single one without DDP); empty for a healthy step.
+        counters: the shared counters before this step.
+        policy: the configuration.
+        next_loss_scale: the loss scale the GradScaler will use after an overflow (``None``: no scaler).
+
+    Example:
+        >>> overflow = [RankReport(rank=0, overflow=True)]
+        >>> decision, counters = decide(overflow, Counters(), Policy(), next_loss_scale=2.0**15)
+        >>> decision.outcome, decision.discard, counters.amp_overflow_total
+        ('overflow', False, 1)
+        >>> decide(overflow, counters, Policy(), next_loss_scale=0.5)[0].outcome
+        'loss_scale'
+    """
+    disable = any(r.failed for r in reports)
+    if any(r.incident for r in reports):
+        return _incident(reports, counters, policy, "incident", disable)
+    if any(r.overflow for r in reports):
+        counters = counters.replace(
+            amp_overflow_total=counters.amp_overflow_total + 1, consecutive_overflows=counters.consecutive_overflows + 1
+        )
+        collapsed = next_loss_scale is not None and next_loss_scale < policy.min_loss_scale
+        if collapsed or counters.consecutive_overflows >= policy.max_consecutive_overflows:
+            return _incident(reports, counters, policy, "loss_scale", disable)
+        return StepDecision("overflow", disable=disable, reports=tuple(reports)), counters
+    if any(r.spike for r in reports) and policy.spike_action != "off":
+        spikes = counters.consecutive_spikes + 1
+        rebaseline = spikes >= policy.spike_rebaseline_after
+        counters = counters.replace(
+            spikes_total=counters.spikes_total + 1, consecutive_spikes=0 if rebaseline else spikes
+        )
+        skip = policy.spike_action == "skip" and policy.can_skip
+        if skip:
+            counters = counters.replace(skipped_total=counters.skipped_total + 1)
+        decision = StepDecision(
+            "spike",
+            action="skip" if skip else "warn",
+            discard=skip,
+            cause=_shared_cause([dataclasses.replace(r, incident=True) for r in reports if r.spike]),
+            quarantine=tuple(sorted({i for r in reports if r.spike for i in r.quarantine})),
+            rebaseline=rebaseline,
+            disable=disable,
+            reports=tuple(reports),
+        )
+        return decision, counters
+    return StepDecision("healthy", disable=disable, reports=tuple(reports)), counters.replace(
+        consecutive_bad_steps=0, consecutive_overflows=0, consecutive_spikes=0
+    )
+
+
+def _incident(
+    reports: Sequence[RankReport], counters: Counters, policy: Policy, outcome: Outcome, disable: bool
+) -> tuple[StepDecision, Counters]:
+    counters = counters.replace(
+        bad_steps_total=counters.bad_steps_total + 1,
+        consecutive_bad_steps=counters.consecutive_bad_steps + 1,
+        consecutive_spikes=0,
+    )
+    escalation = _escalation(counters, policy)
+    action: StepAction = "raise" if escalation else policy.action
+    if action in ("skip", "rollback") and not policy.can_skip:
+        action = "warn"
+    skipped = action in ("skip", "rollback")
+    if skipped:
+        counters = counters.replace(skipped_total=counters.skipped_total + 1)
+    rollback_due = action == "rollback" and counters.consecutive_bad_steps >= policy.rollback_after_consecutive
+    if rollback_due:
+        counters = counters.replace(consecutive_bad_steps=0)
+    cause = _shared_cause(reports)
+    decision = StepDecision(
+        outcome,
+        action=action,
+        discard=action in ("skip", "raise", "rollback"),
+        escalation=escalation,
+        rollback_due=rollback_due,
+        cause=cause,
+        quarantine=tuple(sorted({i for r in reports if r.cause in ("data", "input") for i in r.quarantine})),
+        culprit_module=next((r.culprit_module for r in sorted(reports, key=_rank) if r.culprit_module), None),
+        disable=disable,
+        reports=tuple(reports),
+    )
+    return decision, counters

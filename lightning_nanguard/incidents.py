@@ -1,0 +1,183 @@
+"""What one rank found on a step that was not healthy: the event, the diagnosis, the report to share.
+
+:class:`IncidentInspector` runs on every rank when some rank's check flagged the step. It confirms
+this rank's own NaN/Inf element by element (a finite tensor can overflow a norm), tells an AMP
+overflow (the GradScaler's business) from an incident, diagnoses its own incident (bisection,
+localisation, repro bundle) from the BatchNorm state before the step, and returns a
+:class:`~lightning_nanguard.decision.RankReport` for the shared decision plus its own event.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from lightning_nanguard.decision import RankReport, StepHealth
+from lightning_nanguard.detection import bad_batchnorm_names, grouped_norms, nonfinite_names
+from lightning_nanguard.events import EventKind, NanEvent
+from lightning_nanguard.investigation import InvestigationSettings, investigate
+from lightning_nanguard.recovery import grad_scaler
+from lightning_nanguard.reporting.recorder import IncidentRecorder
+from lightning_nanguard.window import StepWindow
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+
+__all__ = ["IncidentInspector"]
+
+def _any_inf(tensors: Sequence[Tensor]) -> bool:
+    """Whether some element is +/-Inf (bad path only: one host read)."""
+    flags = [torch.isinf(t).any() for t in tensors]
+    return bool(torch.stack(flags).any()) if flags else False
+
+
+def _cause(event: NanEvent | None) -> str | None:
+    """The event's verdict; samples named without a verdict (an older diagnosis) count as ``"data"``."""
+    if event is None:
+        return None
+    if event.cause is not None:
+        return event.cause
+    return "data" if event.offending_samples is not None else None
+
+
+class IncidentInspector:
+    """This rank's side of a step that some rank flagged (see module docs).
+
+    Args:
+        settings: what to investigate.
+        window: the step's micro-batches, losses and BatchNorm state.
+        named_params: the model's named parameters.
+        recorder: for warnings and the bundle directory.
+    """
+
+    def __init__(
+        self,
+        settings: InvestigationSettings,
+        window: StepWindow,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        recorder: IncidentRecorder,
+    ) -> None:
+        self.settings = settings
+        self.window = window
+        self.named_params = named_params
+        self.recorder = recorder
+
+    def inspect(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        health: StepHealth,
+        grads: list[Tensor],
+        predicted_action: str | None,
+    ) -> tuple[RankReport, NanEvent | None]:
+        """This rank's report and its own event (``None`` when the NaN/Inf is not its own)."""
+        rank = trainer.global_rank
+        grad_norm = health.grad_norm
+        if health.bad and grad_norm < 0:  # not computed on this step: the norm tells NaN (nan) from overflow (inf)
+            grad_norm = float(torch.linalg.vector_norm(grouped_norms(grads))) if grads else 0.0
+        event: NanEvent | None = None
+        overflow = False
+        # DDP averages gradients: NaN/Inf born in another rank's loss or BatchNorm statistics reaches this
+        # rank's gradients through the all-reduce. That incident is the other rank's.
+        someone_elses = trainer.world_size > 1 and health.ranks_others_bad > 0 and not health.others_bad
+        if health.bad and not someone_elses:
+            event = self._nonfinite_event(trainer, grads, grad_norm)
+            # An fp16 overflow gives Inf (and, through Inf * 0 or Inf - Inf, NaN) gradients with a finite loss
+            # and finite BatchNorm statistics: the GradScaler's to skip. NaN without any Inf is no overflow.
+            scaler = grad_scaler(trainer)
+            if (
+                event is not None
+                and scaler is not None
+                and scaler.is_enabled()
+                and not health.others_bad
+                and not math.isfinite(grad_norm)
+                and _any_inf(grads)
+            ):
+                event, overflow = None, True
+        if event is not None and self._may_diagnose(trainer, pl_module):
+            event = self._investigate(trainer, pl_module, event)
+        report = RankReport(
+            rank,
+            incident=event is not None,
+            overflow=overflow,
+            spike=health.spike,
+            cause=_cause(event),
+            quarantine=tuple(event.dataset_indices or ()) if event is not None else (),
+            culprit_module=event.culprit_module if event is not None and event.phase is not None else None,
+        )
+        return report, event
+
+    # ------------------------------------------------------------------ the event
+
+    def _nonfinite_event(self, trainer: Trainer, grads: list[Tensor], grad_norm: float) -> NanEvent | None:
+        """Confirm element-wise and name the tensors; ``None`` when everything is finite after all."""
+        bad_grads = nonfinite_names((n, p.grad) for n, p in self.named_params if p.grad is not None)
+        bn_buffers = self.window.batchnorm_buffers
+        bad_buffers = bad_batchnorm_names(bn_buffers)
+        losses = [float(loss.float().sum()) for loss in self.window.losses]
+        kinds: list[EventKind] = []
+        if any(not math.isfinite(v) for v in losses):
+            kinds.append("loss")
+        if bad_grads:
+            kinds.append("grad")
+        if bad_buffers:
+            kinds.append("bn_stats")
+        if not kinds:
+            return None
+        scaler = grad_scaler(trainer)
+        scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
+        loss = next((v for v in losses if not math.isfinite(v)), losses[-1] if losses else None)
+        if loss is not None and scale is not None and math.isfinite(loss):
+            loss /= scale  # on_before_backward saw the scaled loss
+        return NanEvent(
+            global_step=trainer.global_step,
+            epoch=trainer.current_epoch,
+            batch_idx=self.window.batch_idx,
+            rank=trainer.global_rank,
+            kinds=tuple(kinds),
+            action="warned",
+            nonfinite_grads=tuple(bad_grads),
+            nonfinite_buffers=tuple(bad_buffers),
+            loss=loss,
+            grad_norm=grad_norm,
+            details={
+                "grads_checked": len(grads),
+                "buffers_checked": sum(t.is_floating_point() for _, t in bn_buffers),
+            },
+        )
+
+    # ------------------------------------------------------------------ the diagnosis
+
+    def _may_diagnose(self, trainer: Trainer, pl_module: LightningModule) -> bool:
+        if not (pl_module.automatic_optimization and self.settings.diagnose_here and self.settings.investigates):
+            return False
+        if trainer.world_size > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in pl_module.modules()):
+            self.recorder.notices.warn(
+                "syncbn",
+                "NanGuard: SyncBatchNorm synchronises every forward across ranks, so the offending rank cannot "
+                "re-run sub-batches alone; bisection and localisation are off.",
+            )
+            return False
+        return True
+
+    def _investigate(self, trainer: Trainer, pl_module: LightningModule, event: NanEvent) -> NanEvent:
+        """Bisect, localise and save a bundle from the BatchNorm state before the step; the step's state after."""
+        with self.window.before_step_batchnorm(keep_after=True):
+            event, diagnosis = investigate(
+                trainer,
+                pl_module,
+                event,
+                self.window.micro_batches,
+                self.settings,
+                self.recorder.sinks.nanguard_dir,
+            )
+        if diagnosis is not None and diagnosis.error:
+            self.recorder.notices.warn(
+                "diagnosis",
+                f"NanGuard: diagnosis failed ({diagnosis.error}); bad steps are still detected and skipped.",
+            )
+        return event
