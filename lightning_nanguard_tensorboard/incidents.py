@@ -97,12 +97,23 @@ def _annotate(run: RunLocation, events: list[dict[str, Any]]) -> list[dict[str, 
     return events
 
 
+def _mtime(path: str | None) -> int:
+    try:
+        return os.stat(path).st_mtime_ns if path is not None else 0
+    except OSError:
+        return 0
+
+
 class IncidentStore:
-    """Parsed and annotated events per run, re-read when ``events.jsonl`` changes (thread-safe)."""
+    """Parsed and annotated events per run (thread-safe).
+
+    Re-read when ``events.jsonl`` changes, re-annotated when a bundle or incident directory appears
+    or disappears (their parent directories' modification times change).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._cache: dict[str, tuple[tuple[int, int], list[dict[str, Any]]]] = {}
+        self._cache: dict[str, tuple[tuple[int, ...], list[dict[str, Any]]]] = {}
 
     def events(self, run: RunLocation) -> list[dict[str, Any]]:
         """The run's events (a shared list: callers must not modify it)."""
@@ -113,7 +124,7 @@ class IncidentStore:
             stat = os.stat(path)
         except OSError:
             return []
-        signature = (stat.st_size, stat.st_mtime_ns)
+        signature = (stat.st_size, stat.st_mtime_ns, _mtime(run.path()), _mtime(run.path(INCIDENTS_DIRNAME)))
         with self._lock:
             cached = self._cache.get(path)
             if cached is not None and cached[0] == signature:

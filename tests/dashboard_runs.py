@@ -1,0 +1,190 @@
+"""Guarded image runs and a real TensorBoard server, shared by the dashboard tests.
+
+The runs are real ``Trainer.fit`` calls with ``NanGuard`` in both namespaces: a small image
+classifier whose first layer divides by the norm of each input patch without an epsilon, so a
+blank image gives ``0 / 0 = NaN`` (the demo's failure, on 12x12 images).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch
+import pytorch_lightning
+import torch
+from conftest import build_trainer
+from torch import Tensor, nn
+from torch.nn import functional
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_nanguard import NanGuard
+from lightning_nanguard._compat import CALLBACK_BASES
+from lightning_nanguard.reporting.context import save_incident_context
+from lightning_nanguard_tensorboard.layout import INCIDENTS_DIRNAME, incident_dirname
+
+N_IMAGES = 64
+BATCH = 16
+SIDE = 12
+BLANK = (20, 50)  # in batches 1 and 3 of each epoch (no shuffling)
+
+
+class PatchNormConv(nn.Module):
+    """Convolution divided by the norm of each input patch: NaN on a blank patch (no eps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 1, 3, 3) * 0.5)
+        self.register_buffer("ones", torch.ones(1, 1, 3, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dot = functional.conv2d(x, self.weight, padding=1)
+        patch_norm = functional.conv2d(x.pow(2), self.ones, padding=1).sqrt()
+        return dot / patch_norm  # DASHBOARD-ORIGIN
+
+
+class _ImageClassifier:
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(PatchNormConv(), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        images, labels = batch
+        loss = functional.cross_entropy(self.net(images), labels)
+        self.log("train_loss", loss)  # type: ignore[attr-defined]
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)  # type: ignore[attr-defined]
+
+
+class LightningImageClassifier(_ImageClassifier, lightning.pytorch.LightningModule):
+    pass
+
+
+class PLImageClassifier(_ImageClassifier, pytorch_lightning.LightningModule):
+    pass
+
+
+MODULES = {"lightning": LightningImageClassifier, "pytorch_lightning": PLImageClassifier}
+
+
+def image_dataset(seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    images = torch.rand(N_IMAGES, 1, SIDE, SIDE, generator=g)
+    images[list(BLANK)] = 0.0
+    labels = torch.randint(0, 2, (N_IMAGES,), generator=g)
+    return TensorDataset(images, labels)
+
+
+def origin_line() -> int:
+    """Line number of the op that makes the NaN (tagged ``DASHBOARD-ORIGIN`` above)."""
+    lines = Path(__file__).read_text(encoding="utf-8").splitlines()
+    return next(i for i, line in enumerate(lines, start=1) if line.endswith("# DASHBOARD-ORIGIN"))
+
+
+class IncidentContextFallback(*CALLBACK_BASES):  # type: ignore[misc]
+    """Writes an event's incident context when the guard did not (until the guard calls
+    ``save_incident_context`` itself, which makes this a no-op)."""
+
+    def __init__(self, guard: NanGuard, nanguard_dir: str) -> None:
+        self.guard = guard
+        self.nanguard_dir = nanguard_dir
+        self.seen = 0
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        directory = self.nanguard_dir
+        for event in self.guard.events[self.seen :]:
+            written = Path(directory, INCIDENTS_DIRNAME, incident_dirname(event.global_step, event.rank))
+            if not written.exists():
+                source = event.source_line.rpartition(":")[0] if event.source_line else None
+                save_incident_context(directory, event, source and os.path.abspath(source), batch)
+        self.seen = len(self.guard.events)
+
+
+def guarded_image_run(
+    ns_name: str, logdir: Path, *, epochs: int = 2, max_repro_bundles: int = 1
+) -> tuple[Path, NanGuard]:
+    """Fit the image classifier of namespace ``ns_name`` under NanGuard with a TensorBoardLogger.
+
+    Returns the run directory (``logdir/<ns_name>/version_0``) and the guard.
+    """
+    namespace = lightning.pytorch if ns_name == "lightning" else pytorch_lightning
+    torch.manual_seed(0)
+    guard = NanGuard(verbose=False, max_repro_bundles=max_repro_bundles)
+    logger = namespace.loggers.TensorBoardLogger(str(logdir), name=ns_name, version=0)
+    fallback = IncidentContextFallback(guard, os.path.join(logger.log_dir, "nanguard"))
+    trainer = build_trainer(ns_name, logdir, callbacks=[guard, fallback], logger=logger, max_epochs=epochs)
+    trainer.fit(MODULES[ns_name](), DataLoader(image_dataset(), batch_size=BATCH, shuffle=False))
+    return Path(logger.log_dir), guard
+
+
+# ------------------------------------------------------------------------------------ TensorBoard server
+
+
+class TensorBoardServer:
+    """A real ``tensorboard`` process on 127.0.0.1 (a free port chosen by the OS)."""
+
+    def __init__(self, process: subprocess.Popen[str], url: str, log: Path) -> None:
+        self.process = process
+        self.url = url
+        self.log = log
+
+    def get(self, path: str, timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+        """``(status, headers, body)`` of ``GET <url><path>``; HTTP errors are returned, not raised."""
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
+                return response.status, dict(response.headers), response.read()
+        except urllib.error.HTTPError as error:
+            return error.code, dict(error.headers), error.read()
+
+
+@contextmanager
+def tensorboard_server(logdir: Path, workdir: Path, *extra: str, timeout: float = 120.0) -> Iterator[TensorBoardServer]:
+    """Start TensorBoard on ``logdir``; stopped (and its process reaped) on exit.
+
+    ``workdir`` is its working directory: outside the repository, so TensorBoard finds the plugin
+    through the installed package's entry point, as a user's TensorBoard does.
+    """
+    log = workdir / "tensorboard.log"
+    command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1", "--port", "0"]
+    with open(log, "w", encoding="utf-8") as out:
+        process = subprocess.Popen([*command, *extra], cwd=workdir, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + timeout
+        url = None
+        while url is None:
+            found = re.search(r"at (http://127\.0\.0\.1:\d+/)", log.read_text(encoding="utf-8"))
+            if found:
+                url = found[1].rstrip("/")
+            elif process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"TensorBoard did not start:\n{log.read_text(encoding='utf-8')}")
+            else:
+                time.sleep(0.2)
+        yield TensorBoardServer(process, url, log)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def wait_for(condition: Any, timeout: float = 60.0, interval: float = 0.3) -> Any:
+    """Poll ``condition()`` until it returns something truthy (TensorBoard loads event files in the background)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)

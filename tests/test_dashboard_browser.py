@@ -1,0 +1,191 @@
+"""The NanGuard tab in a real headless browser (Debian's chromium driven by selenium) over a real TensorBoard.
+
+Asserts what a user sees: the tab, the incident markers, the incident list, the culprit source line
+highlighted, the thumbnail, the bundle status and the run summary, for runs of both namespaces.
+Skipped, with the reason, where chromium and chromedriver are not installed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dashboard_runs import BLANK, TensorBoardServer, guarded_image_run, origin_line, tensorboard_server, wait_for
+
+CHROMIUM = os.environ.get("NANGUARD_CHROMIUM", "/usr/bin/chromium")
+CHROMEDRIVER = os.environ.get("NANGUARD_CHROMEDRIVER", "/usr/bin/chromedriver")
+RUNS = ("lightning/version_0", "pytorch_lightning/version_0")
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
+if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
+    pytest.skip(
+        f"no headless browser: {CHROMIUM} and {CHROMEDRIVER} are needed (Debian: apt-get install -y chromium "
+        "chromium-driver; `CI=true bash scripts/test.sh` installs them when run as root)",
+        allow_module_level=True,
+    )
+
+from selenium.common.exceptions import TimeoutException  # noqa: E402
+from selenium.webdriver.chrome.options import Options  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TensorBoardServer]:
+    logdir = tmp_path_factory.mktemp("logs")
+    for ns in ("lightning", "pytorch_lightning"):
+        guarded_image_run(ns, logdir)
+    with tensorboard_server(logdir, tmp_path_factory.mktemp("tb")) as tb:
+        assert wait_for(lambda: b'"grad_norm": [[' in tb.get(f"/data/plugin/nanguard/timeline?run={RUNS[1]}")[2])
+        yield tb
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[WebDriver]:
+    options = Options()
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-extensions",
+        "--window-size=1500,1100",
+    ):
+        options.add_argument(argument)
+    options.binary_location = CHROMIUM
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait(driver: WebDriver, condition: Any, timeout: float = 60.0) -> Any:
+    try:
+        return WebDriverWait(driver, timeout).until(lambda d: condition(d))
+    except TimeoutException:
+        logs = "\n".join(str(entry) for entry in driver.get_log("browser"))
+        raise AssertionError(f"the page never got there; browser console:\n{logs}") from None
+
+
+def ready(driver: WebDriver, view: str) -> bool:
+    return bool(
+        driver.execute_script(
+            "const root = document.getElementById('nanguard');"
+            "const busy = document.querySelector('.view[aria-busy=true]');"
+            "return root && root.dataset.ready === arguments[0] && !busy;",
+            view,
+        )
+    )
+
+
+@pytest.fixture
+def tab(server: TensorBoardServer, browser: WebDriver) -> WebDriver:
+    """TensorBoard opened on the NanGuard tab, the driver switched into the tab's iframe."""
+    browser.switch_to.default_content()
+    browser.get("about:blank")  # a fresh page: the same URL with a hash would not reload the tab
+    browser.get(f"{server.url}/#nanguard")
+    frame = wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "iframe"))[0]
+    browser.switch_to.frame(frame)
+    wait(browser, lambda d: ready(d, "timeline"))
+    return browser
+
+
+def texts(driver: WebDriver, selector: str) -> list[str]:
+    return [element.text for element in driver.find_elements(By.CSS_SELECTOR, selector)]
+
+
+def show(driver: WebDriver, view: str) -> None:
+    driver.find_element(By.CSS_SELECTOR, f".tabs button[data-view={view}]").click()
+    wait(driver, lambda d: ready(d, view))
+
+
+def test_tab_is_in_tensorboards_header(server: TensorBoardServer, browser: WebDriver) -> None:
+    browser.switch_to.default_content()
+    browser.get(f"{server.url}/#nanguard")
+    wait(browser, lambda d: "NANGUARD" in d.find_element(By.TAG_NAME, "body").text.upper())
+    assert browser.find_elements(By.CSS_SELECTOR, "iframe")
+
+
+def test_timeline_shows_every_incident_of_every_selected_run(tab: WebDriver, tmp_path: Path) -> None:
+    cards = tab.find_elements(By.CSS_SELECTOR, ".timeline-card")
+    assert [card.get_attribute("data-run") for card in cards] == list(RUNS)  # side by side, one per run
+    for card in cards:
+        steps = [m.get_attribute("data-step") for m in card.find_elements(By.CSS_SELECTOR, "g.marker")]
+        assert steps == ["1", "3", "5", "7"]
+        assert "4 incidents at 4 steps" in card.text
+        labels = [t.text for t in card.find_elements(By.CSS_SELECTOR, "text.panel-label")]
+        assert labels[0].startswith("gradient norm") and labels[1].startswith("train_loss")
+        assert card.find_element(By.CSS_SELECTOR, "path.series.grad").get_attribute("d").startswith("M")
+    assert "NaN/Inf" in tab.find_element(By.CSS_SELECTOR, ".legend").text
+    tab.save_screenshot(str(tmp_path / "timeline.png"))
+
+
+def test_clicking_a_marker_opens_the_incident(tab: WebDriver) -> None:
+    marker = tab.find_elements(By.CSS_SELECTOR, ".timeline-card")[1].find_elements(By.CSS_SELECTOR, "g.marker")[2]
+    tab.execute_script("arguments[0].dispatchEvent(new MouseEvent('click', {bubbles: true}))", marker)
+    wait(tab, lambda d: ready(d, "incidents"))
+    assert tab.find_element(By.CSS_SELECTOR, ".incident h3").text == "Step 5"
+    assert tab.find_element(By.CSS_SELECTOR, ".incident").get_attribute("data-run") == RUNS[1]
+
+
+def test_incident_view_shows_samples_source_and_bundle(tab: WebDriver) -> None:
+    show(tab, "incidents")
+    rows = tab.find_elements(By.CSS_SELECTOR, "tr.incident-row")
+    assert [row.find_element(By.CSS_SELECTOR, "td").text for row in rows] == ["1", "3", "5", "7"]
+    assert "step skipped" in rows[0].text and f"idx {BLANK[0]}" in rows[0].text
+    incident = tab.find_element(By.CSS_SELECTOR, ".incident")
+    assert incident.find_element(By.TAG_NAME, "h3").text == "Step 1"
+    culprit = incident.find_element(By.CSS_SELECTOR, ".code-line.culprit")
+    assert culprit.find_element(By.CSS_SELECTOR, ".ln").text == str(origin_line())
+    assert culprit.find_element(By.CSS_SELECTOR, ".code").text.strip() == "return dot / patch_norm  # DASHBOARD-ORIGIN"
+    assert len(incident.find_elements(By.CSS_SELECTOR, ".code-line")) == 11  # the line and 5 either side
+    assert f"dashboard_runs.py:{origin_line()}" in incident.find_element(By.CSS_SELECTOR, ".file").text
+    image = incident.find_element(By.CSS_SELECTOR, ".thumb img")
+    wait(tab, lambda d: d.execute_script("return arguments[0].complete && arguments[0].naturalWidth", image) == 12)
+    assert f"index {BLANK[0]}" in incident.find_element(By.CSS_SELECTOR, ".thumb figcaption").text
+    assert "bundle pruned" in incident.text
+    assert "DivBackward0" in incident.text and "net.0" in incident.text
+
+    rows[3].click()
+    wait(tab, lambda d: ready(d, "incidents") and d.find_element(By.CSS_SELECTOR, ".incident h3").text == "Step 7")
+    command = tab.find_element(By.CSS_SELECTOR, "pre.command").text
+    assert command.startswith("python -m lightning_nanguard replay ") and command.endswith("step-7")
+
+
+def test_summary_side_by_side(tab: WebDriver) -> None:
+    show(tab, "summary")
+    cards = tab.find_elements(By.CSS_SELECTOR, ".summary-card")
+    assert [card.get_attribute("data-run") for card in cards] == list(RUNS)
+    for card in cards:
+        assert texts(card, ".tile-value") == ["4", "4", "2", "1"]  # incidents, skipped, dataset items, origins
+        indices = [
+            row.find_elements(By.TAG_NAME, "td")[0].text
+            for row in card.find_elements(By.CSS_SELECTOR, "table.ranked")[0].find_elements(By.CSS_SELECTOR, "tbody tr")
+        ]
+        assert indices == [str(BLANK[0]), str(BLANK[1])]
+        assert f"dashboard_runs.py:{origin_line()}" in card.find_elements(By.CSS_SELECTOR, "table.ranked")[1].text
+        assert "4 steps skipped" in card.find_element(By.CSS_SELECTOR, ".lost").text
+
+
+def test_run_selector(tab: WebDriver) -> None:
+    boxes = tab.find_elements(By.CSS_SELECTOR, ".run-list input[type=checkbox]")
+    assert [box.get_attribute("value") for box in boxes] == list(RUNS)
+    boxes[0].click()
+    wait(tab, lambda d: ready(d, "timeline") and len(d.find_elements(By.CSS_SELECTOR, ".timeline-card")) == 1)
+    assert tab.find_element(By.CSS_SELECTOR, ".timeline-card").get_attribute("data-run") == RUNS[1]
+
+
+def test_no_errors_in_the_browser_console(tab: WebDriver) -> None:
+    for view in ("incidents", "summary", "timeline"):
+        show(tab, view)
+    assert not tab.find_elements(By.CSS_SELECTOR, ".error")
+    severe = [e for e in tab.get_log("browser") if e["level"] == "SEVERE" and "nanguard" in e["message"]]
+    assert severe == []
