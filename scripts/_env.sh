@@ -15,3 +15,19 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ requirements/dev-co
     touch "$STAMP"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"
+
+# The dashboard's browser tests drive Debian's chromium through chromedriver. Install them when
+# missing and allowed to (CI=true, root, apt-get); elsewhere those tests skip and say why.
+ensure_browser() {
+    if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then
+        return 0
+    fi
+    if [ "${CI:-}" = "true" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+        echo "== installing chromium and chromium-driver (browser tests)"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null \
+            || echo "== chromium could not be installed: the browser tests will be skipped"
+    else
+        echo "== no /usr/bin/chromium + /usr/bin/chromedriver: the browser tests will be skipped" \
+            "(install: apt-get install -y chromium chromium-driver)"
+    fi
+}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv (first run only) and run the whole test suite plus ruff and mypy on the package.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
-echo "== ruff"; ruff check lightning_nanguard tests examples benchmarks
+ensure_browser
+echo "== ruff"; ruff check lightning_nanguard lightning_nanguard_tensorboard tests examples benchmarks
 echo "== mypy"; mypy
 echo "== pytest"; python -m pytest "$@"
