@@ -19,12 +19,12 @@ import dataclasses
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_nanguard.after_step import AfterStep, ParamCheckSettings
 from lightning_nanguard.agreement import RankAgreement
 from lightning_nanguard.decision import (
     Counters,
@@ -36,7 +36,7 @@ from lightning_nanguard.decision import (
     local_vector,
     shared_part,
 )
-from lightning_nanguard.detection import all_finite, bad_batchnorm_names, fused_health_check, nonfinite_names
+from lightning_nanguard.detection import bad_batchnorm_names, fused_health_check, nonfinite_names
 from lightning_nanguard.events import EventAction, NanEvent, NonFiniteTrainingError
 from lightning_nanguard.incidents import IncidentInspector
 from lightning_nanguard.investigation import InvestigationSettings
@@ -45,6 +45,7 @@ from lightning_nanguard.remedies import clip_gradients_
 from lightning_nanguard.reporting.recorder import IncidentRecorder
 from lightning_nanguard.reporting.scalars import scalar_tags
 from lightning_nanguard.snapshot import batchnorm_buffers
+from lightning_nanguard.state import GuardState
 from lightning_nanguard.window import StepWindow
 
 if TYPE_CHECKING:
@@ -58,14 +59,6 @@ log = logging.getLogger("lightning_nanguard")
 DONE: dict[str, EventAction] = {"skip": "skipped", "raise": "raised", "warn": "warned", "rollback": "skipped"}
 REFERENCE_EVERY_N_STEPS = 100
 EVENTS_KEPT_IN_CHECKPOINT = 100
-
-
-@dataclass
-class ParamCheckSettings:
-    """When the weights are checked and snapshots taken (mirrors the ``NanGuard`` arguments)."""
-
-    check_params_every_n_steps: int = 50
-    snapshot_every_n_steps: int = 100
 
 
 def escalation_message(rule: str, counters: Counters, policy: Policy, event: NanEvent | None, where: str) -> str:
@@ -96,7 +89,6 @@ class StepController:
     Args:
         policy: the decision rules.
         inspection: what to investigate on a bad step.
-        param_checks: when to check the weights and take snapshots.
         recovery: snapshots, rollback and remedies.
         recorder: events, sinks and scalars.
         track_batchnorm: check BatchNorm statistics.
@@ -107,7 +99,6 @@ class StepController:
         self,
         policy: Policy,
         inspection: InvestigationSettings,
-        param_checks: ParamCheckSettings,
         recovery: Recovery,
         recorder: IncidentRecorder,
         track_batchnorm: bool = True,
@@ -115,20 +106,14 @@ class StepController:
     ) -> None:
         self.policy = policy
         self.inspection = inspection
-        self.param_checks = param_checks
         self.recovery = recovery
         self.recorder = recorder
         self.track_batchnorm = track_batchnorm
         self.with_norm = with_norm
         self.window = StepWindow()
-        self.counters = Counters()
+        self.state = GuardState()
         self.agreement = RankAgreement(None, 1)
-        self.last_grad_norm: float | None = None
-        self.failing = False  # an internal error: keep joining the collectives until every rank disables
-        self.disabled = False
-        self.pending_rollback = False
-        self.step_was_bad = False
-        self.reported_step: int | None = None
+        self.after_step = AfterStep(self.state, self.recovery, self.recorder, self.window)
         self.named_params: list[tuple[str, nn.Parameter]] = []
         self.params: list[nn.Parameter] = []
 
@@ -161,7 +146,9 @@ class StepController:
             a["batch_slicer"],
             diagnose_here,
         )
-        self.param_checks = ParamCheckSettings(a["check_params_every_n_steps"], a["snapshot_every_n_steps"])
+        self.after_step.settings = ParamCheckSettings(
+            a["check_params_every_n_steps"], a["snapshot_every_n_steps"], a["action"]
+        )
         self.track_batchnorm = a["check_bn_stats"]
         self.with_norm = "clip_grad" in (a["remedies"] or ())
 
@@ -171,6 +158,7 @@ class StepController:
         self.named_params = list(pl_module.named_parameters())
         self.params = [p for _, p in self.named_params]
         self.window.attach(pl_module, self.track_batchnorm)
+        self.after_step.agreement, self.after_step.named_params = self.agreement, self.named_params
         self.recorder.rank = trainer.global_rank
 
     def scalar_tags(self, trainer: Trainer) -> list[str]:
@@ -203,18 +191,19 @@ class StepController:
     def check_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         """Check the step, agree with the other ranks, and carry out the decision."""
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-        if isinstance(inner, torch.optim.LBFGS) and self.reported_step == trainer.global_step:
+        if isinstance(inner, torch.optim.LBFGS) and self.state.reported_step == trainer.global_step:
             return  # LBFGS evaluates its closure (and this hook) many times per step: one event per step
         grads = [g for p in self.params if (g := p.grad) is not None]
         health = self._health(trainer, pl_module, grads)
         if health.grad_norm >= 0 or math.isnan(health.grad_norm):
-            self.last_grad_norm = health.grad_norm
+            self.state.last_grad_norm = health.grad_norm
         if health.healthy:
             self._healthy(trainer, pl_module, grads, health.grad_norm)
             return
         report, event = self._inspect(trainer, pl_module, optimizer, health, grads)
         reports = self.agreement.gather(report) if self._collective(pl_module) else [report]
-        decision, after = decide(reports, self.counters, self._policy(pl_module, optimizer), self._next_scale(trainer))
+        policy = self._policy(pl_module, optimizer)
+        decision, after = decide(reports, self.state.counters, policy, self._next_scale(trainer))
         self._carry_out(trainer, pl_module, optimizer, decision, after, event, grads, health.grad_norm)
 
     def _collective(self, pl_module: LightningModule) -> bool:
@@ -223,7 +212,7 @@ class StepController:
 
     def _health(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor]) -> StepHealth:
         device = pl_module.device
-        if self.failing:
+        if self.state.failing:
             summary = torch.tensor([0.0, -1.0, 0.0], device=device)
         else:
             bn = self.window.batchnorm_buffers
@@ -234,14 +223,14 @@ class StepController:
                 device=device,
                 with_norm=self.with_norm or self.recorder.logging_due(trainer),
             )
-        vector = local_vector(summary, failed=self.failing)
+        vector = local_vector(summary, failed=self.state.failing)
         if self._collective(pl_module):
             vector = torch.cat((vector, self.agreement.sum(shared_part(vector))))
         return StepHealth.from_values(vector.tolist())  # the one host read of a healthy step
 
     def _healthy(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor], grad_norm: float) -> None:
-        self.counters = self.counters.replace(consecutive_bad_steps=0, consecutive_overflows=0, consecutive_spikes=0)
-        self.step_was_bad = False
+        self.state.counters = self.state.counters.healthy()
+        self.state.step_was_bad = False
         if math.isfinite(grad_norm) and grad_norm >= 0:  # -1: not computed this step
             self.recovery.remember_healthy_norm(grad_norm)
             threshold = self.recovery.book.clip_threshold
@@ -249,7 +238,7 @@ class StepController:
                 clip_gradients_(grads, grad_norm, threshold)
         self.window.refresh_reference(trainer.global_step, REFERENCE_EVERY_N_STEPS, self.inspection.batch_slicer)
         self.window.forget_batches()
-        self.recorder.scalars(trainer, self.metrics(self.counters))
+        self.recorder.scalars(trainer, self.metrics(self.state.counters))
 
     # ------------------------------------------------------------------ a step that is bad somewhere
 
@@ -268,12 +257,11 @@ class StepController:
     ) -> tuple[RankReport, NanEvent | None]:
         """What this rank found; never raises (a failure becomes a ``failed`` report)."""
         rank = trainer.global_rank
-        if self.failing:
+        if self.state.failing:
             return RankReport(rank, failed=True), None
         try:
             inspector = IncidentInspector(self.inspection, self.window, self.named_params, self.recorder)
-            predicted = decide([RankReport(rank, incident=True)], self.counters, self._policy(pl_module, optimizer))
-            return inspector.inspect(trainer, pl_module, health, grads, predicted[0].action)
+            return inspector.inspect(trainer, pl_module, health, grads)
         except NonFiniteTrainingError:
             raise
         except Exception as error:
@@ -297,22 +285,22 @@ class StepController:
         grads: list[Tensor],
         grad_norm: float,
     ) -> None:
-        before, self.counters = self.counters, counters
+        before, self.state.counters = self.state.counters, counters
         if decision.disable:
             self.disable_everywhere()
         if decision.outcome == "healthy":  # a finite tensor whose norm overflowed: not an incident
             self._healthy(trainer, pl_module, grads, grad_norm)
             return
         if decision.outcome == "overflow":  # the GradScaler skips this step by itself
-            self.recorder.scalars(trainer, self.metrics(self.counters), previous=self.metrics(before))
+            self.recorder.scalars(trainer, self.metrics(self.state.counters), previous=self.metrics(before))
             return
-        self.step_was_bad = True
-        self.reported_step = trainer.global_step
+        self.state.step_was_bad = True
+        self.state.reported_step = trainer.global_step
         if decision.discard:
             self.window.discard_update(optimizer)
         self.window.forget_batches()
         if decision.rollback_due:
-            self.pending_rollback = True  # done after the optimizer step, when the scaler has updated
+            self.state.pending_rollback = True  # done after the optimizer step, when the scaler has updated
         remedies = self.recovery.apply(
             trainer,
             pl_module,
@@ -330,8 +318,8 @@ class StepController:
             if remedies:
                 event = event.replace(remedies=(*event.remedies, *remedies))
             self.recorder.record(trainer, pl_module, event)
-        self.recorder.scalars(trainer, self.metrics(self.counters), previous=self.metrics(before))
-        self.recorder.progress(trainer, self.counters.skipped_total)
+        self.recorder.scalars(trainer, self.metrics(self.state.counters), previous=self.metrics(before))
+        self.recorder.progress(trainer, self.state.counters.skipped_total)
         if decision.action == "raise":
             raise NonFiniteTrainingError(self._raise_message(decision, event), self._history(decision, event))
 
@@ -346,10 +334,10 @@ class StepController:
             rank=trainer.global_rank,
             kinds=("loss_scale",),
             action="warned",
-            grad_norm=self.last_grad_norm,
+            grad_norm=self.state.last_grad_norm,
             details={
                 "loss_scale": self._next_scale(trainer),
-                "consecutive_overflows": self.counters.consecutive_overflows,
+                "consecutive_overflows": self.state.counters.consecutive_overflows,
                 "hint": "the loss scale collapsed: the model overflows fp16 even unscaled; use bf16-mixed, lower "
                 "the learning rate, or find the op producing huge values",
             },
@@ -359,7 +347,7 @@ class StepController:
         path = self.recorder.events_path
         where = f" Events are in {path}." if path is not None else ""
         if decision.escalation is not None:
-            return escalation_message(decision.escalation, self.counters, self.policy, event, where)
+            return escalation_message(decision.escalation, self.state.counters, self.policy, event, where)
         what = event.headline() if event is not None else "another rank saw NaN/Inf (see its event)"
         return (
             f"NanGuard: {what}. The optimizer step was not applied, so the weights are still finite. "
@@ -375,138 +363,39 @@ class StepController:
             return list(events)
         return events[-self.policy.max_consecutive_bad_steps :]
 
-    # ------------------------------------------------------------------ after the optimizer step
+    def metrics(self, counters: Counters) -> dict[str, float | None]:
+        """The ``nanguard/`` scalar values for ``counters``."""
+        return self.after_step.values(counters)
 
     def after_optimizer_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Roll back when due; check the weights and refresh the snapshot every few steps (every rank)."""
-        if self.pending_rollback and not self.failing:
-            self.pending_rollback = False
-            self.rollback(trainer, pl_module, reason="consecutive bad steps")
-            return
-        step = trainer.global_step + 1  # global_step increments after this call
-        every = self.param_checks.check_params_every_n_steps
-        check_params = bool(every) and step % every == 0
-        snapshot_due = (
-            self.policy.action == "rollback"
-            and not self.step_was_bad
-            and step % self.param_checks.snapshot_every_n_steps == 0
-        )
-        if not (check_params or snapshot_due):
-            return
-        finite_here = True if self.failing else all_finite(list(pl_module.state_dict().values()))
-        nonfinite_anywhere = self.agreement.any(not finite_here) if self._collective(pl_module) else not finite_here
-        if self.failing:
-            return
-        if not nonfinite_anywhere:
-            if snapshot_due:
-                self.capture(trainer, pl_module)
-            return
-        self._nonfinite_weights(trainer, pl_module, finite_here)
-
-    def _nonfinite_weights(self, trainer: Trainer, pl_module: LightningModule, finite_here: bool) -> None:
-        before = self.counters
-        self.counters = before.replace(bad_steps_total=before.bad_steps_total + 1)
-        event = None
-        if not finite_here:
-            names = tuple(
-                nonfinite_names(self.named_params) + nonfinite_names(batchnorm_buffers(pl_module))
-            )
-            event = NanEvent(
-                global_step=trainer.global_step,
-                epoch=trainer.current_epoch,
-                batch_idx=self.window.batch_idx,
-                rank=trainer.global_rank,
-                kinds=("param",),
-                action="warned",
-                nonfinite_params=names,
-                cause="state",
-                details={"hint": "NaN/Inf reached the weights through an update with finite gradients (overflow)"},
-            )
-        if self.policy.action == "rollback" and self.recovery.snapshot.available:
-            description = self.rollback(trainer, pl_module, reason="non-finite weights")
-            remedies = self.recovery.apply(trainer, pl_module, cause="state", rolled_back=True)
-            if event is not None:
-                self.recorder.record(
-                    trainer, pl_module, event.replace(action="rolled_back", remedies=(description, *remedies))
-                )
-        elif self.policy.action == "warn":
-            if event is not None:
-                self.recorder.record(trainer, pl_module, event)
-        else:
-            if event is not None:
-                event = event.replace(action="raised")
-                self.recorder.record(trainer, pl_module, event)
-            shown = event.nonfinite_params[:3] if event is not None else "on another rank"
-            raise NonFiniteTrainingError(
-                f"NanGuard: NaN/Inf reached the weights ({shown}) at step {trainer.global_step}; skipping steps "
-                "cannot undo that. Use action='rollback' (keeps a last good snapshot) or restart from the last "
-                "checkpoint with a lower learning rate.",
-                [event] if event is not None else [],
-            )
-        self.recorder.scalars(trainer, self.metrics(self.counters), previous=self.metrics(before))
-
-    def rollback(self, trainer: Trainer, pl_module: LightningModule, reason: str) -> str:
-        """Restore the last good snapshot (every rank at the same step); raise when there is none."""
-        description = self.recovery.rollback(trainer, pl_module)
-        if description is None:
-            raise NonFiniteTrainingError(
-                f"NanGuard: a rollback is due ({reason}) but no last good snapshot exists yet.", self.recorder.events
-            )
-        self.counters = self.counters.replace(consecutive_bad_steps=0)
-        log.warning("[rank %d] NanGuard: %s (%s)", trainer.global_rank, description, reason)
-        self.recorder.scalars(trainer, self.metrics(self.counters), force=True)
-        return description
-
-    def capture(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Take a last good snapshot (the weights were checked finite on every rank)."""
-        first = not self.recovery.snapshot.available
-        self.recovery.capture(trainer, pl_module, extra={})
-        if first:
-            snapshot = self.recovery.snapshot
-            log.info(
-                "NanGuard: rollback snapshot of %.1f MiB on the host, %.1f ms to take",
-                snapshot.nbytes / 2**20,
-                snapshot.seconds * 1e3,
-            )
-
-    def initial_snapshot(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """The first last-good snapshot, at the start of training, when the weights are finite."""
-        if all_finite(list(pl_module.state_dict().values())):
-            self.capture(trainer, pl_module)
-
-    def metrics(self, counters: Counters) -> dict[str, float | None]:
-        """The ``nanguard/`` scalars for ``counters`` (the recorder keeps the tags this run logs)."""
-        return {
-            "nanguard/grad_norm": self.last_grad_norm,
-            "nanguard/bad_steps_total": float(counters.bad_steps_total),
-            "nanguard/skipped_total": float(counters.skipped_total),
-            "nanguard/spikes_total": float(counters.spikes_total),
-            "nanguard/amp_overflow_total": float(counters.amp_overflow_total),
-            "nanguard/rollbacks_total": float(self.recovery.rollbacks_total),
-            "nanguard/remedies_total": float(self.recovery.book.total),
-        }
+        """The after-step work (rollback, weight check, snapshot), on every rank."""
+        self.after_step.run(trainer, pl_module, self._collective(pl_module))
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, the last gradient norm, remedy state and the last 100 events, as primitives."""
         return {
-            **dataclasses.asdict(self.counters),
-            "last_grad_norm": self.last_grad_norm,
+            **dataclasses.asdict(self.state.counters),
+            "last_grad_norm": self.state.last_grad_norm,
             "events": [event.to_dict() for event in self.recorder.events[-EVENTS_KEPT_IN_CHECKPOINT:]],
             "recovery": self.recovery.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; keys added in later versions default sensibly."""
-        self.counters = Counters(**{name: int(state.get(name, 0)) for name in Counters.__dataclass_fields__})
+        self.state.counters = Counters(**{name: int(state.get(name, 0)) for name in Counters.__dataclass_fields__})
         norm = state.get("last_grad_norm")
-        self.last_grad_norm = float(norm) if norm is not None else None
+        self.state.last_grad_norm = float(norm) if norm is not None else None
         self.recorder.events[:] = [NanEvent.from_dict(summary) for summary in state.get("events", [])]
         self.recovery.load_state_dict(state.get("recovery", {}))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["agreement"] = RankAgreement(None, 1)  # never pickle the strategy or the batches
         state["window"] = StepWindow()
+        state["after_step"] = AfterStep(self.state, self.recovery, self.recorder, state["window"])
         state["named_params"], state["params"] = [], []
         return state
 
@@ -535,7 +424,7 @@ class StepController:
             nonfinite_params=bad_params,
             loss=float(loss.detach().float().sum()) if loss is not None else None,
         )
-        self.counters = self.counters.replace(bad_steps_total=self.counters.bad_steps_total + 1)
+        self.state.counters = self.state.counters.replace(bad_steps_total=self.state.counters.bad_steps_total + 1)
         self.recorder.events.append(event)
         if trainer is not None:
             self.recorder.sinks.event(event, trainer.global_rank, trainer)
@@ -545,7 +434,7 @@ class StepController:
 
     def fail(self, error: BaseException, where: str) -> None:
         """An internal error: disable now (one process) or at the next agreement (every rank together)."""
-        if self.failing or self.disabled:
+        if self.state.failing or self.state.disabled:
             return
         log.warning(
             "NanGuard disabled itself after an internal error in %s: %r. Training continues unguarded; "
@@ -555,13 +444,13 @@ class StepController:
             exc_info=(type(error), error, error.__traceback__),
         )
         if self.agreement.distributed:
-            self.failing = True  # still takes part in the per-step reduce, which disables every rank
+            self.state.failing = True  # still takes part in the per-step reduce, which disables every rank
         else:
-            self.disabled = True
+            self.state.disabled = True
 
     def disable_everywhere(self) -> None:
         """Every rank saw some rank's failure in the same reduce: all stop guarding after this step."""
-        self.disabled = True
+        self.state.disabled = True
 
 
 def _with(policy: Policy, **changes: Any) -> Policy:

@@ -42,6 +42,7 @@ __all__ = [
     "StepDecision",
     "StepHealth",
     "decide",
+    "decide_weights",
     "local_vector",
     "shared_part",
 ]
@@ -203,6 +204,10 @@ class Counters:
         """A copy with some counts changed."""
         return dataclasses.replace(self, **changes)
 
+    def healthy(self) -> Counters:
+        """After a healthy step: every run of consecutive incidents, overflows and spikes is over."""
+        return self.replace(consecutive_bad_steps=0, consecutive_overflows=0, consecutive_spikes=0)
+
 
 @dataclass(frozen=True)
 class StepDecision:
@@ -310,9 +315,25 @@ def decide(
             reports=tuple(reports),
         )
         return decision, counters
-    return StepDecision("healthy", disable=disable, reports=tuple(reports)), counters.replace(
-        consecutive_bad_steps=0, consecutive_overflows=0, consecutive_spikes=0
-    )
+    return StepDecision("healthy", disable=disable, reports=tuple(reports)), counters.healthy()
+
+
+def decide_weights(counters: Counters, action: str, snapshot_available: bool) -> tuple[str, Counters]:
+    """What every rank does when the weights are non-finite on some rank after an update.
+
+    Returns ``"rollback"`` (with ``action="rollback"`` and a snapshot), ``"warn"`` (``action="warn"``)
+    or ``"raise"``, and the counters after it (one more bad step).
+
+    Example:
+        >>> decide_weights(Counters(), "rollback", snapshot_available=True)[0]
+        'rollback'
+        >>> decide_weights(Counters(), "skip", snapshot_available=True)[0]
+        'raise'
+    """
+    counters = counters.replace(bad_steps_total=counters.bad_steps_total + 1)
+    if action == "rollback" and snapshot_available:
+        return "rollback", counters
+    return ("warn" if action == "warn" else "raise"), counters
 
 
 def _incident(

@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_nanguard._compat import CALLBACK_BASES
 from lightning_nanguard.config import validate_arguments
-from lightning_nanguard.controller import ParamCheckSettings, StepController
+from lightning_nanguard.controller import StepController
 from lightning_nanguard.decision import Counters, Policy
 from lightning_nanguard.events import NanEvent, NonFiniteTrainingError
 from lightning_nanguard.indices import indices_from_batch, next_recorded_indices, record_batch_indices
@@ -53,7 +53,7 @@ def _failsafe(hook: _F) -> _F:
 
     @functools.wraps(hook)
     def wrapper(self: NanGuard, *args: Any, **kwargs: Any) -> Any:
-        if not self.active and not self.controller.failing:
+        if not self.active and not self.controller.state.failing:
             return None
         try:
             with self.clock.measure(hook.__name__):
@@ -176,9 +176,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.clock = GuardClock()  # `guard.clock.enabled = True` measures the time spent in the guard
         self.recorder = IncidentRecorder(verbose)
         self.recovery = Recovery(tuple(self.remedies), max_remedy_applications, lr_backoff_factor, eps_factor, max_eps)
-        self.controller = StepController(
-            Policy(), InvestigationSettings(), ParamCheckSettings(), self.recovery, self.recorder
-        )
+        self.controller = StepController(Policy(), InvestigationSettings(), self.recovery, self.recorder)
         self.source_root: str | None = None
         self._trainer: Trainer | None = None
         self._hooks: StrategyHooks | None = None
@@ -191,11 +189,11 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
 
         Setting it to False turns the guard off (every hook and the strategy wrapper pass through).
         """
-        return not self.controller.disabled
+        return not self.controller.state.disabled
 
     @active.setter
     def active(self, value: bool) -> None:
-        self.controller.disabled = not value
+        self.controller.state.disabled = not value
 
     @property
     def events(self) -> list[NanEvent]:
@@ -205,7 +203,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     @property
     def counters(self) -> Counters:
         """Counts over the run; identical on every rank (a bad step is a step bad on any rank)."""
-        return self.controller.counters
+        return self.controller.state.counters
 
     @property
     def bad_steps_total(self) -> int:
@@ -230,7 +228,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     @property
     def last_grad_norm(self) -> float | None:
         """The gradient norm of the last step where it was computed."""
-        return self.controller.last_grad_norm
+        return self.controller.state.last_grad_norm
 
     @property
     def log_dir(self) -> str | None:
@@ -290,7 +288,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.controller.attach(trainer, pl_module)
         apply_module_eps(pl_module, self.recovery.book.module_eps)  # after a resume
         if self.action == "rollback" and pl_module.automatic_optimization:
-            self.controller.initial_snapshot(trainer, pl_module)
+            self.controller.after_step.initial_snapshot(trainer, pl_module)
 
     @override
     @_failsafe
@@ -347,7 +345,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             self.controller.fail(error, "after_optimizer_step")
 
     def _strategy_active(self) -> bool:
-        return self.active or self.controller.failing
+        return self.active or self.controller.state.failing
 
     # ------------------------------------------------------------------ manual loops
 

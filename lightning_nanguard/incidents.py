@@ -72,7 +72,6 @@ class IncidentInspector:
         pl_module: LightningModule,
         health: StepHealth,
         grads: list[Tensor],
-        predicted_action: str | None,
     ) -> tuple[RankReport, NanEvent | None]:
         """This rank's report and its own event (``None`` when the NaN/Inf is not its own)."""
         rank = trainer.global_rank

@@ -215,8 +215,8 @@ def test_state_dict_round_trip_without_a_trainer(tmp_path: Path) -> None:
     guard = NanGuard()
     names = [f.name for f in dataclasses.fields(Counters)]
     counters = Counters(**{name: 100 + i for i, name in enumerate(names)})  # every counter distinct
-    guard.controller.counters = counters
-    guard.controller.last_grad_norm = 2.5
+    guard.controller.state.counters = counters
+    guard.controller.state.last_grad_norm = 2.5
     guard.events[:] = [
         NanEvent(i, 0, i, 0, ("loss", "grad"), "skipped", nonfinite_grads=("w",), loss=math.nan, grad_norm=math.inf)
         for i in range(150)

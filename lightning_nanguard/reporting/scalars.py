@@ -16,7 +16,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-__all__ = ["ScalarLog", "scalar_tags"]
+from lightning_nanguard.decision import Counters
+
+__all__ = ["ScalarLog", "scalar_tags", "scalar_values"]
 
 GRAD_NORM = "nanguard/grad_norm"
 COUNTERS = (
@@ -41,6 +43,26 @@ def scalar_tags(action: str, remedies: Sequence[str], has_scaler: bool, spikes: 
     if remedies:
         tags.append("nanguard/remedies_total")
     return tags
+
+
+def scalar_values(
+    counters: Counters, grad_norm: float | None, rollbacks_total: int, remedies_total: int
+) -> dict[str, float | None]:
+    """The value of every ``nanguard/`` scalar (the :class:`ScalarLog` keeps the tags a run logs).
+
+    Example:
+        >>> scalar_values(Counters(bad_steps_total=2), 1.5, 0, 1)["nanguard/bad_steps_total"]
+        2.0
+    """
+    return {
+        GRAD_NORM: grad_norm,
+        "nanguard/bad_steps_total": float(counters.bad_steps_total),
+        "nanguard/skipped_total": float(counters.skipped_total),
+        "nanguard/spikes_total": float(counters.spikes_total),
+        "nanguard/amp_overflow_total": float(counters.amp_overflow_total),
+        "nanguard/rollbacks_total": float(rollbacks_total),
+        "nanguard/remedies_total": float(remedies_total),
+    }
 
 
 class ScalarLog:
