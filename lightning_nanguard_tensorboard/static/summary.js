@@ -34,7 +34,7 @@ function lostSteps(summary) {
 function indexTable(summary, onIndex) {
   if (!summary.dataset_indices.length) return h('p', {class: 'muted'}, 'No dataset indices recorded.');
   return h('table', {class: 'ranked'},
-      h('thead', {}, h('tr', {}, h('th', {}, 'dataset index'), h('th', {}, 'incidents'), h('th', {}, 'steps'))),
+      h('thead', {}, h('tr', {}, h('th', {}, 'dataset index'), h('th', {class: 'num'}, 'incidents'), h('th', {}, 'steps'))),
       h('tbody', {}, summary.dataset_indices.map((item) => h('tr', {},
           h('td', {}, h('code', {}, String(item.index))),
           h('td', {class: 'num'}, String(item.count)),
@@ -44,9 +44,9 @@ function indexTable(summary, onIndex) {
 function originTable(summary) {
   if (!summary.origins.length) return h('p', {class: 'muted'}, 'No origin localised.');
   return h('table', {class: 'ranked'},
-      h('thead', {}, h('tr', {}, h('th', {}, 'source line'), h('th', {}, 'module · op'), h('th', {}, 'incidents'))),
+      h('thead', {}, h('tr', {}, h('th', {}, 'source line'), h('th', {}, 'module · op'), h('th', {class: 'num'}, 'incidents'))),
       h('tbody', {}, summary.origins.map((o) => h('tr', {},
-          h('td', {}, h('code', {}, o.source_line || '?')),
+          h('td', {}, h('code', {}, o.source_line || '—')),
           h('td', {}, h('code', {}, o.module), ' · ', h('code', {}, o.function || o.op || '?'),
               o.phase ? h('span', {class: 'muted'}, ` (${o.phase})`) : null),
           h('td', {class: 'num'}, String(o.count))))));

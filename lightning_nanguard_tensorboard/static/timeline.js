@@ -2,7 +2,7 @@
 
 import {ACTION_TEXT, KIND_GROUPS, h, kindGroup, num, s} from './dom.js';
 
-const LEFT = 70;
+const LEFT = 92;
 const RIGHT = 18;
 const GAP = 10;
 
@@ -106,7 +106,8 @@ export function timelineCard(data, {width, stepRange, onOpen, onLossTag}) {
   const [s0, s1] = stepRange || data.step_range || [0, 1];
   const lo = s0 >= 0 && s0 <= 0.25 * s1 ? 0 : s0; // training starts at step 0: show it unless far away
   const hi = s1 > lo ? s1 : lo + 1;
-  const x = scaleLinear(lo, hi, LEFT, width - RIGHT);
+  const pad = (hi - lo) * 0.012; // markers at the first and last steps stay clear of the frame
+  const x = scaleLinear(lo - pad, hi + pad, LEFT, width - RIGHT);
   const markers = data.markers || [];
   const counters = data.counters || {};
   const overflow = counters.amp_overflow || [];
