@@ -7,6 +7,7 @@ blank image gives ``0 / 0 = NaN`` (the demo's failure, on 12x12 images).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -188,3 +189,38 @@ def wait_for(condition: Any, timeout: float = 60.0, interval: float = 0.3) -> An
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+# ------------------------------------------------------------------------------------ older and newer event files
+
+
+LEGACY_EVENT = {  # an events.jsonl line written before `cause`, the stack and compact BatchNorm channels existed
+    "global_step": 4,
+    "epoch": 0,
+    "batch_idx": 4,
+    "rank": 0,
+    "kinds": ["loss", "grad"],
+    "action": "skipped",
+    "nonfinite_grads": ["fc.weight"],
+    "loss": "nan",
+    "grad_norm": "nan",
+    "details": {"bn_channels": {"net.1": [0, 2]}},
+}
+SPIKE_EVENT = {
+    "global_step": 9,
+    "epoch": 0,
+    "batch_idx": 9,
+    "rank": 0,
+    "kinds": ["loss_spike"],
+    "action": "warned",
+    "loss": 812.5,
+    "cause": None,
+    "details": {"threshold": 40.0, "baseline": 2.1},
+}
+
+
+def write_mixed_run(run_dir: Path) -> None:
+    path = run_dir / "nanguard" / "events.jsonl"
+    path.parent.mkdir(parents=True)
+    lines = [json.dumps(SPIKE_EVENT), json.dumps(LEGACY_EVENT), "not json at all", json.dumps([1, 2])]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -19,7 +19,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from dashboard_runs import BLANK, TensorBoardServer, guarded_image_run, origin_line, tensorboard_server, wait_for
+from dashboard_runs import (
+    BLANK,
+    LEGACY_EVENT,
+    TensorBoardServer,
+    guarded_image_run,
+    origin_line,
+    tensorboard_server,
+    wait_for,
+    write_mixed_run,
+)
 from test_incident_context import decode_png
 from werkzeug.test import Client
 
@@ -306,3 +315,27 @@ def test_a_failing_plugin_is_logged_and_tensorboard_goes_on(caplog: pytest.LogCa
 def test_missing_log_directory_means_inactive(tmp_path: Path) -> None:
     context = SimpleNamespace(logdir=str(tmp_path / "missing"), flags=SimpleNamespace(), data_provider=None)
     assert NanGuardPlugin(context).is_active() is False  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------ older and newer event files
+
+
+def test_older_and_newer_events_are_shown_as_they_are(tmp_path: Path) -> None:
+    write_mixed_run(tmp_path / "mixed")
+    client = plugin_client(tmp_path)
+    incidents = client.get("/incidents?run=mixed").json
+    assert [e["global_step"] for e in incidents] == [4, 9]  # sorted; foreign lines skipped
+    assert {k: v for k, v in incidents[0].items() if k != "_dashboard"} == LEGACY_EVENT  # no key invented
+    legacy = client.get("/incident?run=mixed&index=0").json
+    assert legacy["context"] is None and legacy["bundle"] == {"status": "none", "name": "step-4"}
+    spike = client.get("/incident?run=mixed&index=1").json["event"]
+    assert spike["details"] == {"threshold": 40.0, "baseline": 2.1}
+    summary = client.get("/summary?run=mixed").json
+    assert summary["by_kind"] == [["grad", 1], ["loss", 1], ["loss_spike", 1]]
+    assert summary["by_cause"] == [["not investigated", 2]]
+    assert summary["steps_skipped"] == 1 and summary["origins"] == [] and summary["dataset_indices"] == []
+    markers = client.get("/timeline?run=mixed").json["markers"]
+    assert [(m["step"], m["kinds"], m["action"]) for m in markers] == [
+        (4, ["loss", "grad"], "skipped"),
+        (9, ["loss_spike"], "warned"),
+    ]

@@ -13,11 +13,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dashboard_runs import BLANK, TensorBoardServer, guarded_image_run, origin_line, tensorboard_server, wait_for
+from dashboard_runs import (
+    BLANK,
+    TensorBoardServer,
+    guarded_image_run,
+    origin_line,
+    tensorboard_server,
+    wait_for,
+    write_mixed_run,
+)
 
 CHROMIUM = os.environ.get("NANGUARD_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("NANGUARD_CHROMEDRIVER", "/usr/bin/chromedriver")
-RUNS = ("lightning/version_0", "pytorch_lightning/version_0")
+RUNS = ("lightning/version_0", "pytorch_lightning/version_0")  # guarded image runs of both namespaces
+MIXED = "mixed"  # an events.jsonl of an older version next to a loss spike (no TensorBoard scalars)
+ALL_RUNS = (RUNS[0], MIXED, RUNS[1])  # the run list is sorted by name
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
 if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
@@ -40,6 +50,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TensorBoardServ
     logdir = tmp_path_factory.mktemp("logs")
     for ns in ("lightning", "pytorch_lightning"):
         guarded_image_run(ns, logdir)
+    write_mixed_run(logdir / MIXED)
     with tensorboard_server(logdir, tmp_path_factory.mktemp("tb")) as tb:
         assert wait_for(lambda: b'"grad_norm": [[' in tb.get(f"/data/plugin/nanguard/timeline?run={RUNS[1]}")[2])
         yield tb
@@ -116,8 +127,8 @@ def test_tab_is_in_tensorboards_header(server: TensorBoardServer, browser: WebDr
 
 def test_timeline_shows_every_incident_of_every_selected_run(tab: WebDriver, tmp_path: Path) -> None:
     cards = tab.find_elements(By.CSS_SELECTOR, ".timeline-card")
-    assert [card.get_attribute("data-run") for card in cards] == list(RUNS)  # side by side, one per run
-    for card in cards:
+    assert [card.get_attribute("data-run") for card in cards] == list(ALL_RUNS)  # side by side, one per run
+    for card in (cards[0], cards[2]):
         steps = [m.get_attribute("data-step") for m in card.find_elements(By.CSS_SELECTOR, "g.marker")]
         assert steps == ["1", "3", "5", "7"]
         assert "4 incidents at 4 steps" in card.text
@@ -125,11 +136,18 @@ def test_timeline_shows_every_incident_of_every_selected_run(tab: WebDriver, tmp
         assert labels[0].startswith("gradient norm") and labels[1].startswith("train_loss")
         assert card.find_element(By.CSS_SELECTOR, "path.series.grad").get_attribute("d").startswith("M")
     assert "NaN/Inf" in tab.find_element(By.CSS_SELECTOR, ".legend").text
+    mixed = cards[1]
+    assert [m.get_attribute("class") for m in mixed.find_elements(By.CSS_SELECTOR, "g.marker")] == [
+        "marker g-nonfinite",
+        "marker g-spike",
+    ]
+    assert "no finite values logged" in mixed.text  # a run without TensorBoard scalars still has its markers
     tab.save_screenshot(str(tmp_path / "timeline.png"))
 
 
 def test_clicking_a_marker_opens_the_incident(tab: WebDriver) -> None:
-    marker = tab.find_elements(By.CSS_SELECTOR, ".timeline-card")[1].find_elements(By.CSS_SELECTOR, "g.marker")[2]
+    card = tab.find_element(By.CSS_SELECTOR, f".timeline-card[data-run='{RUNS[1]}']")
+    marker = card.find_elements(By.CSS_SELECTOR, "g.marker")[2]
     tab.execute_script("arguments[0].dispatchEvent(new MouseEvent('click', {bubbles: true}))", marker)
     wait(tab, lambda d: ready(d, "incidents"))
     assert tab.find_element(By.CSS_SELECTOR, ".incident h3").text == "Step 5"
@@ -163,8 +181,9 @@ def test_incident_view_shows_samples_source_and_bundle(tab: WebDriver) -> None:
 def test_summary_side_by_side(tab: WebDriver) -> None:
     show(tab, "summary")
     cards = tab.find_elements(By.CSS_SELECTOR, ".summary-card")
-    assert [card.get_attribute("data-run") for card in cards] == list(RUNS)
-    for card in cards:
+    assert [card.get_attribute("data-run") for card in cards] == list(ALL_RUNS)
+    assert texts(cards[1], ".tile-value") == ["2", "1", "0", "0"]
+    for card in (cards[0], cards[2]):
         assert texts(card, ".tile-value") == ["4", "4", "2", "1"]  # incidents, skipped, dataset items, origins
         indices = [
             row.find_elements(By.TAG_NAME, "td")[0].text
@@ -177,10 +196,38 @@ def test_summary_side_by_side(tab: WebDriver) -> None:
 
 def test_run_selector(tab: WebDriver) -> None:
     boxes = tab.find_elements(By.CSS_SELECTOR, ".run-list input[type=checkbox]")
-    assert [box.get_attribute("value") for box in boxes] == list(RUNS)
+    assert [box.get_attribute("value") for box in boxes] == list(ALL_RUNS)
     boxes[0].click()
+    wait(tab, lambda d: ready(d, "timeline") and len(d.find_elements(By.CSS_SELECTOR, ".timeline-card")) == 2)
+    tab.find_elements(By.CSS_SELECTOR, ".run-list input[type=checkbox]")[1].click()  # the list was redrawn
     wait(tab, lambda d: ready(d, "timeline") and len(d.find_elements(By.CSS_SELECTOR, ".timeline-card")) == 1)
     assert tab.find_element(By.CSS_SELECTOR, ".timeline-card").get_attribute("data-run") == RUNS[1]
+
+
+def test_older_events_and_spikes_are_shown(tab: WebDriver) -> None:
+    show(tab, "incidents")
+    picker = tab.find_element(By.CSS_SELECTOR, "select.run-picker")
+    picker.find_element(By.CSS_SELECTOR, f"option[value='{MIXED}']").click()
+    wait(
+        tab,
+        lambda d: (
+            ready(d, "incidents") and d.find_element(By.CSS_SELECTOR, ".incident").get_attribute("data-run") == MIXED
+        ),
+    )
+    legacy = tab.find_element(By.CSS_SELECTOR, ".incident")
+    assert legacy.find_element(By.TAG_NAME, "h3").text == "Step 4"
+    assert "net.1: channels [0, 2]" in legacy.text and "No repro bundle was saved" in legacy.text
+    assert "The samples were not searched." in legacy.text and not legacy.find_elements(By.CSS_SELECTOR, ".code-line")
+    tab.find_elements(By.CSS_SELECTOR, "tr.incident-row")[1].click()
+    wait(tab, lambda d: ready(d, "incidents") and d.find_element(By.CSS_SELECTOR, ".incident h3").text == "Step 9")
+    spike = tab.find_element(By.CSS_SELECTOR, ".incident")
+    rows = {
+        row.find_element(By.CSS_SELECTOR, ".k").text: row.find_element(By.CSS_SELECTOR, ".v").text
+        for row in spike.find_elements(By.CSS_SELECTOR, "[data-section='Other details'] .kv")
+    }
+    assert rows == {"threshold": "40", "baseline": "2.1"}
+    assert "loss_spike" in spike.find_element(By.CSS_SELECTOR, ".chip-spike").text
+    assert not tab.find_elements(By.CSS_SELECTOR, ".error")
 
 
 def test_no_errors_in_the_browser_console(tab: WebDriver) -> None:
