@@ -18,6 +18,7 @@ Routes (``run`` is a run name as TensorBoard gives it; an unknown run gives an e
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -77,7 +78,17 @@ def _int_arg(request: Any, name: str, default: int | None = None, low: int = 0) 
 
 
 def _json(request: Any, body: Any, code: int = 200, headers: list[tuple[str, str]] | None = None) -> Any:
-    return http_util.Respond(request, body, "application/json", code=code, headers=headers)
+    """A JSON response.
+
+    Events are JSON-safe already (``to_dict()`` spells NaN/Inf as strings), so they are serialised
+    directly; only a body that is not (a NaN float) goes through TensorBoard's slower cleansing,
+    which spells such values ``"NaN"``.
+    """
+    try:
+        content: Any = json.dumps(body, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        content = body
+    return http_util.Respond(request, content, "application/json", code=code, headers=headers)
 
 
 def _route(handler: Callable[[NanGuardPlugin, Any], Any]) -> Callable[[NanGuardPlugin, Any, Any], Any]:
