@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from lightning_nanguard.forensics import diagnose, event_with_diagnosis
 from lightning_nanguard.reporting import TerminalReporter
-from lightning_nanguard.repro import load_bundle
+from lightning_nanguard.repro import BundleMissingError, load_bundle
 
 __all__ = ["main"]
 
@@ -34,13 +34,22 @@ _DIAGNOSIS_DETAILS = (
     "hint",
     "input_nonfinite",
     "bn_channels",
+    "bn_channels_summary",
+    "state_passes",
+    "input_fields",
+    "function",
+    "source_path",
+    "stack",
 )
 
 
 def _replay(args: argparse.Namespace) -> int:
     try:
         bundle = load_bundle(args.bundle, module_class=args.module)
-    except Exception as error:  # unimportable class, changed signature, missing files
+    except BundleMissingError as error:
+        print(f"replay failed: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:  # unimportable class, changed signature
         print(
             f"replay failed: could not rebuild the module of {args.bundle}: {error!r}; "
             "pass --module pkg.mod:Class if the class moved or was defined in a script",
@@ -48,21 +57,26 @@ def _replay(args: argparse.Namespace) -> int:
         )
         return 2
     positions = bundle.meta.get("positions")
+    saved = bundle.event
     diagnosis = diagnose(
         bundle.module,
         bundle.batch,
         batch_idx=bundle.batch_idx,
         max_passes=args.max_passes,
         known_good=bundle.meta.get("reference_positions") or (),
+        loss_threshold=saved.details.get("loss_threshold"),
+        source_root=bundle.meta.get("source_root"),
+        # a bundle of some samples of the batch: training already found them at fault, not the model state
+        state_check=positions is None,
     )
     if diagnosis.error and diagnosis.offending is None:  # with samples found, only the origin is missing
         print(f"replay failed: {diagnosis.error}", file=sys.stderr)
         return 2
-    saved = bundle.event
     # start from the saved event without its diagnosis: everything printed below is reproduced here
     blank = saved.replace(
         remedies=(),
         repro_path=str(bundle.path),
+        cause=None,
         culprit_module=None,
         culprit_op=None,
         source_line=None,
@@ -95,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     replay = commands.add_parser("replay", help="re-run a saved repro bundle and print the diagnosis")
     replay.add_argument("bundle", help="bundle directory, e.g. <log_dir>/nanguard/step-812")
     replay.add_argument("--module", default=None, help="module class to rebuild, as pkg.mod:Class")
-    replay.add_argument("--max-passes", type=int, default=64, help="cap on bisection passes")
+    replay.add_argument("--max-passes", type=int, default=128, help="cap on forward/backward passes")
     replay.add_argument("--json", action="store_true", help="also print the event as one JSON line")
     args = parser.parse_args(argv)
     if args.command == "replay":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from collections import UserDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
@@ -161,6 +162,11 @@ def _float(tensor: Tensor) -> bool:
     return tensor.is_floating_point() or tensor.is_complex()
 
 
+def _additive_mask(tensor: Tensor) -> bool:
+    """Only ``0`` and ``-inf``: an additive attention mask (deliberate infinities)."""
+    return not tensor.is_complex() and bool(((tensor == 0) | (tensor == -math.inf)).all())
+
+
 def nonfinite_fields(
     batch: Any, size: int | None = None, slicer: BatchSlicer | None = None
 ) -> dict[BatchField, list[int] | None]:
@@ -168,7 +174,8 @@ def nonfinite_fields(
 
     A tensor whose first dimension is the batch size is read per sample; a NaN/Inf elsewhere
     (a tensor shared by all samples) maps to ``None``: no sample is to blame for it. With a custom
-    ``slicer`` (the layout is the user's), every sample is cut out and read on its own.
+    ``slicer`` (the layout is the user's), every sample is cut out and read on its own. A tensor
+    holding only ``0`` and ``-inf`` is an additive attention mask, deliberate, and never reported.
 
     Args:
         batch: the batch, as ``training_step`` received it.
@@ -182,12 +189,16 @@ def nonfinite_fields(
         {'x': [2]}
         >>> nonfinite_fields((torch.full((2,), float("inf")), torch.ones(2)))
         {0: [0, 1]}
+        >>> nonfinite_fields({"x": torch.ones(2, 3), "mask": torch.tensor([[0, 0, -math.inf], [0, 0, 0]])})
+        {}
     """
     floats = [(path, t) for path, t in _named_tensors(batch) if _float(t)]
     if not floats:
         return {}
     whole = torch.stack([torch.isfinite(t).all() for _, t in floats]).tolist()
-    suspects = [(path, t) for (path, t), finite in zip(floats, whole, strict=True) if not finite]
+    suspects = [
+        (path, t) for (path, t), finite in zip(floats, whole, strict=True) if not finite and not _additive_mask(t)
+    ]
     if not suspects:
         return {}
     n = size if size is not None else batch_size(batch)

@@ -113,6 +113,7 @@ def diagnose(
     reference_batch: Any | None = None,
     loss_threshold: float | None = None,
     source_root: str | None = None,
+    state_check: bool = True,
 ) -> Diagnosis:
     """Decide the cause of a bad ``batch``, find its offending samples and localise the origin, leaving no trace.
 
@@ -135,6 +136,8 @@ def diagnose(
             the origin is localised only if some run turned non-finite.
         source_root: show source paths relative to this directory when under it (the working
             directory at ``fit`` start); default: the current working directory.
+        state_check: decide whether the model state is at fault (off for a batch already known to
+            be a subset of the samples at fault, e.g. a repro bundle's).
 
     Example:
         >>> import torch
@@ -178,7 +181,7 @@ def diagnose(
             return _input_diagnosis(runner, inputs, common)
         reference = _reference_runner(runner, reference_batch)
         what = "non-finite" if threshold is None else f"non-finite or above the loss threshold {threshold:.6g}"
-        state = check_state(runner, reference, max_passes - runner.passes, what)
+        state = check_state(runner, reference, max_passes - runner.passes, what) if state_check else StateCheck(False)
         if state.state or state.reproduced is False:
             return _state_diagnosis(runner, reference, state, inputs, localize_origin, common)
         spent = runner.passes + (reference.passes if reference is not None else 0)

@@ -9,7 +9,11 @@ A bundle is a directory ``<log_dir>/nanguard/step-<N>/`` holding:
 - ``module_state.pt``: the module's ``state_dict`` before the step;
 - ``module.json``: how to rebuild the module (class path, the file defining it) and the context
   (batch index, positions of the saved samples in the original batch, dataset indices, reference
-  samples);
+  samples), and the source of the origin: the path as displayed, the absolute path, and the
+  source root the displayed path is relative to (``replay`` displays paths relative to it too, so
+  it prints the same line as training did, from any working directory);
+- ``details_full.json``: the event's details with the lists an event keeps short in full (every
+  non-finite BatchNorm channel of every layer);
 - ``hparams.pt``: the module's saved hyperparameters (``save_hyperparameters()``), if any.
 
 ``python -m lightning_nanguard replay <bundle>`` loads it with :func:`load_bundle`.
@@ -24,6 +28,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,9 +39,14 @@ from torch import nn
 
 from lightning_nanguard.events import NanEvent
 
-__all__ = ["ReproBundle", "import_class", "load_bundle", "prune_bundles", "save_bundle"]
+__all__ = ["BundleMissingError", "ReproBundle", "import_class", "load_bundle", "prune_bundles", "save_bundle"]
 
 BUNDLE_PREFIX = "step-"
+BUNDLE_FILES = ("event.json", "module.json", "batch.pt", "module_state.pt")
+
+
+class BundleMissingError(FileNotFoundError):
+    """The bundle directory does not exist (pruned by ``max_repro_bundles``, or moved), or lacks its files."""
 
 
 def _to_cpu(batch: Any) -> Any:
@@ -56,6 +66,8 @@ def save_bundle(
     positions: list[int] | None,
     sample_dataset_indices: list[int] | None = None,
     reference_positions: list[int] | None = None,
+    full_details: Mapping[str, Any] | None = None,
+    source_root: str | None = None,
 ) -> Path:
     """Write a bundle for ``event`` and return its path (``directory/step-<global_step>``).
 
@@ -69,6 +81,9 @@ def save_bundle(
         sample_dataset_indices: dataset index of each saved sample, when known.
         reference_positions: positions in ``batch`` of known-good reference samples (saved so that
             BatchNorm in train mode never sees a single sample on replay).
+        full_details: details the event keeps short, in full (``Diagnosis.full_details``).
+        source_root: the directory the event's source path is displayed relative to (the
+            diagnosis's ``source_root``); default: the working directory, as the diagnosis's default.
     """
     path = Path(directory) / f"{BUNDLE_PREFIX}{event.global_step}"
     if event.rank:
@@ -95,11 +110,14 @@ def save_bundle(
         "sample_dataset_indices": sample_dataset_indices,
         "reference_positions": list(reference_positions or []),
         "torch_version": torch.__version__,
+        "source_root": os.path.abspath(source_root if source_root is not None else os.getcwd()),
+        "source": {"line": event.source_line, "path": event.details.get("source_path")},
     }
     (path / "module.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
-    (path / "event.json").write_text(
-        json.dumps(event.replace(repro_path=str(path)).to_dict(), indent=2), encoding="utf-8"
-    )
+    saved = event.replace(repro_path=str(path)).to_dict()
+    (path / "event.json").write_text(json.dumps(saved, indent=2), encoding="utf-8")
+    full = {**saved["details"], **dict(full_details or {})}
+    (path / "details_full.json").write_text(json.dumps(full, indent=2, default=str), encoding="utf-8")
     return path
 
 
@@ -178,6 +196,14 @@ def load_bundle(path: str | os.PathLike[str], module_class: str | None = None) -
         module_class: ``"pkg.mod:Class"`` to use instead of the recorded class.
     """
     root = Path(path)
+    if not root.is_dir():
+        raise BundleMissingError(
+            f"the bundle {root} does not exist: NanGuard keeps the newest max_repro_bundles bundles and deletes "
+            "older ones (an older event's repro_path may point to a deleted bundle), or it was moved"
+        )
+    missing = [name for name in BUNDLE_FILES if not (root / name).is_file()]
+    if missing:
+        raise BundleMissingError(f"{root} is not a complete repro bundle: {', '.join(missing)} missing")
     meta = json.loads((root / "module.json").read_text(encoding="utf-8"))
     event = NanEvent.from_dict(json.loads((root / "event.json").read_text(encoding="utf-8")))
     cls = import_class(module_class or meta["class_path"], None if module_class else meta.get("module_file"))

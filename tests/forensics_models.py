@@ -7,6 +7,7 @@ from :mod:`models`.
 
 from __future__ import annotations
 
+import math
 from collections import UserDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,19 +20,24 @@ import torch.nn.functional as F
 import torchmetrics
 from models import make_net
 from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 __all__ = [
     "one_thread",
     "DataclassBatch",
     "DictBatchModule",
+    "DivergingMLP",
     "InteractionModule",
     "IsolationModule",
     "NamedBatch",
     "NestedModule",
     "ReplayModule",
     "StepOriginModule",
+    "WideBatchNormModule",
+    "diverge",
+    "diverging_data",
     "interaction_values",
+    "nan_sample_data",
 ]
 
 
@@ -308,3 +314,77 @@ FUNCTIONS: dict[str, str | None] = {
     "log_zero": "torch.log",
     "input_data": None,
 }
+
+
+# ---------------------------------------------------------------------------- divergence (model state)
+
+
+def diverging_data(n: int = 64, seed: int = 0) -> TensorDataset:
+    """Inputs and targets large enough that SGD with ``lr=0.1`` diverges within 8 steps (measured: step 7)."""
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 8, generator=g) * 3, torch.randn(n, generator=g) * 10)
+
+
+class DivergingMLP(pl.LightningModule):
+    """A small MLP that SGD at ``lr=0.1`` drives to huge but finite weights, until every sample's loss is Inf.
+
+    No sample is at fault: the model state is (issue 9, item 1).
+    """
+
+    def __init__(self, lr: float = 0.1, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch[0], batch[1]
+        return F.mse_loss(self.net(x).squeeze(-1), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def diverge(module: DivergingMLP, dataset: TensorDataset, batch_size: int = 8) -> tuple[Tensor, ...]:
+    """Train ``module`` with plain SGD until a batch is non-finite; return that batch (weights as they are then)."""
+    optimizer = module.configure_optimizers()
+    for step in range(len(dataset) // batch_size):
+        batch = tuple(t[step * batch_size : (step + 1) * batch_size] for t in dataset.tensors)
+        loss = module.training_step(batch, step)
+        optimizer.zero_grad()
+        loss.backward()
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if not torch.isfinite(loss) or not all(bool(torch.isfinite(g).all()) for g in grads):
+            optimizer.zero_grad()
+            return batch
+        optimizer.step()
+    raise AssertionError("the model did not diverge")
+
+
+# ---------------------------------------------------------------------------- many BatchNorm channels
+
+
+class WideBatchNormModule(pl.LightningModule):
+    """``layers`` BatchNorm layers of ``width`` channels: once the weights are NaN, every channel of every layer is."""
+
+    def __init__(self, layers: int = 6, width: int = 16) -> None:
+        super().__init__()
+        blocks: list[nn.Module] = [nn.Linear(8, width)]
+        for _ in range(layers):
+            blocks += [nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, width)]
+        self.net = nn.Sequential(*blocks)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x).mean(-1), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def nan_sample_data(n: int = 32, bad: tuple[int, ...] = (11,), seed: int = 0) -> TensorDataset:
+    """Regression data with NaN inputs at ``bad``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    x[list(bad)] = math.nan
+    return TensorDataset(x, torch.randn(n, generator=g))

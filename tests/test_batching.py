@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, UserDict
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -10,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_nanguard.batching import UnsliceableBatchError, batch_size, slice_batch
+from lightning_nanguard.batching import UnsliceableBatchError, batch_size, nonfinite_fields, slice_batch
 
 N = 5
 POSITIONS = [4, 1, 3]  # not sorted: order must be kept
@@ -143,3 +144,51 @@ def test_unsliceable_batches_raise_a_clear_error(batch: object) -> None:
     with pytest.raises(UnsliceableBatchError, match="batch_slicer"):
         batch_size(batch)
     assert issubclass(UnsliceableBatchError, TypeError)
+
+
+# ------------------------------------------------------------------------------------ NaN/Inf in the batch itself
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_nonfinite_fields_names_fields_and_samples(value: float) -> None:
+    x = torch.ones(N, 3, 2)
+    x[1, 2, 0] = value
+    x[4, 0, 1] = value
+    batch = {"x": x, "y": torch.ones(N), "ids": ids(), "names": list("abcde")}
+    assert nonfinite_fields(batch) == {"x": [1, 4]}
+
+
+def test_nonfinite_fields_of_every_structure() -> None:
+    bad = torch.ones(N, 2)
+    bad[3] = math.nan
+    assert nonfinite_fields(bad) == {"<batch>": [3]}
+    assert nonfinite_fields((torch.ones(N), bad)) == {1: [3]}
+    assert nonfinite_fields(Pair(bad, list("abcde"))) == {"x": [3]}
+    assert nonfinite_fields(Sample(bad, list("abcde"))) == {"x": [3]}
+    assert nonfinite_fields(Encoding({"pixel_values": bad}, 1)) == {"pixel_values": [3]}
+    assert nonfinite_fields({"inputs": {"x": bad}, "y": [torch.ones(N), bad]}) == {"inputs.x": [3], "y.1": [3]}
+    assert nonfinite_fields({"x": torch.ones(N, 2), "ids": ids()}) == {}
+
+
+def test_nonfinite_values_outside_the_sample_dimension_blame_no_sample() -> None:
+    batch = {"x": torch.ones(N, 2), "scale": torch.tensor(math.inf), "table": torch.full((3, 2), math.nan)}
+    assert nonfinite_fields(batch, size=N) == {"scale": None, "table": None}
+
+
+def test_an_additive_mask_is_deliberate() -> None:
+    mask = torch.zeros(N, 4)
+    mask[:, 3] = -math.inf
+    assert nonfinite_fields({"x": torch.ones(N, 4), "mask": mask}) == {}
+    mask[0, 0] = math.inf  # +inf is no mask value
+    assert nonfinite_fields({"x": torch.ones(N, 4), "mask": mask}) == {"mask": list(range(N))}
+
+
+def test_nonfinite_fields_with_a_custom_slicer() -> None:
+    """Sequence-first tensors: the user's slicer cuts each sample; the NaN is found in sample 2."""
+    x = torch.ones(7, N)  # (time, batch)
+    x[3, 2] = math.nan
+
+    def slicer(batch: dict[str, Tensor], positions: list[int]) -> dict[str, Tensor]:
+        return {"x": batch["x"][:, positions]}
+
+    assert nonfinite_fields({"x": x}, size=N, slicer=slicer) == {"x": [2]}

@@ -167,3 +167,62 @@ def test_without_confirming_the_whole_batch() -> None:
     assert result.offending == [5] and list(range(8)) not in oracle.calls
     nothing = find_offending(8, Oracle([]), confirm_whole=False)
     assert nothing.offending is None and "confirm_whole=False" in nothing.reason
+
+
+# ------------------------------------------------------------------------------------ results known in advance
+
+
+def test_known_results_cost_no_pass() -> None:
+    oracle = Oracle([5])
+    known = {tuple(range(8)): True, (1,): False, (5,): True}
+    result = find_offending(8, oracle, known=known, spent=2)
+    assert result.offending == [5]
+    assert list(range(8)) not in oracle.calls and [5] not in oracle.calls
+    assert not any(5 in call for call in oracle.calls)  # a group holding a known-bad sample is bad, untested
+    assert result.passes == len(oracle.calls) == 3  # [0..3], [4], [6, 7]
+
+
+def test_spent_passes_count_towards_the_cap() -> None:
+    result = find_offending(16, Oracle([6]), max_passes=6, known={tuple(range(16)): True}, spent=4)
+    assert result.passes == 2 and result.complete is False
+    assert "max_bisect_passes=6 reached" in result.reason
+
+
+class CountingRunner(Oracle):
+    """The predicate with the runner's bookkeeping (``size``, ``passes``, ``known_good``) for the state check."""
+
+    def __init__(self, n: int, bad: Sequence[int]) -> None:
+        super().__init__(bad)
+        self.size = n
+        self.passes = 0
+        self.known_good: list[int] = []
+
+    def is_bad(self, positions: Sequence[int]) -> bool:
+        self.passes += 1
+        return self(positions)
+
+
+def diagnosis_passes(n: int, bad: Sequence[int]) -> int | None:
+    """Passes of a diagnosis without a reference: the state check, then the search; ``None`` for a state verdict."""
+    from lightning_nanguard.verdict import check_state
+
+    runner = CountingRunner(n, bad)
+    state = check_state(runner, None, 10_000)  # type: ignore[arg-type]
+    if state.state:
+        return None
+    result = find_offending(n, runner.is_bad, max_passes=10_000, known=state.known, spent=runner.passes)
+    assert result.offending == sorted(bad)
+    return runner.passes
+
+
+# worst case of state check + search (same sets as PASS_TABLE): one pass more than the search alone at most
+DIAGNOSIS_TABLE = {(8, 1): 7, (8, 2): 11, (16, 1): 10, (16, 2): 16, (32, 1): 12, (32, 2): 20, (64, 1): 14, (64, 2): 24}
+
+
+@pytest.mark.parametrize(("n", "k"), sorted(DIAGNOSIS_TABLE))
+def test_state_check_then_search_pass_table(n: int, k: int) -> None:
+    counts = [diagnosis_passes(n, bad) for bad in itertools.combinations(range(n), k)]
+    assert None not in counts  # one or two bad samples: never the model state
+    worst = max(c for c in counts if c is not None)
+    assert worst == DIAGNOSIS_TABLE[(n, k)] <= PASS_TABLE[(n, k)] + 1
+    assert worst <= bound(n, k) + 1

@@ -386,3 +386,136 @@ def test_a_failing_localisation_keeps_the_samples(monkeypatch: pytest.MonkeyPatc
     found = diagnose(make_module("lightning", "acos"), bad_batch("acos"))
     assert found.offending == [BAD_POSITION] and found.localization is None
     assert found.error == "localisation failed: RuntimeError('instrumentation broke')"
+
+
+# ------------------------------------------------------------------------------------ the first of two origins
+
+
+class TwoForwardOrigins(nn.Module):
+    """Two independent forward origins: ``log(0)`` first, then ``0 / 0`` (finite inputs, non-finite outputs)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        first = torch.log(x * 0)  # -inf from a finite input
+        second = (x * 0) / (x * 0)  # NaN from finite inputs, later in the forward
+        return first.sum() + second.sum()
+
+
+class TwoBackwardOrigins(nn.Module):
+    """Two independent backward origins on parallel branches: ``sqrt(0)`` and ``acos(1)``.
+
+    The autograd engine runs the later-created node first: ``AcosBackward0`` is the first node to
+    turn finite incoming gradients into -Inf, then ``SqrtBackward0`` turns its own into Inf.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        root = (self.w * x * 0).sqrt()
+        angle = torch.acos(self.w * x / x)
+        return root.sum() + angle.sum()
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_the_first_of_two_forward_origins_is_reported() -> None:
+    net = TwoForwardOrigins()
+    found = localize(net, lambda: net(torch.ones(3, requires_grad=True)))
+    assert (found.phase, found.op, found.function) == ("forward", "LogBackward0", "torch.log")
+    line = TwoForwardOrigins.forward.__code__.co_firstlineno + 1
+    assert found.source_line is not None and found.source_line.endswith(f"test_localization.py:{line}")
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_the_first_of_two_backward_origins_is_reported() -> None:
+    net = TwoBackwardOrigins()
+    with torch.no_grad():
+        assert torch.isfinite(net(torch.ones(2)))  # forward finite: a backward-only fault
+    order: list[str] = []
+    loss = net(torch.ones(2))
+    hooks = [node.register_hook(lambda gi, go, n=node: order.append(n.name())) for node in localization_nodes(loss)]
+    torch.autograd.grad(loss, [net.w])
+    for hook in hooks:
+        hook.remove()
+    assert order.index("AcosBackward0") < order.index("SqrtBackward0")  # the engine's order, checked
+    found = localize(net, lambda: net(torch.ones(2)))
+    assert (found.phase, found.op, found.function) == ("backward", "AcosBackward0", "torch.acos")
+
+
+def localization_nodes(loss: Tensor) -> list[Any]:
+    from lightning_nanguard import localization
+
+    return list(localization._nodes(loss.grad_fn))
+
+
+# ------------------------------------------------------------------------------------ rows of the real batch
+
+
+class MaskedLogMean(nn.Module):
+    """Per-sample ``log`` of a count, masked with ``where`` for samples without tokens (a deliberate -inf),
+    then a real origin: a division by the number of kept samples' scores, which is 0 for sample ``bad``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: Tensor, count: Tensor) -> Tensor:
+        logs = torch.log(count)  # -inf for padding-only samples: masked below, healthy
+        safe = torch.where(count > 0, logs, torch.zeros_like(logs))
+        scores = (self.w * x).sum(-1)
+        return (scores / scores + safe).sum()  # 0/0 for an all-zero sample: the origin
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_following_the_offending_rows_skips_what_healthy_samples_mask_on_purpose() -> None:
+    net = MaskedLogMean()
+    x = torch.ones(4, 3)
+    x[2] = 0.0  # sample 2: 0/0
+    count = torch.tensor([3.0, 0.0, 2.0, 1.0])  # sample 1: log(0), masked (healthy)
+    whole = localize(net, lambda: net(x, count))
+    assert whole.function == "torch.log"  # blind to rows: the healthy, masked -inf comes first
+    followed = localize(net, lambda: net(x, count), rows=[2], batch_size=4)
+    assert (followed.phase, followed.op, followed.function) == ("forward", "DivBackward0", "torch.div")
+
+
+def test_diagnose_localises_on_the_full_batch_following_the_offending_rows() -> None:
+    class Step(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = MaskedLogMean()
+
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            return self.net(*batch)
+
+    x = torch.ones(4, 3)
+    x[2] = 0.0
+    found = diagnose(Step(), (x, torch.tensor([3.0, 0.0, 2.0, 1.0])))
+    assert (found.cause, found.offending) == ("data", [2])
+    assert found.localization is not None and found.localization.op == "DivBackward0"
+
+
+# ------------------------------------------------------------------------------------ user source lines
+
+
+def test_source_paths_are_relative_to_the_source_root_when_under_it(tmp_path: Path) -> None:
+    net = PureAcos()
+    here = Path(__file__).resolve()
+    relative = localize(net, lambda: net(torch.tensor([2.0])), source_root=str(here.parent.parent))
+    assert relative.source_line == f"tests/test_localization.py:{PureAcos.forward.__code__.co_firstlineno + 1}"
+    assert relative.source_path == str(here)
+    outside = localize(net, lambda: net(torch.tensor([2.0])), source_root=str(tmp_path))
+    assert outside.source_line is not None and outside.source_line.startswith(str(here))
+    assert outside.stack[-1][0] == str(here)
+
+
+def test_a_module_class_file_is_user_code_wherever_it_is_installed() -> None:
+    """A module whose class lives in a library directory: its file is user code for ops that run in it."""
+    from lightning_nanguard.frames import UserCode, class_files
+
+    net = PureAcos()
+    here = str(Path(__file__).resolve())
+    as_library = UserCode(skip_dirs=(str(Path(__file__).resolve().parent) + "/",))
+    assert not as_library.is_user(here)
+    assert as_library.is_user(here, class_files(type(net)))
+    assert class_files(nn.Linear) == set()  # torch's own torch.nn classes never are

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-FIELDS = ("offending_samples", "dataset_indices", "culprit_module", "culprit_op", "source_line", "phase")
+FIELDS = ("offending_samples", "dataset_indices", "culprit_module", "culprit_op", "source_line", "phase", "cause")
 
 
 def train(module: Any, loader: Any, root: Path) -> NanEvent:
@@ -136,7 +136,7 @@ def test_fresh_process_replay_prints_the_training_diagnosis(
         assert replayed[field] == expected[field], field
     assert replayed["global_step"] == expected["global_step"]
     assert replayed["details"]["batch_size"] == 8
-    for key in ("source_text", "hint", "module_type", "not_attributable", "bn_channels"):
+    for key in ("source_text", "hint", "module_type", "not_attributable", "bn_channels", "function", "source_path"):
         assert replayed["details"].get(key) == expected["details"].get(key), key
     assert "NanGuard" in result.stdout + result.stderr  # the terminal report is printed too
 
@@ -230,3 +230,57 @@ def test_a_new_bundle_replaces_a_stale_one(trained: dict[str, NanEvent], tmp_pat
     second = save_bundle(tmp_path, event, fm.StepOriginModule(), (torch.zeros(1, 3), torch.ones(1)), 1, [0])
     assert second == first and not (second / "hparams.pt").exists()
     assert isinstance(load_bundle(second).module, fm.StepOriginModule)
+
+
+# ------------------------------------------------------------------------------------ bundles that are gone, paths
+
+
+def test_replay_of_a_deleted_bundle_says_it_does_not_exist(
+    trained: dict[str, NanEvent], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An older event's repro_path after pruning: the bundle is gone, the module is not the problem."""
+    gone = tmp_path / "nanguard" / "step-3"
+    assert main(["replay", str(gone)]) == 2
+    err = capsys.readouterr().err
+    assert f"the bundle {gone} does not exist" in err and "max_repro_bundles" in err
+    assert "could not rebuild the module" not in err and "--module" not in err
+
+    incomplete = tmp_path / "step-4"
+    shutil.copytree(trained["acos"].repro_path, incomplete)
+    (incomplete / "module_state.pt").unlink()
+    assert main(["replay", str(incomplete)]) == 2
+    assert "not a complete repro bundle: module_state.pt missing" in capsys.readouterr().err
+
+
+def test_replay_from_another_directory_prints_the_same_source_line(
+    trained: dict[str, NanEvent], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    event = trained["nested"]
+    meta = json.loads((Path(event.repro_path) / "module.json").read_text())
+    assert meta["source_root"] == os.getcwd()  # the diagnosis displayed paths relative to the working directory
+    assert meta["source"] == {"line": event.source_line, "path": event.details["source_path"]}
+    assert Path(event.details["source_path"]).is_absolute() and not Path(event.source_line).is_absolute()
+    monkeypatch.chdir(tmp_path)
+    assert main(["replay", str(event.repro_path), "--json"]) == 0
+    replayed = json.loads(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("{")))
+    assert replayed["source_line"] == event.source_line
+    assert replayed["details"]["source_path"] == event.details["source_path"]
+
+
+def test_bundle_details_full_holds_the_event_details(trained: dict[str, NanEvent]) -> None:
+    event = trained["bn_overflow"]
+    full = json.loads((Path(event.repro_path) / "details_full.json").read_text())
+    assert full["bn_channels"] == {"net.input_bn": [2]} and full["hint"] == event.details["hint"]
+
+
+def test_save_bundle_writes_the_full_lists(trained: dict[str, NanEvent], tmp_path: Path) -> None:
+    from lightning_nanguard.repro import save_bundle
+
+    event = trained["cosine_norm"].replace(details={"bn_channels": {"bn": [0]}, "bn_channels_summary": {"layers": 9}})
+    full = {"bn_channels": {f"bn{i}": list(range(64)) for i in range(9)}}
+    path = save_bundle(
+        tmp_path, event, fm.ReplayModule(), (torch.zeros(2, 8), torch.zeros(2)), 1, [1, 6], full_details=full
+    )
+    saved = json.loads((path / "details_full.json").read_text())
+    assert saved["bn_channels"] == full["bn_channels"] and saved["bn_channels_summary"] == {"layers": 9}
+    assert json.loads((path / "event.json").read_text())["details"]["bn_channels"] == {"bn": [0]}
