@@ -339,3 +339,11 @@ def test_older_and_newer_events_are_shown_as_they_are(tmp_path: Path) -> None:
         (4, ["loss", "grad"], "skipped"),
         (9, ["loss_spike"], "warned"),
     ]
+
+
+def test_a_log_directory_that_is_the_run_itself(served: Served) -> None:
+    """``tensorboard --logdir <run dir>``: TensorBoard calls the run "."."""
+    client = plugin_client(served.logdir / "lightning" / "version_0")
+    assert [r["run"] for r in client.get("/runs").json] == ["."]
+    assert len(client.get("/incidents?run=.").json) == 4
+    assert client.get("/incident?run=.&index=0").json["context"]["source"]["line"] == origin_line()

@@ -5,6 +5,7 @@ import {ACTION_TEXT, KIND_GROUPS, h, kindGroup, num, s} from './dom.js';
 const LEFT = 92;
 const RIGHT = 18;
 const GAP = 10;
+const MAX_GUIDES = 400; // dashed lines through the curves, one per incident, up to this many incidents
 
 function scaleLinear(d0, d1, r0, r1) {
   const span = d1 - d0 || 1;
@@ -148,7 +149,7 @@ export function timelineCard(data, {width, stepRange, onOpen, onLossTag}) {
     const cx = x(m.step);
     const cy = laneTop + laneHeight / 2 + ((k % 3) - 1) * 12 * (k > 0 ? 1 : 0);
     const group = kindGroup(m.kinds);
-    guides.appendChild(s('line', {class: `guide g-${group}`, x1: cx, x2: cx, y1: 8, y2: laneTop}));
+    if (markers.length <= MAX_GUIDES) guides.appendChild(s('line', {class: `guide g-${group}`, x1: cx, x2: cx, y1: 8, y2: laneTop}));
     const marker = s('g', {
       class: `marker g-${group}`,
       tabindex: 0,
