@@ -87,6 +87,13 @@ def bundle_info(run: RunLocation, event: dict[str, Any]) -> dict[str, Any]:
 
     The path is the run directory as the log directory was given to TensorBoard, plus the bundle's
     fixed name: ``<run>/nanguard/step-<N>[-rank<R>]``.
+
+    Example:
+        >>> run = RunLocation("exp/version_0", "/data/logs/exp/version_0", "logs/exp/version_0")
+        >>> bundle_info(run, {"global_step": 7, "rank": 1, "_dashboard": {"bundle": "present"}})["command"]
+        'python -m lightning_nanguard replay logs/exp/version_0/nanguard/step-7-rank1'
+        >>> bundle_info(run, {"global_step": 3, "rank": 0, "_dashboard": {"bundle": "pruned"}})
+        {'status': 'pruned', 'name': 'step-3'}
     """
     step, rank = step_and_rank(event) or (0, 0)
     status = event.get(DASHBOARD_KEY, {}).get("bundle", "none")
