@@ -1,37 +1,65 @@
-"""Fused, device-side detection of NaN/Inf in many tensors at once.
+"""Device-side detection of NaN/Inf in many tensors at once, without writing to them.
 
-The healthy path is :func:`fused_health_check`: one ``torch._foreach_norm`` kernel per
-(device, dtype) group over every gradient, plus one over the loss and BatchNorm statistics,
-reduced on the device to a two-element tensor ``[flag, grad_norm]``. The caller reads it to the
-host once per step. Only when the flag is set does :func:`nonfinite_names` look tensor by tensor,
-so the cost of naming the culprits is paid on bad steps only.
+Two entry points give the same ``[flag, grad_norm, others_flag]`` tensor, which the caller reads to
+the host once per step (or hands to a fused optimizer as ``found_inf``, see
+:mod:`lightning_nanguard.syncfree`):
 
-Why norms: the L2 norm of a tensor is NaN if any element is NaN and +Inf if any element is +/-Inf,
-and the same kernel gives the global gradient norm for logging. A finite tensor can also overflow
-to an infinite norm (e.g. fp16 values near 65504, or float32 values above 1e19); the flag is
-therefore a *candidate* and :func:`nonfinite_names` confirms element-wise, so a step is reported
-bad iff some element is NaN or +/-Inf.
+- :func:`fused_health_check` (stateless): tensors are grouped by device and dtype; small tensors
+  (fewer than :data:`SMALL_NUMEL` elements) are copied into one flat staging buffer per group with
+  one ``torch._foreach_copy_`` and summed once; large ones are reduced by ``torch._foreach_norm``.
+- :class:`GradientCheck` (stateful, for a fixed parameter list): each large gradient is summed by a
+  ``register_post_accumulate_grad_hook`` as soon as autograd has written it (still in cache; on a GPU
+  overlapped with the rest of backward) into its slot of one device-side vector; small gradients go
+  through a staging buffer built once. On the benchmark models (docs/benchmarks.md) this costs about
+  one read of every gradient byte, the floor.
+
+Neither writes to the tensors it checks: ``tensor._version`` is unchanged.
+
+Why sums and norms: a sum or a norm is NaN if any element is NaN, and NaN or +/-Inf if any element
+is +/-Inf, so a non-finite reduction is necessary for a non-finite element. Finite values can also
+overflow a reduction (float32 values above ~1e19 in a norm, ~1e38 in a sum); the flag is therefore a
+*candidate*, and :func:`nonfinite_names` confirms element-wise on the bad path only, so a step is
+reported bad iff some element is NaN or +/-Inf.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from lightning_nanguard.timing import GuardClock
+
 __all__ = [
+    "SMALL_NUMEL",
+    "GradientCheck",
     "all_finite",
     "bad_batchnorm_names",
     "fused_health_check",
     "grouped_norms",
     "negative_names",
+    "nonfinite_candidate",
     "nonfinite_names",
 ]
 
+log = logging.getLogger(__name__)
+
+SMALL_NUMEL = 4096
+"""Tensors with fewer elements are staged (copied into one flat buffer) and reduced together: on
+this scale a kernel launch or a Python hook costs more than reading the values."""
+
 _FLOAT32 = torch.float32
 _LOW = (torch.float16, torch.bfloat16)
+_STAGING_CACHE_SIZE = 32
+_USELESS_CHECKS_BEFORE_UNHOOKING = 3
 
 
 def _dense(tensors: Iterable[Tensor]) -> list[Tensor]:
@@ -87,42 +115,162 @@ def _constant(value: float, device: torch.device) -> Tensor:
     return _CONSTANTS[key]
 
 
-def _count_nonfinite_(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
-    """1-element float32 tensor on ``device``, > 0 iff some element of ``tensors`` is NaN/Inf.
+def _sum(flat: Tensor) -> Tensor:
+    """0-dim sum of a buffer; fp16/bf16 accumulate in float32 (their own range would overflow)."""
+    return flat.sum(dtype=_FLOAT32) if flat.dtype in _LOW else flat.sum()
 
-    Uses GradScaler's fused kernel ``_amp_foreach_non_finite_check_and_unscale_`` with a scale of 1
-    (multiplying by 1.0 leaves every value bitwise equal): one call for all tensors when they share
-    a device, else one per (device, dtype) group. On this CPU it is cheaper than any norm (it only
-    tests, it does not multiply and add). Complex tensors fall back to norms, sparse ones to their
-    stored values.
+
+class _Staging:
+    """A flat buffer of one device and dtype with one view per tensor shape: many tensors, one copy.
+
+    ``load`` copies a tensor list with one ``torch._foreach_copy_`` (the sources are only read).
+    Called with other shapes than the ones it was built for, the copy either broadcasts, which still
+    puts every source element into the buffer at least once (enough for a NaN/Inf test), or raises.
     """
-    if not tensors:
-        return torch.zeros(1, dtype=_FLOAT32, device=device)
-    one = _constant(1.0, device)
-    total = torch.zeros(1, dtype=_FLOAT32, device=device)
-    try:  # common case, one device: a single call, no grouping (which costs ~60% of the kernel on CPU)
-        torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), total, one)
-        return total
-    except (RuntimeError, NotImplementedError):  # several devices, complex or sparse tensors
-        total.zero_()
-    found: dict[torch.device, Tensor] = {}
-    grouped = _group_tensors_by_device_and_dtype([list(tensors)])
-    for (group_device, dtype), ([group], _) in grouped.items():
-        if group_device not in found:
-            found[group_device] = torch.zeros(1, dtype=_FLOAT32, device=group_device)
-        flag = found[group_device]
-        if dtype.is_complex:
-            flag.add_((~torch.isfinite(torch.stack(_foreach_norm(group, dtype))).all()).to(_FLOAT32))  # type: ignore[arg-type]
-            continue
-        one = torch.ones(1, dtype=_FLOAT32, device=group_device)
+
+    def __init__(self, like: Sequence[Tensor]) -> None:
+        first = like[0]
+        self.flat = torch.empty(sum(t.numel() for t in like), dtype=first.dtype, device=first.device)
+        parts = torch.split(self.flat, [t.numel() for t in like])
+        self.views = [part.view(t.shape) for part, t in zip(parts, like, strict=True)]
+
+    def load(self, tensors: list[Tensor]) -> Tensor:
+        torch._foreach_copy_(self.views, tensors)
+        return self.flat
+
+    def load_present(self, grads: list[Tensor | None]) -> Tensor | None:
+        """Copy the tensors that are not ``None`` (the rest of the buffer reads 0); ``None`` if none is."""
+        present = [g for g in grads if g is not None]
+        if not present:
+            return None
+        if len(present) == len(grads):
+            return self.load(present)
+        self.flat.zero_()
+        torch._foreach_copy_([v for v, g in zip(self.views, grads, strict=True) if g is not None], present)
+        return self.flat
+
+
+_STAGING: OrderedDict[tuple[torch.device, torch.dtype, int], _Staging] = OrderedDict()
+
+
+def _staged(tensors: list[Tensor]) -> Tensor:
+    """A flat copy of ``tensors`` (one device and dtype, dense) through a cached staging buffer."""
+    key = (tensors[0].device, tensors[0].dtype, len(tensors))
+    staging = _STAGING.get(key)
+    if staging is not None:
         try:
-            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, one)  # type: ignore[arg-type]
-        except (NotImplementedError, RuntimeError):  # sparse gradients (rare): their stored values
-            torch._amp_foreach_non_finite_check_and_unscale_(_dense(group), flag, one)  # type: ignore[arg-type]
-    if not found:
-        return torch.zeros(1, dtype=_FLOAT32, device=device)
-    flags = [f if f.device == device else f.to(device, non_blocking=True) for f in found.values()]
-    return flags[0] if len(flags) == 1 else torch.stack(flags).sum(0)
+            return staging.load(tensors)
+        except RuntimeError:  # other shapes than last time: rebuild the views
+            pass
+    staging = _Staging(tensors)
+    _STAGING[key] = staging
+    _STAGING.move_to_end(key)
+    while len(_STAGING) > _STAGING_CACHE_SIZE:
+        _STAGING.popitem(last=False)
+    return staging.load(tensors)
+
+
+def _group_total(group: list[Tensor], dtype: torch.dtype, sqrt: bool = False) -> Tensor | None:
+    """0-dim float32 that is non-finite if some element of ``group`` (one device and dtype) may be NaN/Inf.
+
+    With ``sqrt``, negative values count too (their square root is NaN). ``None``: nothing to check.
+    """
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return None  # integers are always finite
+    small = [t for t in group if t.numel() < SMALL_NUMEL]
+    large = [t for t in group if t.numel() >= SMALL_NUMEL] if len(small) < len(group) else []
+    total: Tensor | None = None
+    if small:
+        try:
+            flat = _staged(small)
+            if sqrt:
+                flat.sqrt_()  # of the staged copy: a negative value becomes NaN
+            total = _sum(flat)
+            if total.is_complex():
+                total = torch.view_as_real(total).sum()
+        except (RuntimeError, NotImplementedError):  # sparse tensors cannot be copied into a dense buffer
+            large = large + small
+    if large:
+        if sqrt:
+            large = list(torch._foreach_sqrt(_dense(large)))
+        norms = torch.stack(_foreach_norm(large, dtype)).sum()
+        total = norms if total is None else total + norms
+    return total.to(_FLOAT32) if total is not None and total.dtype != _FLOAT32 else total
+
+
+def _nonfinite_total(tensors: Sequence[Tensor], device: torch.device, sqrt: bool = False) -> Tensor | None:
+    """0-dim float32 on ``device``, non-finite if some element of ``tensors`` may be NaN/Inf; ``None`` if none."""
+    if not tensors:
+        return None
+    total: Tensor | None = None
+    for (group_device, dtype), ([group], _) in _group_tensors_by_device_and_dtype([list(tensors)]).items():
+        part = _group_total(group, dtype, sqrt)  # type: ignore[arg-type]
+        if part is None:
+            continue
+        if group_device != device:
+            part = part.to(device, non_blocking=True)
+        total = part if total is None else total + part
+    return total
+
+
+def nonfinite_candidate(tensors: Sequence[Tensor], device: torch.device | None = None, sqrt: bool = False) -> Tensor:
+    """1-element float32 tensor: 1.0 if some element of ``tensors`` *may* be NaN/Inf, else 0.0.
+
+    Read-only, on the device, a few kernels per (device, dtype) whatever the number of tensors. A
+    finite tensor can overflow a reduction: confirm a 1.0 with :func:`nonfinite_names`.
+
+    Args:
+        tensors: tensors of any devices, dtypes (integers are always finite) and layouts (sparse: their
+            stored values).
+        device: where the result lives; defaults to the device of the first tensor.
+        sqrt: also flag negative values (as ``sqrt`` would make them NaN); for ``running_var``.
+
+    Example:
+        >>> nonfinite_candidate([torch.ones(3), torch.tensor([1.0, float("-inf")])]).tolist()
+        [1.0]
+        >>> nonfinite_candidate([torch.tensor([4.0, -1.0])], sqrt=True).tolist()
+        [1.0]
+    """
+    target = device if device is not None else _first_device(tensors)
+    total = _nonfinite_total(tensors, target, sqrt)
+    if total is None:
+        return torch.zeros(1, dtype=_FLOAT32, device=target)
+    return (~torch.isfinite(total)).to(_FLOAT32).reshape(1)
+
+
+def _others_total(others: Sequence[Tensor], nonnegative: Sequence[Tensor], device: torch.device) -> Tensor | None:
+    """Non-finite if ``others`` may hold NaN/Inf, or ``nonnegative`` a negative value or NaN/Inf."""
+    total = _nonfinite_total(others, device)
+    nonempty = [t for t in nonnegative if t.numel()]
+    if nonempty:
+        negative = _nonfinite_total(nonempty, device, sqrt=True)
+        total = negative if total is None else (total if negative is None else total + negative)
+    return total
+
+
+_SUMMARY_BASE: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
+
+
+def _fast_summary(grads_total: Tensor | None, others_total: Tensor | None, device: torch.device) -> Tensor:
+    """``[flag, -1 (no norm), others_flag]`` from two totals (non-finite: bad; ``None``: nothing checked)."""
+    if device not in _SUMMARY_BASE:
+        _SUMMARY_BASE[device] = (
+            torch.zeros((), dtype=_FLOAT32, device=device),
+            torch.tensor([0.0, -1.0, 0.0], dtype=_FLOAT32, device=device),
+            torch.ones(3, dtype=_FLOAT32, device=device),
+        )
+    zero, healthy, bad = _SUMMARY_BASE[device]
+    if grads_total is None and others_total is None:
+        return healthy.clone()
+    grads_total = zero if grads_total is None else grads_total
+    others_total = zero if others_total is None else others_total
+    totals = torch.stack((grads_total + others_total, zero, others_total))  # the middle one is always finite
+    return torch.where(torch.isfinite(totals), healthy, bad)
+
+
+def _first_device(*groups: Sequence[Tensor]) -> torch.device:
+    first = next((t for group in groups for t in group), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def fused_health_check(
@@ -134,8 +282,9 @@ def fused_health_check(
 ) -> Tensor:
     """Check many tensors for NaN/Inf in one fused pass; return ``[flag, grad_norm, others_flag]``.
 
-    Nothing is read to the host: the caller decides when to pay the one synchronisation
-    (``result.tolist()``), and may first reduce the tensor across processes.
+    Nothing is read to the host and nothing is written to the tensors: the caller decides when to
+    pay the one synchronisation (``result.tolist()``), and may first reduce the tensor across
+    processes. :class:`GradientCheck` gives the same result for a fixed parameter list at a lower cost.
 
     Args:
         grads: gradients; their global L2 norm is the second element of the result.
@@ -143,13 +292,13 @@ def fused_health_check(
         nonnegative: tensors that must also have no negative element (``running_var``).
         device: where the result lives; defaults to the device of the first tensor given.
         with_norm: compute the global gradient norm with ``_foreach_norm``; otherwise ``grad_norm``
-            is -1 and the test uses GradScaler's cheaper fused kernel.
+            is -1 and the test uses the cheaper staged sums of :func:`nonfinite_candidate`.
 
     Returns:
         float32 tensor ``[flag, grad_norm, others_flag]``. ``flag`` is > 0 when some tensor *may*
-        hold a NaN/Inf (confirm with :func:`nonfinite_names`: with norms, a finite tensor can
-        overflow its norm) or a negative value where none is allowed; ``others_flag`` is the same
-        for ``others`` and ``nonnegative`` alone.
+        hold a NaN/Inf (confirm with :func:`nonfinite_names`: a finite tensor can overflow its norm
+        or sum) or a negative value where none is allowed; ``others_flag`` is the same for
+        ``others`` and ``nonnegative`` alone.
         ``grad_norm`` is NaN when a gradient holds a NaN, +Inf when one holds +/-Inf (and no NaN).
 
     Example:
@@ -161,22 +310,218 @@ def fused_health_check(
         [1.0, -1.0, 0.0]
     """
     if device is None:
-        first = next((t for t in (*grads, *others, *nonnegative)), None)
-        device = first.device if first is not None else torch.device("cpu")
-    nonempty = [t for t in nonnegative if t.numel()]
+        device = _first_device(grads, others, nonnegative)
     if not with_norm:  # the fast path: a handful of kernels whatever the number of tensors
-        # sqrt of a negative value is NaN: negativity joins the same non-finite test
-        others_found = _count_nonfinite_([*others, *(torch._foreach_sqrt(nonempty) if nonempty else [])], device)
-        grads_found = _count_nonfinite_(grads, device)
-        return torch.cat((grads_found + others_found, _constant(-1.0, device), others_found))
+        return _fast_summary(_nonfinite_total(grads, device), _others_total(others, nonnegative, device), device)
     grad_norms = grouped_norms(grads, device)
     grads_bad = ~torch.isfinite(grad_norms).all()
     grad_norm = torch.linalg.vector_norm(grad_norms) if grads else torch.zeros((), dtype=_FLOAT32, device=device)
     others_bad = ~torch.isfinite(grouped_norms(others, device)).all()
+    nonempty = [t for t in nonnegative if t.numel()]
     if nonempty:
         negated_maxima = torch._foreach_max(torch._foreach_neg(nonempty))
         others_bad = others_bad | (torch.stack(negated_maxima).to(device=device, dtype=_FLOAT32) > 0).any()
     return torch.stack(((grads_bad | others_bad).to(_FLOAT32), grad_norm, others_bad.to(_FLOAT32)))
+
+
+class GradientCheck:
+    """Read-only NaN/Inf check of the gradients of a fixed parameter list, mostly done during backward.
+
+    Parameters with at least :data:`SMALL_NUMEL` elements get a ``register_post_accumulate_grad_hook``
+    that sums the gradient, as soon as autograd has accumulated it, into the parameter's slot of a
+    device-side vector (one kernel per parameter, no host read). The others are copied into one
+    staging buffer per (device, dtype) after backward and summed once. :meth:`health_check` then
+    gives :func:`fused_health_check`'s result.
+
+    A gradient replaced or modified in place after its hook ran (the user's ``on_after_backward``,
+    DDP's all-reduce, a GradScaler's unscale, FSDP, ...) is recognised by its identity and version
+    counter and read again after backward, so the check is always of the gradients as they are.
+    When every hooked gradient had to be read again in 3 checks in a row, the hooks are removed and
+    everything is checked after backward.
+
+    Args:
+        params: the parameters whose ``.grad`` is checked.
+        stream: hook large gradients (default); ``False`` checks everything after backward.
+        clock: time spent in the hooks is added to ``clock`` under ``"gradient_hooks"`` while
+            ``clock.enabled``.
+
+    Attributes:
+        enabled: while ``False`` the hooks do nothing (set it on micro-batches or steps that are not
+            checked; the last micro-batch's hooks see the accumulated gradient).
+        rechecked: how many hooked gradients the last check had to read again.
+
+    Example:
+        >>> layer = torch.nn.Linear(128, 64)
+        >>> check = GradientCheck(layer.parameters())
+        >>> layer(torch.randn(4, 128)).sum().backward()
+        >>> check.health_check(with_norm=False).tolist()
+        [0.0, -1.0, 0.0]
+        >>> with torch.no_grad():
+        ...     layer.weight.grad[0, 0] = float("nan")  # after backward: read again, still caught
+        >>> check.health_check(with_norm=False).tolist()[0]
+        1.0
+        >>> check.remove()
+    """
+
+    def __init__(self, params: Iterable[Tensor], stream: bool = True, clock: GuardClock | None = None) -> None:
+        self.params = list(params)
+        self.enabled = True
+        self.clock = clock
+        self.rechecked = 0
+        self._large = [p for p in self.params if p.numel() >= SMALL_NUMEL]
+        self._seen: list[Tensor | None] = [None] * len(self._large)
+        self._versions = [0] * len(self._large)
+        self._slots: dict[torch.device, Tensor] = {}
+        self._handles: list[RemovableHandle] = []
+        self._useless_checks = 0
+        by_group: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for param in self.params:
+            if param.numel() < SMALL_NUMEL:
+                by_group.setdefault((param.device, param.dtype), []).append(param)
+        self._small = [(group, _Staging(group)) for group in by_group.values()]
+        if stream:
+            self._hook_large_params()
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the hooks are installed."""
+        return bool(self._handles)
+
+    def _hook_large_params(self) -> None:
+        counts: dict[torch.device, int] = {}
+        positions = []
+        for param in self._large:
+            positions.append(counts.get(param.device, 0))
+            counts[param.device] = positions[-1] + 1
+        self._slots = {device: torch.zeros(n, dtype=_FLOAT32, device=device) for device, n in counts.items()}
+        for index, (param, position) in enumerate(zip(self._large, positions, strict=True)):
+            hook = self._hook(index, self._slots[param.device][position], tuple(range(param.dim())))
+            self._handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    def _hook(self, index: int, slot: Tensor, dims: tuple[int, ...]) -> Callable[[Tensor], None]:
+        seen, versions = self._seen, self._versions  # mutated in place, never rebound
+
+        def check_gradient(param: Tensor) -> None:
+            if not self.enabled:
+                return
+            grad = param.grad
+            if grad is None:
+                return
+            try:
+                if grad.layout is torch.strided and not grad.requires_grad and not grad.is_complex():
+                    torch.sum(grad, dims, dtype=_FLOAT32, out=slot)  # float64 too: an overflow is only a candidate
+                else:  # sparse, complex, or a graph of gradients (create_graph=True)
+                    total = _group_total([grad.detach()], grad.dtype)
+                    if total is None:
+                        slot.zero_()
+                    else:
+                        slot.copy_(total)
+            except Exception:  # never break backward: the gradient is read again after it
+                seen[index] = None
+                return
+            seen[index] = grad
+            versions[index] = grad._version
+
+        clock = self.clock
+        if clock is None:
+            return check_gradient
+
+        def timed_check_gradient(param: Tensor) -> None:
+            if not clock.enabled:
+                check_gradient(param)
+                return
+            with clock.measure("gradient_hooks"):
+                check_gradient(param)
+
+        return timed_check_gradient
+
+    def remove(self) -> None:
+        """Remove the hooks (the check keeps working, after backward)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._slots = {}
+
+    def grads(self) -> list[Tensor]:
+        """The gradients that exist now, in parameter order."""
+        return [g for p in self.params if (g := p.grad) is not None]
+
+    def health_check(
+        self,
+        others: Sequence[Tensor] = (),
+        nonnegative: Sequence[Tensor] = (),
+        device: torch.device | None = None,
+        with_norm: bool = False,
+    ) -> Tensor:
+        """:func:`fused_health_check` of the current gradients; hooked gradients are not read again.
+
+        Also resets the slots for the next step. With ``with_norm`` every gradient is read (the
+        global norm needs them all).
+
+        Example:
+            >>> check = GradientCheck([torch.nn.Parameter(torch.ones(3))], stream=False)
+            >>> check.params[0].grad = torch.tensor([3.0, 4.0, 0.0])
+            >>> check.health_check(others=[torch.tensor(1.0)], with_norm=True).tolist()
+            [0.0, 5.0, 0.0]
+        """
+        if device is None:
+            device = _first_device(self.params, others, nonnegative)
+        if with_norm:
+            self._forget_step()
+            return fused_health_check(self.grads(), others, nonnegative, device, with_norm=True)
+        return _fast_summary(self._grads_total(device), _others_total(others, nonnegative, device), device)
+
+    def _grads_total(self, device: torch.device) -> Tensor | None:
+        """0-dim float32, non-finite if some current gradient may hold NaN/Inf; resets the slots."""
+        parts: list[Tensor] = []
+        if self._handles:
+            recheck: list[Tensor] = []
+            present = 0
+            seen, versions = self._seen, self._versions
+            for index, param in enumerate(self._large):
+                grad = param.grad
+                if grad is None:
+                    continue
+                present += 1
+                if grad is not seen[index] or grad._version != versions[index]:
+                    recheck.append(grad)
+            parts += [slots.sum() for slots in self._slots.values()]
+            self._note_usefulness(present, len(recheck))
+        else:
+            recheck = [g for p in self._large if (g := p.grad) is not None]
+        self.rechecked = len(recheck)
+        late = _nonfinite_total(recheck, device)
+        if late is not None:
+            parts.append(late)
+        for params, staging in self._small:
+            try:
+                flat = staging.load_present([p.grad for p in params])
+            except (RuntimeError, NotImplementedError):  # sparse or mismatched gradients: the generic path
+                late = _nonfinite_total([g for p in params if (g := p.grad) is not None], device)
+                if late is not None:
+                    parts.append(late)
+                continue
+            if flat is not None:
+                total = _sum(flat)
+                parts.append(total if not total.is_complex() else torch.view_as_real(total).sum())
+        self._forget_step()
+        if not parts:
+            return None
+        moved = [t.to(device=device, dtype=_FLOAT32, non_blocking=True) for t in parts]
+        return moved[0] if len(moved) == 1 else torch.stack(moved).sum()
+
+    def _note_usefulness(self, present: int, rechecked: int) -> None:
+        useless = present > 0 and rechecked == present
+        self._useless_checks = self._useless_checks + 1 if useless else 0
+        if self._useless_checks >= _USELESS_CHECKS_BEFORE_UNHOOKING:
+            log.debug("NanGuard: gradients are rewritten after backward; checking them after backward only.")
+            self._forget_step()
+            self.remove()
+
+    def _forget_step(self) -> None:
+        for slots in self._slots.values():
+            slots.zero_()
+        self._seen[:] = [None] * len(self._seen)
 
 
 def nonfinite_names(named_tensors: Iterable[tuple[str, Tensor]]) -> list[str]:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lightning_nanguard import fused_health_check, nonfinite_names
-from lightning_nanguard.detection import grouped_norms, negative_names
+from lightning_nanguard.detection import GradientCheck, grouped_norms, negative_names, nonfinite_candidate
+from lightning_nanguard.timing import GuardClock
 
 NONFINITE = pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "+inf", "-inf"])
 FLOAT_DTYPES = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
@@ -233,3 +234,316 @@ def test_without_norm_many_low_precision_tensors(dtype: torch.dtype) -> None:
     assert fused_health_check(grads, with_norm=False).tolist()[0] == 0.0
     grads[599][2] = math.nan
     assert fused_health_check(grads, with_norm=False).tolist()[0] == 1.0
+
+
+# ---------------------------------------------------------------------------- read-only
+
+
+def _mixed_grads() -> list[torch.Tensor]:
+    """Large and small tensors, several dtypes: every path of the check."""
+    return [
+        torch.randn(64, 128),  # large: norm path
+        torch.randn(128),  # small: staged
+        torch.randn(5000, dtype=torch.float64),
+        torch.randn(3, 3, dtype=torch.float16),
+        torch.randn(7, dtype=torch.bfloat16),
+        torch.randn(()),
+        *[torch.randn(8) for _ in range(300)],
+    ]
+
+
+@pytest.mark.parametrize("with_norm", [False, True], ids=["fast", "with-norm"])
+def test_healthy_check_writes_nothing(with_norm: bool) -> None:
+    grads = _mixed_grads()
+    others = [torch.tensor(0.3), torch.zeros(16), torch.randn(6000)]
+    nonnegative = [torch.ones(16), torch.rand(5000)]
+    tensors = [*grads, *others, *nonnegative]
+    versions = [t._version for t in tensors]
+    before = [t.clone() for t in tensors]
+    result = fused_health_check(grads, others=others, nonnegative=nonnegative, with_norm=with_norm)
+    assert _flag(result) == 0.0
+    assert [t._version for t in tensors] == versions
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
+
+
+@NONFINITE
+@pytest.mark.parametrize(
+    "position", [0, 1, 2, 3, 4, 5, 200], ids=["large", "small", "f64", "f16", "bf16", "0-dim", "many"]
+)
+def test_fast_path_flags_every_tensor_kind(value: float, position: int) -> None:
+    grads = _mixed_grads()
+    grads[position].view(-1)[-1] = value
+    assert fused_health_check(grads, with_norm=False).tolist() == [1.0, -1.0, 0.0]
+    nonnegative = [torch.ones(5000), torch.ones(16)]
+    nonnegative[position % 2].view(-1)[0] = value
+    assert fused_health_check([torch.ones(2)], nonnegative=nonnegative, with_norm=False).tolist() == [1.0, -1.0, 1.0]
+
+
+@pytest.mark.parametrize("numel", [10, 6000], ids=["staged", "norm"])
+def test_fast_path_flags_negative_values_where_none_are_allowed(numel: int) -> None:
+    running_var = torch.ones(numel)
+    assert fused_health_check([], nonnegative=[running_var], with_norm=False).tolist() == [0.0, -1.0, 0.0]
+    running_var[-1] = -1e-30
+    assert fused_health_check([], nonnegative=[running_var], with_norm=False).tolist() == [1.0, -1.0, 1.0]
+    assert running_var[-1].item() == pytest.approx(-1e-30)  # the staged copy took the square root, not the tensor
+
+
+def test_staging_follows_changing_shapes() -> None:
+    """The stateless path caches its staging buffer by (device, dtype, count): other shapes must still be read."""
+    first = [torch.ones(4), torch.ones(1)]
+    assert nonfinite_candidate(first).item() == 0.0
+    second = [torch.ones(1), torch.tensor([1.0, 2.0, 3.0, math.nan])]  # same count, other shapes
+    assert nonfinite_candidate(second).item() == 1.0
+    third = [torch.tensor([math.inf]), torch.ones(2, 2)]  # broadcastable into the cached views: still every element
+    assert nonfinite_candidate(third).item() == 1.0
+    assert nonfinite_candidate([torch.ones(1), torch.ones(2, 2)]).item() == 0.0
+
+
+def test_integer_tensors_are_always_finite_and_complex_parts_are_both_read() -> None:
+    assert nonfinite_candidate([torch.arange(5), torch.ones(3, dtype=torch.int64)]).item() == 0.0
+    assert nonfinite_candidate([torch.tensor([1 + 2j, 3 + 0j])]).item() == 0.0
+    assert nonfinite_candidate([torch.tensor([1 + 2j, complex(0, math.nan)])]).item() == 1.0
+    assert nonfinite_candidate([torch.full((5000,), complex(1, math.inf))]).item() == 1.0
+
+
+def test_finite_values_that_overflow_a_sum_are_only_a_candidate() -> None:
+    big = torch.full((100,), 3e38)
+    assert torch.isfinite(big).all()
+    assert nonfinite_candidate([big]).item() in (0.0, 1.0)  # the sum overflows: a candidate
+    assert nonfinite_names([("big", big)]) == []  # the element-wise confirmation clears it
+
+
+# ---------------------------------------------------------------------------- GradientCheck
+
+
+class _Net(torch.nn.Module):
+    """One hooked (large) parameter and two staged ones; ``loss(mask)`` makes each gradient equal its mask."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.large = torch.nn.Parameter(torch.ones(64, 128, dtype=dtype))
+        self.small = torch.nn.Parameter(torch.ones(16, dtype=dtype))
+        self.scalar = torch.nn.Parameter(torch.ones((), dtype=dtype))
+
+    def loss(self, masks: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        masks = masks or {}
+        total = torch.zeros((), dtype=self.large.dtype)
+        for name, param in self.named_parameters():
+            total = total + (param * masks.get(name, torch.ones_like(param))).sum()
+        return total
+
+
+def _mask(net: _Net, name: str, value: float) -> dict[str, torch.Tensor]:
+    mask = torch.ones_like(getattr(net, name))
+    mask.view(-1)[-1] = value
+    return {name: mask}
+
+
+@NONFINITE
+@pytest.mark.parametrize("name", ["large", "small", "scalar"])
+@pytest.mark.parametrize("stream", [True, False], ids=["hooks", "after-backward"])
+def test_gradient_check_flags_nonfinite_gradients(value: float, name: str, stream: bool) -> None:
+    net = _Net()
+    check = GradientCheck(net.parameters(), stream=stream)
+    assert check.streaming is stream
+    net.loss().backward()
+    assert check.health_check(with_norm=False).tolist() == [0.0, -1.0, 0.0]
+    net.zero_grad(set_to_none=True)
+    net.loss(_mask(net, name, value)).backward()
+    assert check.health_check(others=[torch.tensor(1.0)], with_norm=False).tolist() == [1.0, -1.0, 0.0]
+    assert nonfinite_names((n, p.grad) for n, p in net.named_parameters()) == [name]
+    check.remove()
+
+
+def test_gradient_check_reads_hooked_gradients_once_and_writes_nothing() -> None:
+    net = _Net()
+    check = GradientCheck(net.parameters())
+    net.loss().backward()
+    versions = [p.grad._version for p in net.parameters()]
+    assert check.health_check(with_norm=False).tolist()[0] == 0.0
+    assert check.rechecked == 0  # the hooked gradient was summed during backward, not read again
+    assert [p.grad._version for p in net.parameters()] == versions
+    check.remove()
+
+
+@pytest.mark.parametrize("how", ["in-place", "replaced"])
+def test_gradient_changed_after_its_hook_is_read_again(how: str) -> None:
+    """e.g. a user's ``on_after_backward`` or DDP's all-reduce writes the gradient after autograd."""
+    net = _Net()
+    check = GradientCheck(net.parameters())
+    net.loss().backward()
+    if how == "in-place":
+        with torch.no_grad():
+            net.large.grad[3, 4] = math.nan
+    else:
+        net.large.grad = torch.full_like(net.large, math.inf)
+    assert check.health_check(with_norm=False).tolist()[0] == 1.0
+    assert check.rechecked == 1
+    check.remove()
+
+
+def test_accumulated_micro_batches_and_stale_slots() -> None:
+    net = _Net()
+    check = GradientCheck(net.parameters())
+    net.loss(_mask(net, "large", math.nan)).backward()  # first micro-batch
+    net.loss().backward()  # second: the accumulated gradient keeps the NaN
+    assert check.health_check(with_norm=False).tolist()[0] == 1.0
+    net.zero_grad(set_to_none=True)
+    net.small.sum().backward()  # next step: the large parameter gets no gradient at all
+    assert check.health_check(with_norm=False).tolist()[0] == 0.0  # its slot was reset
+    check.remove()
+
+
+def test_disabled_hooks_do_no_work_and_the_check_stays_right() -> None:
+    net = _Net()
+    check = GradientCheck(net.parameters())
+    check.enabled = False
+    net.loss(_mask(net, "large", -math.inf)).backward()
+    assert check.health_check(with_norm=False).tolist()[0] == 1.0
+    assert check.rechecked == 1  # not seen by a hook: read after backward
+    check.remove()
+
+
+def test_hooks_are_removed_when_every_gradient_is_rewritten_after_backward() -> None:
+    """Under DDP or a GradScaler every gradient is written after its hook: the hooks would only cost."""
+    net = _Net()
+    check = GradientCheck(net.parameters())
+    for _ in range(3):
+        net.zero_grad(set_to_none=True)
+        net.loss().backward()
+        net.large.grad.mul_(0.5)  # e.g. the all-reduce's division by the world size
+        assert check.health_check(with_norm=False).tolist()[0] == 0.0
+    assert not check.streaming
+    net.zero_grad(set_to_none=True)
+    net.loss(_mask(net, "large", math.nan)).backward()
+    assert check.health_check(with_norm=False).tolist()[0] == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_gradient_check_dtypes(dtype: torch.dtype) -> None:
+    net = _Net(dtype)
+    check = GradientCheck(net.parameters())
+    net.loss({"large": torch.full((64, 128), 60000.0 if dtype == torch.float16 else 1e30, dtype=dtype)}).backward()
+    assert check.health_check(with_norm=False).tolist()[0] == 0.0  # large finite values, float32 accumulation
+    net.zero_grad(set_to_none=True)
+    net.loss(_mask(net, "large", math.nan)).backward()
+    assert check.health_check(with_norm=False).tolist()[0] == 1.0
+    check.remove()
+
+
+def test_gradient_check_with_norm_gives_the_global_norm() -> None:
+    net = _Net()
+    check = GradientCheck(net.parameters())
+    net.loss().backward()
+    result = check.health_check(others=[torch.tensor(2.0)], with_norm=True).tolist()
+    assert result[0] == 0.0 and result[2] == 0.0
+    assert result[1] == pytest.approx(math.sqrt(64 * 128 + 16 + 1))
+    check.remove()
+
+
+@NONFINITE
+def test_sparse_and_complex_gradients(value: float) -> None:
+    embedding = torch.nn.Embedding(100, 64, sparse=True)  # 6,400 weights: hooked, sparse gradient
+    rotation = torch.nn.Parameter(torch.ones(64, 64, dtype=torch.complex64))  # hooked, complex
+    check = GradientCheck([embedding.weight, rotation])
+    tokens = torch.tensor([1, 5, 5])
+    (embedding(tokens).sum() + (rotation * torch.ones(64, 64)).real.sum()).backward()
+    assert check.health_check(with_norm=False).tolist()[0] == 0.0
+    embedding.zero_grad()
+    rotation.grad = None
+    (embedding(tokens) * value).sum().backward()
+    assert check.health_check(with_norm=False).tolist()[0] == 1.0
+    embedding.weight.grad = None
+    mask = torch.ones(64, 64, dtype=torch.complex64)
+    mask[0, 0] = complex(0, value)
+    (rotation * mask).real.sum().backward()
+    # d(real(w * m))/dw = conj(m): the imaginary part carries the NaN/Inf
+    assert check.health_check(with_norm=False).tolist()[0] == 1.0
+    check.remove()
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_create_graph_backward_does_not_break_the_hooks() -> None:
+    net = _Net()
+    check = GradientCheck(net.parameters())
+    (net.large**2).sum().backward(create_graph=True)
+    assert net.large.grad.requires_grad
+    assert check.health_check(with_norm=False).tolist()[0] == 0.0
+    assert check.rechecked == 0  # checked by the hook, on a detached view
+    net.large.grad = None  # break the parameter <-> gradient reference cycle
+    check.remove()
+
+
+def test_gradient_hooks_are_timed_by_the_guard_clock() -> None:
+    net = _Net()
+    clock = GuardClock(enabled=True)
+    check = GradientCheck(net.parameters(), clock=clock)
+    net.loss().backward()
+    assert clock.calls["gradient_hooks"] == 1  # one large parameter
+    clock.enabled = False
+    net.loss().backward()
+    assert clock.calls["gradient_hooks"] == 1
+    check.remove()
+    assert not check.streaming
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+def _cuda_grads() -> list[torch.Tensor]:
+    return [g.cuda() for g in _mixed_grads()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("with_norm", [False, True], ids=["fast", "with-norm"])
+def test_cuda_check_never_synchronises(with_norm: bool) -> None:
+    grads = _cuda_grads()
+    others = [torch.tensor(0.5, device="cuda"), torch.zeros(64, device="cuda")]
+    nonnegative = [torch.ones(64, device="cuda")]
+    fused_health_check(grads, others, nonnegative, with_norm=with_norm)  # warm-up: allocations, caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = fused_health_check(grads, others, nonnegative, with_norm=with_norm)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert result.device.type == "cuda"
+    assert result.tolist()[0] == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_gradient_check_hooks_never_synchronise() -> None:
+    net = _Net().cuda()
+    check = GradientCheck(net.parameters())
+    net.loss().backward()
+    check.health_check(with_norm=False)
+    torch.cuda.synchronize()
+    net.zero_grad(set_to_none=True)
+    loss = net.loss(_mask(net, "large", math.nan))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss.backward()
+        result = check.health_check(with_norm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert result.tolist() == [1.0, -1.0, 0.0]
+    check.remove()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@NONFINITE
+def test_tensors_on_several_devices(value: float) -> None:
+    """Grouped by device: one result on the requested device whatever device holds the NaN/Inf."""
+    devices = ["cpu", *[f"cuda:{i}" for i in range(torch.cuda.device_count())]]
+    grads = [torch.randn(5000, device=d) for d in devices] + [torch.randn(10, device=d) for d in devices]
+    for target in devices:
+        assert fused_health_check(grads, device=torch.device(target), with_norm=False).tolist()[0] == 0.0
+    for index in range(len(grads)):
+        bad = [g.clone() for g in grads]
+        bad[index][-1] = value
+        result = fused_health_check(bad, device=torch.device(devices[-1]), with_norm=False)
+        assert result.device == torch.device(devices[-1])
+        assert result.tolist()[0] == 1.0
