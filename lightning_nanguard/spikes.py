@@ -168,13 +168,12 @@ class SpikeDetector:
         self.spikes_total = 0
         self.rebaselines_total = 0
         self._history: Tensor | None = None  # [window] float32, oldest first, NaN = empty slot
-        self._count: Tensor | None = None  # [1] int64: accepted values in the window
-        self._quantile_index: Tensor | None = None  # [window + 1] int64: by count, see _allocate
+        self._quantile_index: Tensor | None = None  # [window] int64: by number of valid changes, see _allocate
         self._threshold: Tensor | None = None  # [1] float32, for the next check
         self._constants: tuple[Tensor, Tensor] = ()  # type: ignore[assignment]  # (log(min_ratio), inf) on the device
-        self._statistic: tuple[Tensor, ...] = ()  # (threshold, baseline, spread, count) for stats()
+        self._statistic: tuple[Tensor, ...] = ()  # (threshold, baseline, margin, changes) for stats()
         self._checked: tuple[Tensor, ...] = ()  # the statistic and the value of the last check
-        self._pending: Tensor | None = None  # [1] float32, NaN/Inf as -inf: the value of the last check
+        self._pending: Tensor | None = None  # [1] float32, NaN/Inf as NaN: the value of the last check
         self._loaded: list[float] = []  # history restored by load_state_dict, placed on next use
         self._stale = 0  # accept calls that may have changed the history since the last refresh
 
@@ -201,8 +200,8 @@ class SpikeDetector:
             )
         threshold = self._ready(value.device)
         raw = value.detach().reshape(1).to(_FLOAT32)
-        # NaN and +/-Inf become -inf: never above the threshold, never accepted into the history
-        current = torch.nan_to_num(raw, nan=-math.inf, posinf=-math.inf, neginf=-math.inf)
+        # NaN and +/-Inf become NaN: never above the threshold, an empty slot if accepted anyway
+        current = torch.nan_to_num(raw, nan=math.nan, posinf=math.nan, neginf=math.nan)
         self._pending = current
         self._checked = (*self._statistic, raw)
         return (current > threshold).to(_FLOAT32)
@@ -210,9 +209,11 @@ class SpikeDetector:
     def accept(self, accepted: Tensor | bool) -> None:
         """Tell whether the value of the last :meth:`check` came from a healthy step.
 
-        Only accepted, finite values enter the history. With a ``bool`` nothing is read; with a
-        tensor (bool or 0/1, one element, on the value's device) the choice is made on the device,
-        so a caller that has not read the step's result yet can still feed the history. A ``True``
+        Only accepted values enter the history, and never NaN/Inf. With a ``bool`` nothing is read
+        (an ``accept(True)`` after a NaN/Inf value leaves an empty slot in the window); with a tensor
+        (bool or 0/1, one element, on the value's device) the choice is made on the device and a
+        NaN/Inf value is left out, so a caller that has not read the step's result yet can still feed
+        the history. A ``True``
         also ends a run of spikes (see :meth:`record_spike`); a tensor leaves that count alone.
 
         Raises:
@@ -221,17 +222,16 @@ class SpikeDetector:
         if self._pending is None:
             raise RuntimeError("SpikeDetector.accept: call check(value) first (once per step, then accept once).")
         current, self._pending = self._pending, None
-        take = current > -math.inf
+        history = self._history
+        assert history is not None
         if isinstance(accepted, Tensor):
-            take = take & accepted.detach().reshape(1).to(device=current.device, dtype=torch.bool)
+            take = accepted.detach().reshape(1).to(device=current.device, dtype=torch.bool) & (current == current)
+            self._history = torch.where(take, torch.cat((history[1:], current)), history)
         elif accepted:
             self.consecutive_spikes = 0
+            self._history = torch.cat((history[1:], current))
         else:
             return
-        history, count = self._history, self._count
-        assert history is not None and count is not None
-        self._history = torch.where(take, torch.cat((history[1:], current)), history)
-        self._count = (count + take).clamp_max_(self.window)
         self._stale += 1
         if self._stale >= self.refresh_every:
             self._refresh()
@@ -263,13 +263,14 @@ class SpikeDetector:
         """
         if not self._checked:
             return SpikeStats(None, math.inf, math.nan, math.nan, "log", len(self._loaded), None)
-        threshold, baseline, margin, count, raw = (float(t.reshape(-1)[0].item()) for t in self._checked)
+        threshold, baseline, margin, changes, raw = (float(t.reshape(-1)[0].item()) for t in self._checked)
         if math.isnan(threshold):  # warming up
             threshold = margin = math.inf
         positive = baseline > 0
         ratio = raw / baseline if positive and math.isfinite(raw) else None
         spread = margin / self.sigmas  # the larger of the measured spread and the min_ratio floor
-        return SpikeStats(raw, threshold, baseline, spread, "log" if positive else "linear", int(count), ratio)
+        history = int(changes) + 1 if changes > 0 else len(self._values())
+        return SpikeStats(raw, threshold, baseline, spread, "log" if positive else "linear", history, ratio)
 
     def describe(self) -> dict[str, Any]:
         """The event's ``details`` for a spike: see :meth:`SpikeStats.details` (host read)."""
@@ -302,7 +303,7 @@ class SpikeDetector:
         self.consecutive_spikes = int(state_dict.get("consecutive_spikes", 0))
         self.spikes_total = int(state_dict.get("spikes_total", 0))
         self.rebaselines_total = int(state_dict.get("rebaselines_total", 0))
-        self._history = self._count = self._threshold = self._pending = None
+        self._history = self._threshold = self._pending = None
         self._statistic = self._checked = ()
 
     def __repr__(self) -> str:
@@ -328,21 +329,21 @@ class SpikeDetector:
         return self._threshold
 
     def _allocate(self, device: torch.device) -> None:
-        if self._history is not None and self._count is not None:  # the value moved: carry the history along
-            history, count = self._history.to(device), self._count.to(device)
+        if self._history is not None:  # the value moved: carry the history along
+            history = self._history.to(device)
         else:
             values = torch.full((self.window,), math.nan, dtype=_FLOAT32)
             if self._loaded:
                 values[self.window - len(self._loaded) :] = torch.tensor(self._loaded, dtype=_FLOAT32)
-            history, count = values.to(device), torch.tensor([len(self._loaded)], dtype=torch.int64, device=device)
+            history = values.to(device)
             self._loaded = []
-        self._history, self._count = history, count
-        # count accepted values give count - 1 valid changes, sorted first (NaN sorts last): their 90%
-        # quantile sits at round(0.9 * (count - 2)). Below `warmup` the table points at the last
-        # change, which is NaN while the window is not full: a NaN threshold flags nothing.
-        counts = torch.arange(self.window + 1, dtype=torch.float64)
-        index = ((counts - 2).clamp_min(0) * _Q).round().to(torch.int64)
-        index[counts < self.warmup] = self.window - 2
+        self._history = history
+        # n valid changes, sorted first (NaN sorts last): their 90% quantile sits at round(0.9 * (n - 1)).
+        # Below `warmup` values (warmup - 1 changes) the table points at the last change, NaN while the
+        # window is not full: a NaN threshold flags nothing.
+        changes = torch.arange(self.window, dtype=torch.float64)
+        index = ((changes - 1).clamp_min(0) * _Q).round().to(torch.int64)
+        index[changes < self.warmup - 1] = self.window - 2
         self._quantile_index = index.to(device)
         # 0-dim constants on the device: torch.where with Python floats builds them on every call
         self._constants = (
@@ -353,9 +354,8 @@ class SpikeDetector:
 
     def _clear(self) -> None:
         self._loaded = []
-        if self._history is not None and self._count is not None:  # new tensors: the old may be inference tensors
+        if self._history is not None:  # a new tensor, not fill_(): the old one may be an inference tensor
             self._history = torch.full_like(self._history, math.nan)
-            self._count = torch.zeros_like(self._count)
             self._refresh()
 
     def _refresh(self) -> None:
@@ -364,14 +364,15 @@ class SpikeDetector:
         About twenty small kernels and no host read. While the detector warms up, the quantile index
         points at an empty (NaN) change, so the threshold is NaN and no value compares above it.
         """
-        history, count, index = self._history, self._count, self._quantile_index
-        assert history is not None and count is not None and index is not None
+        history, index = self._history, self._quantile_index
+        assert history is not None and index is not None
         baseline = history[-self.recent :].nanmedian()  # NaN while empty
         positive = baseline > 0
         values = torch.where(positive, history.clamp_min(_TINY).log(), history)
         changes = (values[1:] - values[:-1]).abs().sort().values  # NaN (empty slots) sort last
-        # index_select, not changes[index[count]]: indexing with a 0-dim tensor reads it to the host
-        margin = changes.index_select(0, index.index_select(0, count)) * (self.sigmas / _Q_TO_SIGMA)
+        valid = (changes == changes).sum().reshape(1)
+        # index_select, not changes[index[valid]]: indexing with a 0-dim tensor reads it to the host
+        margin = changes.index_select(0, index.index_select(0, valid)) * (self.sigmas / _Q_TO_SIGMA)
         # log scale: threshold = baseline * exp(max(margin, log(min_ratio)));
         # linear scale: threshold = baseline + max(margin, (min_ratio - 1) * |baseline|), never 0 above 0
         log_ratio, inf = self._constants
@@ -379,7 +380,7 @@ class SpikeDetector:
         margin = torch.maximum(margin, floor)
         linear = torch.where(margin > 0, margin + baseline, inf)
         self._threshold = torch.where(positive, margin.exp() * baseline, linear)
-        self._statistic = (self._threshold, baseline, margin, count)
+        self._statistic = (self._threshold, baseline, margin, valid)
         self._stale = 0
 
 

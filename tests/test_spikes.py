@@ -112,12 +112,15 @@ def test_losses_that_are_mostly_exactly_zero_never_flag() -> None:
 def test_nonfinite_is_not_a_spike_and_never_enters_the_history(value: float) -> None:
     detector = warmed()
     before = detector.state_dict()["history"]
-    assert detector.check(torch.tensor(value)).item() == 0.0
-    detector.accept(True)  # even a careless caller cannot put it in the history
     flag = detector.check(torch.tensor(value))
-    detector.accept(flag == 0)
+    assert flag.item() == 0.0
+    detector.accept(flag == 0)  # decided on the device: the NaN/Inf value is left out
     assert detector.state_dict()["history"] == before
+    detector.check(torch.tensor(value))
+    detector.accept(True)  # a careless caller: an empty slot, not the value
+    assert detector.state_dict()["history"] == before[1:]
     assert detector.check(torch.tensor(50.0)).item() == 1.0
+    assert feed(detector, noisy(300, seed=8)) == []
 
 
 def test_warmup_never_flags_and_activates_within_warmup_plus_refresh() -> None:
