@@ -369,6 +369,30 @@ def test_trainer_source_paths_are_relative_to_the_directory_at_fit_start(
     assert guard.events[0].source_line is not None and guard.events[0].source_line.startswith("tests/models.py:")
 
 
+@pytest.mark.xfail(reason="needs guard integration (reference sample / remedies by cause)", strict=True)
+def test_trainer_bundle_replays_the_origin_in_the_real_batch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bundle keeps a healthy sample of the batch next to the offending ones (not only with BatchNorm).
+
+    Without it, the replayed sub-batch holds only empty documents, where Hugging Face's LM loss is
+    NaN too, and replay names that loss instead of the user's division that training named.
+    """
+    import json
+
+    import third_party_models as tp
+
+    from lightning_nanguard.__main__ import main
+
+    torch.manual_seed(0)
+    loader = DataLoader(tp.documents(24, 12, empty=(10, 13)), batch_size=8)
+    event = fit(tp.GPT2WithMaskedMean(), loader, tmp_path).events[0]
+    assert event.culprit_op == "DivBackward0" and event.repro_path is not None
+    assert main(["replay", event.repro_path, "--json"]) == 0
+    replayed = json.loads(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("{")))
+    assert (replayed["culprit_op"], replayed["source_line"]) == (event.culprit_op, event.source_line)
+
+
 def test_every_sample_loader_helper() -> None:
     """The datasets above hold what the tests say they hold."""
     data = fm.diverging_data()
