@@ -211,22 +211,30 @@ class StepController:
         return self.agreement.distributed and pl_module.automatic_optimization
 
     def _health(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor]) -> StepHealth:
-        device = pl_module.device
-        if self.state.failing:
-            summary = torch.tensor([0.0, -1.0, 0.0], device=device)
-        else:
-            bn = self.window.batchnorm_buffers
-            summary = fused_health_check(
-                grads,
-                others=[*self.window.losses, *(t for _, t in bn if t.is_floating_point())],
-                nonnegative=self.window.running_vars,
-                device=device,
-                with_norm=self.with_norm or self.recorder.logging_due(trainer),
-            )
-        vector = local_vector(summary, failed=self.state.failing)
+        """The step's flags, agreed over ranks, read once. A rank whose check fails still takes part."""
+        vector: Tensor | None = None
+        if not self.state.failing:
+            try:
+                vector = self._local_vector(trainer, pl_module, grads)
+            except Exception as error:  # a bug in the guard: this rank says so in the reduce instead of hanging it
+                self.fail(error, "the per-step check")
+        if vector is None:
+            vector = local_vector(torch.tensor([0.0, -1.0, 0.0], device=pl_module.device), failed=True)
         if self._collective(pl_module):
             vector = torch.cat((vector, self.agreement.sum(shared_part(vector))))
         return StepHealth.from_values(vector.tolist())  # the one host read of a healthy step
+
+    def _local_vector(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor]) -> Tensor:
+        """This rank's flags from the fused check (no host read)."""
+        bn = self.window.batchnorm_buffers
+        summary = fused_health_check(
+            grads,
+            others=[*self.window.losses, *(t for _, t in bn if t.is_floating_point())],
+            nonnegative=self.window.running_vars,
+            device=pl_module.device,
+            with_norm=self.with_norm or self.recorder.logging_due(trainer),
+        )
+        return local_vector(summary)
 
     def _healthy(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor], grad_norm: float) -> None:
         self.state.counters = self.state.counters.healthy()
@@ -449,8 +457,9 @@ class StepController:
             self.state.disabled = True
 
     def disable_everywhere(self) -> None:
-        """Every rank saw some rank's failure in the same reduce: all stop guarding after this step."""
+        """Every rank saw some rank's failure in the same reduce: all stop guarding (and joining collectives) now."""
         self.state.disabled = True
+        self.state.failing = False
 
 
 def _with(policy: Policy, **changes: Any) -> Policy:

@@ -1,8 +1,13 @@
-"""Two-process DDP run on CPU (gloo) with a NaN sample on rank 1 only; run by ``test_ddp.py``.
+"""Two-process DDP runs on CPU (gloo) with faults on one rank only; run by ``test_ddp.py``.
 
-Usage: ``python tests/ddp_script.py OUTPUT_DIR``. Every rank builds its own data (no distributed
-sampler), rank 1 with NaN in sample 11 (batch 1, position 3), and writes ``rank<N>.json``: a hash
-of its final parameter bytes, the global steps whose update it skipped, its events and counters.
+Usage: ``python tests/ddp_script.py SCENARIO OUTPUT_DIR``. Every rank builds its own data (no
+distributed sampler); the fault is on rank 1 only. Each rank writes ``rank<N>.json``: a hash of
+its final parameter bytes, the global steps whose update it skipped, its events, counters, learning
+rate, whether its guard is still active, and the error it stopped with, if any.
+
+Scenarios (``SCENARIOS``): ``skip`` (a NaN sample in batch 1 of rank 1), ``max_events`` and
+``consecutive`` (rank-local faults that escalate), ``lr_backoff`` (a remedy decided on rank 1's
+incident), ``failure`` (an internal error of rank 1's guard).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import hashlib
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,23 +24,45 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_nanguard import NanGuard
+from lightning_nanguard import NanGuard, NonFiniteTrainingError
 
-BAD_RANK, BAD_INDEX = 1, 11
+BAD_RANK = 1
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A fault on rank 1 and the guard's configuration."""
+
+    nan_indices: tuple[int, ...] = ()  # dataset items of rank 1 with a NaN feature (batch = index // 8)
+    guard: dict[str, Any] = field(default_factory=dict)
+    fail_at_step: int | None = None  # rank 1's guard raises an internal error at this step
+    batches: int = 4
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "skip": Scenario(nan_indices=(11,)),
+    "max_events": Scenario(nan_indices=(11, 27, 43, 59), guard={"max_events": 2}, batches=8),
+    "consecutive": Scenario(nan_indices=(19, 27), guard={"max_consecutive_bad_steps": 2}),
+    "lr_backoff": Scenario(nan_indices=(11,), guard={"remedies": ["lr_backoff"], "bisect": False}),
+    "failure": Scenario(fail_at_step=1),
+}
 
 
 class Regression(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, scenario: Scenario) -> None:
         super().__init__()
         torch.manual_seed(0)  # identical initial weights on every rank
+        self.scenario = scenario
         self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
 
     def train_dataloader(self) -> DataLoader:
         rank = self.trainer.global_rank
         g = torch.Generator().manual_seed(100 + rank)  # different data per rank
-        x, y = torch.randn(32, 4, generator=g), torch.randn(32, generator=g)
+        n = 8 * self.scenario.batches
+        x, y = torch.randn(n, 4, generator=g), torch.randn(n, generator=g)
         if rank == BAD_RANK:
-            x[BAD_INDEX, 1] = float("nan")
+            for index in self.scenario.nan_indices:
+                x[index, 1] = float("nan")
         return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -64,8 +92,34 @@ class SkipLog(pl.Callback):
             self.skipped.append(trainer.global_step - 1)
 
 
-def main(out_dir: str) -> None:
-    guard, skips = NanGuard(verbose=False, save_repro=False), SkipLog()
+class ActiveLog(pl.Callback):
+    """Whether the guard was active at the start of each step."""
+
+    def __init__(self, guard: NanGuard) -> None:
+        self.guard = guard
+        self.active: list[bool] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.active.append(self.guard.active)
+
+
+def _inject_failure(guard: NanGuard, rank: int, step: int) -> None:
+    """Make rank ``rank``'s guard fail inside its per-step code at global step ``step`` (a bug in the guard)."""
+    controller = guard.controller
+    original = controller._local_vector
+
+    def failing(trainer: Any, *args: Any) -> Any:
+        if trainer.global_rank == rank and trainer.global_step == step:
+            raise RuntimeError("injected internal failure")
+        return original(trainer, *args)
+
+    controller._local_vector = failing  # type: ignore[method-assign]
+
+
+def main(name: str, out_dir: str) -> None:
+    scenario = SCENARIOS[name]
+    guard = NanGuard(verbose=False, save_repro=False, **scenario.guard)
+    skips, active = SkipLog(), ActiveLog(guard)
     trainer = pl.Trainer(
         strategy="ddp",
         accelerator="cpu",
@@ -77,10 +131,16 @@ def main(out_dir: str) -> None:
         enable_model_summary=False,
         use_distributed_sampler=False,
         default_root_dir=out_dir,
-        callbacks=[guard, skips],
+        callbacks=[guard, skips, active],
     )
-    module = Regression()
-    trainer.fit(module)
+    if scenario.fail_at_step is not None:
+        _inject_failure(guard, BAD_RANK, scenario.fail_at_step)
+    module = Regression(scenario)
+    error: dict[str, Any] | None = None
+    try:
+        trainer.fit(module)
+    except NonFiniteTrainingError as caught:
+        error = {"type": type(caught).__name__, "message": str(caught), "step": trainer.global_step}
     weights = b"".join(p.detach().cpu().numpy().tobytes() for p in module.parameters())
     result = {
         "rank": trainer.global_rank,
@@ -91,14 +151,20 @@ def main(out_dir: str) -> None:
         "weights_sha256": hashlib.sha256(weights).hexdigest(),
         "finite": all(bool(torch.isfinite(p).all()) for p in module.parameters()),
         "skipped_steps": skips.skipped,
-        "skipped_total": guard.skipped_total,
-        "bad_steps_total": guard.bad_steps_total,
+        "counters": {
+            "bad_steps_total": guard.bad_steps_total,
+            "skipped_total": guard.skipped_total,
+            "consecutive_bad_steps": guard.consecutive_bad_steps,
+        },
         "active": guard.active,
+        "active_per_step": active.active,
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
         "events": [event.to_dict() for event in guard.events],
+        "error": error,
     }
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(result, handle)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

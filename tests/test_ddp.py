@@ -1,7 +1,7 @@
-"""DDP on two CPU processes (gloo): a NaN on rank 1 only is skipped on both ranks, the weights stay identical.
+"""DDP on two CPU processes (gloo): every decision is the same on every rank, whatever rank the fault is on.
 
-Runs ``tests/ddp_script.py`` once in a subprocess (Lightning launches the second process itself)
-and checks the per-rank JSON results. Marked ``slow`` but part of the default run.
+Runs ``tests/ddp_script.py`` once per scenario in a subprocess (Lightning launches the second
+process itself) and checks the per-rank JSON results. Marked ``slow`` but part of the default run.
 """
 
 from __future__ import annotations
@@ -21,61 +21,123 @@ TIMEOUT_S = 180
 
 pytestmark = pytest.mark.slow
 
+Ranks = dict[int, dict[str, Any]]
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("ddp")
+
+def _run(scenario: str, out: Path) -> Ranks:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     for var in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
         env.pop(var, None)  # a clean launch, whatever the calling environment holds
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out)],
+        [sys.executable, str(SCRIPT), scenario, str(out)],
         cwd=str(out),
         env=env,
         capture_output=True,
         text=True,
-        timeout=TIMEOUT_S,
+        timeout=TIMEOUT_S,  # a rank waiting alone in a collective would hang: this turns it into a failure
         check=False,
     )
-    assert proc.returncode == 0, f"DDP run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"DDP run {scenario} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     results = {}
     for path in sorted(out.glob("rank*.json")):
         data = json.loads(path.read_text(encoding="utf-8"))
         results[data["rank"]] = data
+    assert sorted(results) == [0, 1], f"not every rank finished {scenario}:\n{proc.stderr[-3000:]}"
     return results
 
 
-def test_both_ranks_finish_with_identical_weights(ranks: dict[int, dict[str, Any]]) -> None:
-    assert sorted(ranks) == [0, 1]
-    for data in ranks.values():
-        assert data["world_size"] == 2
-        assert data["global_step"] == 4
-        assert data["finite"]
-        assert data["active"]
-    assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    done: dict[str, Ranks] = {}
+
+    def runner(scenario: str) -> Ranks:  # each scenario runs once per module
+        if scenario not in done:
+            done[scenario] = _run(scenario, tmp_path_factory.mktemp(scenario))
+        return done[scenario]
+
+    return runner
 
 
-def test_ddp_strategy_is_wrapped_on_every_rank(ranks: dict[int, dict[str, Any]]) -> None:
+def _same_on_every_rank(ranks: Ranks, *keys: str) -> None:
+    for key in keys:
+        assert ranks[0][key] == ranks[1][key], f"{key} differs: {ranks[0][key]!r} != {ranks[1][key]!r}"
+
+
+# ------------------------------------------------------------------------------------ a NaN on rank 1
+
+
+def test_both_ranks_skip_the_same_step_with_identical_weights(run: Any) -> None:
+    ranks = run("skip")
     for data in ranks.values():
+        assert (data["world_size"], data["global_step"], data["finite"], data["active"]) == (2, 4, True, True)
+        assert data["skipped_steps"] == [1]
+    _same_on_every_rank(ranks, "weights_sha256", "skipped_steps", "counters")
+
+
+def test_ddp_strategy_is_wrapped_on_every_rank(run: Any) -> None:
+    for data in run("skip").values():
         assert data["strategy_class_during_fit"] == "NanGuardDDPStrategy"
         assert data["strategy_class_after_fit"] == "DDPStrategy"
 
 
-def test_both_ranks_skip_the_same_step(ranks: dict[int, dict[str, Any]]) -> None:
-    assert ranks[0]["skipped_steps"] == ranks[1]["skipped_steps"] == [1]
-    assert ranks[0]["skipped_total"] == ranks[1]["skipped_total"] == 1
-
-
-def test_the_event_names_rank_1_and_its_sample(ranks: dict[int, dict[str, Any]]) -> None:
-    events = ranks[1]["events"]
-    assert len(events) == 1
-    event = events[0]
+def test_the_event_names_rank_1_and_its_sample(run: Any) -> None:
+    ranks = run("skip")
+    (event,) = ranks[1]["events"]
     assert (event["rank"], event["global_step"], event["batch_idx"], event["action"]) == (1, 1, 1, "skipped")
     assert event["offending_samples"] == [3]
     assert event["dataset_indices"] == [11]
+    assert event["cause"] == "input"
     assert {"loss", "grad"} <= set(event["kinds"])
 
 
-def test_only_the_offending_rank_reports(ranks: dict[int, dict[str, Any]]) -> None:
+def test_only_the_offending_rank_reports_but_every_rank_counts(run: Any) -> None:
+    ranks = run("skip")
     assert ranks[0]["events"] == []
-    assert ranks[0]["bad_steps_total"] == 0
+    expected = {"bad_steps_total": 1, "skipped_total": 1, "consecutive_bad_steps": 0}
+    assert ranks[0]["counters"] == ranks[1]["counters"] == expected  # rank 0 writes TensorBoard: it must count
+
+
+# ------------------------------------------------------------------------------------ escalation
+
+
+@pytest.mark.parametrize(
+    ("scenario", "rule", "step"),
+    [("max_events", "max_events=2", 3), ("consecutive", "max_consecutive_bad_steps=2", 3)],
+)
+def test_escalation_stops_every_rank_at_the_same_step_with_the_same_rule(
+    run: Any, scenario: str, rule: str, step: int
+) -> None:
+    ranks = run(scenario)
+    for data in ranks.values():
+        error = data["error"]
+        assert error is not None, f"rank {data['rank']} did not stop"
+        assert error["type"] == "NonFiniteTrainingError"
+        assert error["step"] == step
+        assert rule in error["message"]
+        assert data["finite"]
+    _same_on_every_rank(ranks, "weights_sha256", "counters")
+    assert [e["global_step"] for e in ranks[1]["events"]][-1] == step  # the last incident is rank 1's
+    assert ranks[0]["events"] == []
+
+
+# ------------------------------------------------------------------------------------ remedies
+
+
+def test_remedies_are_applied_on_every_rank(run: Any) -> None:
+    ranks = run("lr_backoff")
+    assert ranks[0]["lr"] == ranks[1]["lr"] == pytest.approx(0.005)  # 0.01 x 0.5, on both ranks
+    _same_on_every_rank(ranks, "weights_sha256", "skipped_steps", "counters")
+    (event,) = ranks[1]["events"]
+    assert event["remedies"] == ["lr_backoff: learning rate x0.5 (group 0: 0.01 -> 0.005)"]
+
+
+# ------------------------------------------------------------------------------------ failure of the guard itself
+
+
+def test_an_internal_failure_on_one_rank_disables_every_rank_together(run: Any) -> None:
+    ranks = run("failure")  # a hang would time out in _run
+    for data in ranks.values():
+        assert data["global_step"] == 4  # training went on
+        assert not data["active"]
+        assert data["active_per_step"] == [True, True, False, False]  # failed at step 1, off from step 2
+    _same_on_every_rank(ranks, "weights_sha256")
