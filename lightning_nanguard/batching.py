@@ -195,7 +195,7 @@ def nonfinite_fields(
     floats = [(path, t) for path, t in _named_tensors(batch) if _float(t)]
     if not floats:
         return {}
-    whole = torch.stack([torch.isfinite(t).all() for _, t in floats]).tolist()
+    whole = [bool(torch.isfinite(t).all()) for _, t in floats]  # bad steps only: one read per tensor is fine
     suspects = [
         (path, t) for (path, t), finite in zip(floats, whole, strict=True) if not finite and not _additive_mask(t)
     ]

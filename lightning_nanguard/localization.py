@@ -186,11 +186,22 @@ class Localization:
     input_fields: tuple[BatchField, ...] = ()
 
 
+def _all_true(flags: list[Tensor]) -> bool:
+    """Whether every 0-dim boolean flag holds, with one host read per device.
+
+    An op may mix a CUDA tensor with a CPU scalar tensor: their flags cannot be stacked together.
+    """
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for flag in flags:
+        by_device.setdefault(flag.device, []).append(flag)
+    return all(bool(torch.stack(group).all()) for group in by_device.values())
+
+
 def _finite(tensors: Sequence[Any]) -> bool:
     checks = [
         torch.isfinite(t).all() for t in tensors if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())
     ]
-    return bool(torch.stack(checks).all()) if checks else True
+    return _all_true(checks)
 
 
 class _Rows:
@@ -222,7 +233,7 @@ class _Rows:
             if t.dim() > 0 and t.shape[0] == self.size and not t.is_sparse:
                 t = t.detach().index_select(0, self._index_on(t.device))
             checks.append(torch.isfinite(t).all())
-        return bool(torch.stack(checks).all()) if checks else True
+        return _all_true(checks)
 
 
 def _nodes(root: Any, stop: Callable[[Any], bool] | None = None) -> Iterator[Any]:

@@ -519,3 +519,29 @@ def test_a_module_class_file_is_user_code_wherever_it_is_installed() -> None:
     assert not as_library.is_user(here)
     assert as_library.is_user(here, class_files(type(net)))
     assert class_files(nn.Linear) == set()  # torch's own torch.nn classes never are
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.usefixtures("no_leftovers")
+def test_cuda_ops_with_a_cpu_scalar_operand() -> None:
+    """A CUDA op may take a CPU scalar tensor: finiteness flags of both devices are read apart."""
+    net = PureAcos().cuda()
+    x = torch.tensor([2.0], device="cuda")
+    scale = torch.tensor(1.0)  # CPU, 0-dim
+    found = localize(net, lambda: net(x) * scale)
+    assert (found.phase, found.op, found.module) == ("backward", "AcosBackward0", "")
+    module = LogOfRows().cuda()
+    rows_x = torch.ones(8, 3, device="cuda")
+    rows_x[5] = 0.0
+    diagnosis = diagnose(module, rows_x, reference_batch=torch.ones(2, 3, device="cuda"))
+    assert (diagnosis.cause, diagnosis.offending, diagnosis.state_passes) == ("data", [5], 1)
+
+
+class LogOfRows(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(1.0))
+
+    def training_step(self, x: Tensor, batch_idx: int) -> Tensor:
+        return (self.w * x.sum(-1)).log().mean() * torch.tensor(1.0)  # a CPU scalar in a CUDA graph
