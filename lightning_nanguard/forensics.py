@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -267,6 +267,9 @@ def _state_diagnosis(
     localization, error = _localized(
         runner, None, localize_origin and _spike_localizes(runner, nonfinite), common["source_root"]
     )
+    if localization is not None and localization.phase is not None:
+        # every sample fails: an op's own hint ("pow at 0", "check the input data") would mislead
+        localization = replace(localization, hint=hint_for("<state>", localization.phase))
     return Diagnosis(
         runner.size,
         None,

@@ -16,6 +16,10 @@ _BATCHNORM = "BatchNorm running statistics overflowed: check the input data for 
 _INPUT = "the batch itself holds NaN/Inf: check the data pipeline (dataset, transforms, collate)"
 _PARAMS = "the weights are already non-finite: roll back to a finite checkpoint and lower the learning rate"
 _EXP = "exp overflow: subtract the maximum first (log-sum-exp) or clamp the argument"
+_STATE = (
+    "the model state diverged (every sample fails): lower the learning rate, clip gradients "
+    '(remedies=["clip_grad", "lr_backoff"]) or roll back to a good state (action="rollback")'
+)
 
 _BY_PREFIX: tuple[tuple[tuple[str, ...], str], ...] = (
     (("Sqrt", "Rsqrt", "Pow", "Norm", "LinalgVectorNorm", "Cdist"), _ROOT),
@@ -30,7 +34,8 @@ def hint_for(op: str | None, phase: str | None, masked_forward: bool = False) ->
     """A one-line fix for ``op`` (an autograd node name such as ``"SqrtBackward0"``), if known.
 
     Args:
-        op: autograd node name, torch function name, ``"<input>"``, ``"<parameters>"`` or ``"running_var"``.
+        op: autograd node name, torch function name, ``"<input>"``, ``"<parameters>"``, ``"running_var"``,
+            or ``"<state>"`` (a diverged model whose origin has no hint of its own).
         phase: ``"forward"`` or ``"backward"``.
         masked_forward: the op's forward output was non-finite but the loss was not (it was masked).
 
@@ -46,6 +51,8 @@ def hint_for(op: str | None, phase: str | None, masked_forward: bool = False) ->
         return _INPUT
     if op == "<parameters>":
         return _PARAMS
+    if op == "<state>":
+        return _STATE
     if op in ("running_var", "running_mean"):
         return _BATCHNORM
     name = op[0].upper() + op[1:] if op else op

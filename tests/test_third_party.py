@@ -125,6 +125,7 @@ def test_demo_transformer_diverging_is_the_model_state(tmp_path: Path) -> None:
     assert first.source_line is not None and "lightning/pytorch/demos/transformer.py:" in first.source_line
     assert first.details["source_path"].endswith("lightning/pytorch/demos/transformer.py")
     assert "test_third_party.py" not in first.source_line  # not the caller of trainer.fit
+    assert "the model state diverged" in first.details["hint"]
 
 
 def test_boring_model_with_a_nan_row_is_the_input(tmp_path: Path) -> None:
