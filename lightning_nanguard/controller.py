@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -37,9 +38,9 @@ from lightning_nanguard.decision import (
     shared_part,
 )
 from lightning_nanguard.detection import bad_batchnorm_names, fused_health_check, nonfinite_names
+from lightning_nanguard.diagnosis import DiagnosisSettings
 from lightning_nanguard.events import EventAction, NanEvent, NonFiniteTrainingError
 from lightning_nanguard.incidents import IncidentInspector
-from lightning_nanguard.investigation import InvestigationSettings
 from lightning_nanguard.recovery import Recovery, grad_scaler
 from lightning_nanguard.remedies import clip_gradients_
 from lightning_nanguard.reporting.recorder import IncidentRecorder
@@ -88,7 +89,7 @@ class StepController:
 
     Args:
         policy: the decision rules.
-        inspection: what to investigate on a bad step.
+        diagnosis: what to diagnose on a bad step.
         recovery: snapshots, rollback and remedies.
         recorder: events, sinks and scalars.
         track_batchnorm: check BatchNorm statistics.
@@ -98,14 +99,14 @@ class StepController:
     def __init__(
         self,
         policy: Policy,
-        inspection: InvestigationSettings,
+        diagnosis: DiagnosisSettings,
         recovery: Recovery,
         recorder: IncidentRecorder,
         track_batchnorm: bool = True,
         with_norm: bool = False,
     ) -> None:
         self.policy = policy
-        self.inspection = inspection
+        self.diagnosis = diagnosis
         self.recovery = recovery
         self.recorder = recorder
         self.track_batchnorm = track_batchnorm
@@ -137,7 +138,7 @@ class StepController:
             min_loss_scale=a["min_loss_scale"],
             max_consecutive_overflows=a["max_consecutive_overflows"],
         )
-        self.inspection = InvestigationSettings(
+        self.diagnosis = DiagnosisSettings(
             a["bisect"],
             a["localize"],
             a["max_bisect_passes"],
@@ -145,6 +146,7 @@ class StepController:
             a["max_repro_bundles"],
             a["batch_slicer"],
             diagnose_here,
+            source_root=os.getcwd(),  # source lines are shown relative to where `fit` started
         )
         self.after_step.settings = ParamCheckSettings(
             a["check_params_every_n_steps"], a["snapshot_every_n_steps"], a["action"]
@@ -244,7 +246,7 @@ class StepController:
             threshold = self.recovery.book.clip_threshold
             if threshold is not None:
                 clip_gradients_(grads, grad_norm, threshold)
-        self.window.refresh_reference(trainer.global_step, REFERENCE_EVERY_N_STEPS, self.inspection.batch_slicer)
+        self.window.refresh_reference(trainer.global_step, REFERENCE_EVERY_N_STEPS, self.diagnosis.batch_slicer)
         self.window.forget_batches()
         self.recorder.scalars(trainer, self.metrics(self.state.counters))
 
@@ -268,12 +270,12 @@ class StepController:
         if self.state.failing:
             return RankReport(rank, failed=True), None
         try:
-            inspector = IncidentInspector(self.inspection, self.window, self.named_params, self.recorder)
+            inspector = IncidentInspector(self.diagnosis, self.window, self.named_params, self.recorder)
             return inspector.inspect(trainer, pl_module, health, grads)
         except NonFiniteTrainingError:
             raise
         except Exception as error:
-            self.fail(error, "the inspection of a bad step")
+            self.fail(error, "the check of a bad step")
             return RankReport(rank, failed=True), None
 
     def _next_scale(self, trainer: Trainer) -> float | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -24,9 +23,9 @@ from lightning_nanguard._compat import CALLBACK_BASES
 from lightning_nanguard.config import validate_arguments
 from lightning_nanguard.controller import StepController
 from lightning_nanguard.decision import Counters, Policy
+from lightning_nanguard.diagnosis import DiagnosisSettings
 from lightning_nanguard.events import NanEvent, NonFiniteTrainingError
 from lightning_nanguard.indices import indices_from_batch, next_recorded_indices, record_batch_indices
-from lightning_nanguard.investigation import InvestigationSettings
 from lightning_nanguard.recovery import Recovery, apply_module_eps
 from lightning_nanguard.remedies import Remedy
 from lightning_nanguard.reporting.recorder import IncidentRecorder
@@ -176,8 +175,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.clock = GuardClock()  # `guard.clock.enabled = True` measures the time spent in the guard
         self.recorder = IncidentRecorder(verbose)
         self.recovery = Recovery(tuple(self.remedies), max_remedy_applications, lr_backoff_factor, eps_factor, max_eps)
-        self.controller = StepController(Policy(), InvestigationSettings(), self.recovery, self.recorder)
-        self.source_root: str | None = None
+        self.controller = StepController(Policy(), DiagnosisSettings(), self.recovery, self.recorder)
         self._trainer: Trainer | None = None
         self._hooks: StrategyHooks | None = None
 
@@ -277,7 +275,6 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Resolve the log directory (a collective: every rank calls it) and the writers."""
         self._trainer = trainer
-        self.source_root = os.getcwd()
         self.recorder.attach(trainer, self.controller.scalar_tags(trainer))
         self.controller.warn_what_cannot_be_skipped(trainer, pl_module)
 
@@ -309,7 +306,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         indices = self._dataset_indices(batch)
         if not window.open or not pl_module.automatic_optimization:
             window.begin(checking=self.controller.checking(trainer, self.check_every_n_steps))
-        window.add_batch(batch, batch_idx, indices, keep=self.controller.inspection.investigates)
+        window.add_batch(batch, batch_idx, indices, keep=self.controller.diagnosis.diagnoses)
 
     def _dataset_indices(self, batch: Any) -> list[int] | None:
         if self.index_key is not None:

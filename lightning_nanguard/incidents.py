@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from lightning_nanguard.decision import RankReport, StepHealth
 from lightning_nanguard.detection import bad_batchnorm_names, grouped_norms, nonfinite_names
+from lightning_nanguard.diagnosis import DiagnosisSettings, diagnose_step
 from lightning_nanguard.events import EventKind, NanEvent
-from lightning_nanguard.investigation import InvestigationSettings, investigate
 from lightning_nanguard.recovery import grad_scaler
 from lightning_nanguard.reporting.recorder import IncidentRecorder
 from lightning_nanguard.window import StepWindow
@@ -48,7 +48,7 @@ class IncidentInspector:
     """This rank's side of a step that some rank flagged (see module docs).
 
     Args:
-        settings: what to investigate.
+        settings: what to diagnose.
         window: the step's micro-batches, losses and BatchNorm state.
         named_params: the model's named parameters.
         recorder: for warnings and the bundle directory.
@@ -56,7 +56,7 @@ class IncidentInspector:
 
     def __init__(
         self,
-        settings: InvestigationSettings,
+        settings: DiagnosisSettings,
         window: StepWindow,
         named_params: Sequence[tuple[str, nn.Parameter]],
         recorder: IncidentRecorder,
@@ -98,7 +98,7 @@ class IncidentInspector:
             ):
                 event, overflow = None, True
         if event is not None and self._may_diagnose(trainer, pl_module):
-            event = self._investigate(trainer, pl_module, event)
+            event = self._diagnose_step(trainer, pl_module, event)
         report = RankReport(
             rank,
             incident=event is not None,
@@ -152,7 +152,7 @@ class IncidentInspector:
     # ------------------------------------------------------------------ the diagnosis
 
     def _may_diagnose(self, trainer: Trainer, pl_module: LightningModule) -> bool:
-        if not (pl_module.automatic_optimization and self.settings.diagnose_here and self.settings.investigates):
+        if not (pl_module.automatic_optimization and self.settings.diagnose_here and self.settings.diagnoses):
             return False
         if trainer.world_size > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in pl_module.modules()):
             self.recorder.notices.warn(
@@ -163,16 +163,17 @@ class IncidentInspector:
             return False
         return True
 
-    def _investigate(self, trainer: Trainer, pl_module: LightningModule, event: NanEvent) -> NanEvent:
+    def _diagnose_step(self, trainer: Trainer, pl_module: LightningModule, event: NanEvent) -> NanEvent:
         """Bisect, localise and save a bundle from the BatchNorm state before the step; the step's state after."""
         with self.window.before_step_batchnorm(keep_after=True):
-            event, diagnosis = investigate(
+            event, diagnosis = diagnose_step(
                 trainer,
                 pl_module,
                 event,
                 self.window.micro_batches,
                 self.settings,
                 self.recorder.sinks.nanguard_dir,
+                reference_batch=self.window.reference,
             )
         if diagnosis is not None and diagnosis.error:
             self.recorder.notices.warn(

@@ -151,7 +151,7 @@ def test_bf16_mixed_nan_is_detected_and_skipped(tmp_path: Path) -> None:
 
 def test_nan_only_gradients_under_grad_scaler_are_an_incident(tmp_path: Path) -> None:
     """0/0 in a backward (a sqrt at an exact zero) is NaN without any Inf: not an overflow."""
-    from tests.models import make_case, make_loader, make_module
+    from models import make_case, make_loader, make_module
 
     case = make_case("cosine_norm")
     plugin, _ = _fp16(init_scale=1024.0)

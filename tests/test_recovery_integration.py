@@ -352,6 +352,28 @@ def test_quarantined_index_never_reaches_training_step_again(tmp_path: Path) -> 
     assert sorted(later) == sorted([i for i in range(32) if i != 11] * 2)  # everything else, once per epoch
 
 
+class ValidatedRegressor(Regressor):
+    """Also records the dataset indices its validation loop sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.validated: list[int] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.validated.extend(batch[2].tolist())
+
+
+def test_quarantine_never_reaches_validation(tmp_path: Path) -> None:
+    """Validation shares the training set's indices; quarantined training items must still be validated on."""
+    guard = _quiet(remedies=["quarantine"])
+    trainer = build_trainer("lightning", tmp_path, callbacks=[guard], max_epochs=2, num_sanity_val_steps=0)
+    module = ValidatedRegressor()
+    trainer.fit(module, _loader(Indexed(nan_at=(3, 11, 20))), _loader(Indexed()))
+    assert guard.remedy_book.quarantined == {3, 11, 20}
+    assert sorted(module.validated) == sorted(list(range(32)) * 2)  # every item, every epoch
+    assert not any(index in {3, 11, 20} for epoch, _, indices in module.seen if epoch > 0 for index in indices)
+
+
 # ------------------------------------------------------------------------------------ checkpoints
 
 

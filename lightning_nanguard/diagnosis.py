@@ -12,18 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch.nn.modules.batchnorm import _BatchNorm
-
 from lightning_nanguard.batching import slice_batch
 from lightning_nanguard.events import NanEvent
 from lightning_nanguard.forensics import Diagnosis, diagnose, event_with_diagnosis
+from lightning_nanguard.reporting.context import save_incident_context
 from lightning_nanguard.repro import prune_bundles, save_bundle
 from lightning_nanguard.window import MicroBatch
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
-__all__ = ["InvestigationSettings", "investigate", "training_step_of"]
+__all__ = ["DiagnosisSettings", "diagnose_step", "training_step_of"]
 
 log = logging.getLogger("lightning_nanguard")
 
@@ -31,7 +30,7 @@ Slicer = Callable[[Any, Sequence[int]], Any]
 
 
 @dataclass(frozen=True)
-class InvestigationSettings:
+class DiagnosisSettings:
     """What to do on a bad step (mirrors the ``NanGuard`` arguments of the same names).
 
     ``diagnose_here`` is False where re-running ``training_step`` on one rank is impossible (FSDP).
@@ -44,9 +43,10 @@ class InvestigationSettings:
     max_repro_bundles: int = 5
     batch_slicer: Slicer | None = None
     diagnose_here: bool = True
+    source_root: str | None = None
 
     @property
-    def investigates(self) -> bool:
+    def diagnoses(self) -> bool:
         """Whether a bad step is re-run or saved at all."""
         return self.bisect or self.localize or self.save_repro
 
@@ -64,18 +64,30 @@ def _localized(diagnosis: Diagnosis) -> bool:
     return diagnosis.localization is not None and diagnosis.localization.phase is not None
 
 
-def investigate(
+def diagnose_step(
     trainer: Trainer,
     pl_module: LightningModule,
     event: NanEvent,
     micro_batches: Sequence[MicroBatch],
-    settings: InvestigationSettings,
+    settings: DiagnosisSettings,
     bundle_dir: str | None,
+    reference_batch: Any = None,
+    loss_threshold: float | None = None,
 ) -> tuple[NanEvent, Diagnosis | None]:
-    """Fill the event's forensic fields and save a repro bundle; never raises.
+    """Fill the event's forensic fields, save a repro bundle and the dashboard's context; never raises.
 
     Under gradient accumulation the micro-batches are diagnosed in order and the first that
-    reproduces the non-finite values is the one the event names.
+    reproduces the incident is the one the event names.
+
+    Args:
+        trainer: the Trainer (precision context).
+        pl_module: the model, with the BatchNorm state from before the step.
+        event: the event of the bad step.
+        micro_batches: the step's micro-batches.
+        settings: what to diagnose.
+        bundle_dir: ``<log_dir>/nanguard`` (``None``: nothing is written).
+        reference_batch: a small known-good sub-batch of a recent healthy step (tells a state fault).
+        loss_threshold: for a loss spike, the loss above which a (sub-)batch counts as bad.
     """
     if not micro_batches:
         return event, None
@@ -95,6 +107,9 @@ def investigate(
                 bisect=settings.bisect,
                 localize_origin=settings.localize,
                 max_passes=settings.max_bisect_passes,
+                reference_batch=reference_batch,
+                loss_threshold=loss_threshold,
+                source_root=settings.source_root,
             )
             if diagnosis is None or found.offending is not None or _localized(found):
                 diagnosis, chosen = found, micro
@@ -107,13 +122,16 @@ def investigate(
             event = event.replace(
                 details={**event.details, "micro_batch": next(i for i, m in enumerate(micro_batches) if m is chosen)}
             )
+    if bundle_dir is not None:
+        localization = diagnosis.localization if diagnosis is not None else None
+        save_incident_context(
+            bundle_dir, event, getattr(localization, "source_path", None), chosen.batch, event.offending_samples
+        )
     if settings.save_repro and bundle_dir is not None:
-        event = _save(pl_module, event, chosen, slicer, bundle_dir, settings.max_repro_bundles, diagnosis)
+        event = _save(
+            pl_module, event, chosen, slicer, bundle_dir, settings.max_repro_bundles, diagnosis, settings.source_root
+        )
     return event, diagnosis
-
-
-def _train_mode_batchnorm(module: LightningModule) -> bool:
-    return any(isinstance(m, _BatchNorm) and m.training and m.track_running_stats for m in module.modules())
 
 
 def _save(
@@ -124,17 +142,20 @@ def _save(
     bundle_dir: str,
     max_bundles: int,
     diagnosis: Diagnosis | None = None,
+    source_root: str | None = None,
 ) -> NanEvent:
     """Save the offending samples (or the whole batch) of ``micro``; never raises.
 
-    With BatchNorm in train mode, a single sample only reproduces next to another sample (that is
-    how bisection ran it), so a known-good reference sample is saved first and named in the bundle.
+    A known-good sample of the same batch is saved first and named in the bundle: the origin was
+    localised in the context of healthy samples (an op can be non-finite only on a batch of
+    offending samples alone, e.g. a mean over zero tokens), and with BatchNorm in train mode a
+    single sample only reproduces next to another one.
     """
     if max_bundles == 0:
         return event
     positions = list(event.offending_samples) if event.offending_samples is not None else None
     reference: list[int] = []
-    if positions is not None and diagnosis is not None and _train_mode_batchnorm(pl_module):
+    if positions is not None and diagnosis is not None:
         good = [p for p in diagnosis.known_good if p not in positions]
         if good:
             positions = [good[0], *positions]
@@ -144,7 +165,10 @@ def _save(
         indices = micro.dataset_indices
         if positions is not None:
             indices = [indices[p] for p in positions] if indices is not None and len(indices) > max(positions) else None
-        path = save_bundle(bundle_dir, event, pl_module, samples, micro.batch_idx, positions, indices, reference)
+        full = diagnosis.full_details if diagnosis is not None else None
+        path = save_bundle(
+            bundle_dir, event, pl_module, samples, micro.batch_idx, positions, indices, reference, full, source_root
+        )
         prune_bundles(bundle_dir, max_bundles)
     except Exception as error:  # a bundle must never kill training
         log.warning("NanGuard: could not save the repro bundle: %r", error)

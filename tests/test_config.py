@@ -1,0 +1,105 @@
+"""Every ``NanGuard`` argument refuses its bad values with a message naming the argument, what is allowed, and the value.
+
+Table-driven: each argument of ``NanGuard.__init__`` has a row of bad values and a row of good ones;
+a test checks the table covers the whole signature, so a new argument cannot go unvalidated.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+
+from lightning_nanguard import NanGuard
+from lightning_nanguard.config import RULES
+
+BAD: dict[str, list[Any]] = {
+    "action": ["skp", "SKIP", None, 1],
+    "check_every_n_steps": [0, -2, 1.5, True, "1"],
+    "max_consecutive_bad_steps": [0, "3", 2.0, False],
+    "max_events": [0, -1, 1.5, "2", True],
+    "check_bn_stats": ["false", "true", 1, 0, None],
+    "check_params_every_n_steps": [-1, 2.5, "50", True],
+    "bisect": ["false", 0, 1, None],
+    "localize": ["no", 0, None],
+    "max_bisect_passes": [0, -3, 10.0, "64"],
+    "save_repro": ["yes", 1, None],
+    "max_repro_bundles": [-1, 1.0, "5"],
+    "index_key": [1.5, ["idx"], ("idx",)],
+    "batch_slicer": ["my_pkg.slice", 3],
+    "snapshot_every_n_steps": [0, -1, 1.5],
+    "rollback_after_consecutive": [0, 2.5, None],
+    "remedies": ["clip_grad", ["clip"], ["clip_grad", "lr"], [1], "quarantine"],
+    "max_remedy_applications": [-1, 1.5, None],
+    "lr_backoff_factor": [0.0, 1.0, 1.5, -0.5, float("nan"), "0.5", True],
+    "eps_factor": [0.5, 1.0, 0.0, -10.0, float("inf"), float("nan"), "10"],
+    "max_eps": [0.0, -1e-3, float("inf"), "0.01"],
+    "min_loss_scale": [0.0, -1.0, float("nan")],
+    "max_consecutive_overflows": [0, 1.5, None],
+    "verbose": ["false", 0, None],
+}
+
+GOOD: dict[str, list[Any]] = {
+    "action": ["skip", "raise", "warn", "rollback"],
+    "check_every_n_steps": [1, 1000],
+    "max_consecutive_bad_steps": [1, 10],
+    "max_events": [None, 1, 100],
+    "check_bn_stats": [True, False],
+    "check_params_every_n_steps": [0, 1, 50],
+    "bisect": [True, False],
+    "localize": [True, False],
+    "max_bisect_passes": [1, 128],
+    "save_repro": [True, False],
+    "max_repro_bundles": [0, 5],
+    "index_key": [None, "idx", 2],
+    "batch_slicer": [None, lambda batch, positions: batch],
+    "snapshot_every_n_steps": [1, 100],
+    "rollback_after_consecutive": [1, 3],
+    "remedies": [None, [], ["clip_grad"], ("quarantine", "raise_eps"), ["clip_grad", "raise_eps", "lr_backoff"]],
+    "max_remedy_applications": [0, 3],
+    "lr_backoff_factor": [0.5, 0.01, 0.99],
+    "eps_factor": [1.5, 10.0, 100],
+    "max_eps": [1e-8, 0.01, 1],
+    "min_loss_scale": [1e-4, 1.0, 1],
+    "max_consecutive_overflows": [1, 20],
+    "verbose": [True, False],
+}
+
+
+def _arguments() -> list[str]:
+    return [name for name in inspect.signature(NanGuard.__init__).parameters if name != "self"]
+
+
+def test_the_tables_cover_every_argument() -> None:
+    assert sorted(BAD) == sorted(GOOD) == sorted(_arguments())
+    assert set(_arguments()) <= set(RULES)
+
+
+@pytest.mark.parametrize(("name", "value"), [(n, v) for n, values in BAD.items() for v in values], ids=repr)
+def test_a_bad_value_names_the_argument_the_allowed_values_and_the_value(name: str, value: Any) -> None:
+    with pytest.raises(ValueError) as info:
+        NanGuard(**{name: value})
+    message = str(info.value)
+    assert message.startswith(f"NanGuard: `{name}` must be {RULES[name].allowed}")
+    assert repr(value) in message
+
+
+@pytest.mark.parametrize(("name", "value"), [(n, v) for n, values in GOOD.items() for v in values], ids=repr)
+def test_good_values_are_accepted_and_kept(name: str, value: Any) -> None:
+    guard = NanGuard(**{name: value})
+    kept = getattr(guard, name)
+    assert kept == (list(value or []) if name == "remedies" else value)
+
+
+def test_a_single_remedy_string_says_how_to_write_the_list() -> None:
+    with pytest.raises(ValueError, match=r"got 'clip_grad' \(a single string: write \['clip_grad'\]\)"):
+        NanGuard(remedies="clip_grad")  # type: ignore[arg-type]
+
+
+def test_the_allowed_values_are_spelled_out() -> None:
+    with pytest.raises(ValueError) as info:
+        NanGuard(remedies=["clip"])  # type: ignore[list-item]
+    assert "['clip_grad', 'raise_eps', 'lr_backoff', 'quarantine']" in str(info.value)
+    with pytest.raises(ValueError, match=r"`eps_factor` must be a number > 1, got 0.5"):
+        NanGuard(eps_factor=0.5)  # raise_eps would lower eps
