@@ -25,7 +25,8 @@ log-likelihood) the same rule runs on the values themselves:
 ``threshold = baseline + max(sigmas * spread, (min_ratio - 1) * |baseline|)``.
 
 NaN/Inf values are never spikes (they are the NaN/Inf check's business) and never enter the
-history. The detector is inactive (never flags) until ``warmup`` values have been accepted.
+history. The detector is inactive (never flags) until ``warmup`` values have been accepted, and
+again for ``warmup`` values after a re-baseline.
 
 Cost: :meth:`~SpikeDetector.check` is a handful of kernels on one element; the statistic (about
 twenty small kernels on the window: a median, a sort, an index) is recomputed every
@@ -33,11 +34,11 @@ twenty small kernels on the window: a median, a sort, an index) is recomputed ev
 
 The caller's protocol, once per step::
 
-    flag = detector.check(loss)          # device tensor, no host read
-    ...                                  # the caller reads flag with its other step results
-    detector.accept(not spike and not nan)  # or a device bool tensor: no host read either
-    if spike:
-        rebaselined = detector.record_spike()  # host side; True: the history was cleared
+    flag = detector.check(loss)       # device tensor, no host read
+    ...                               # the caller reads flag with its other step results, decides
+    detector.accept(step_was_healthy) # a bool, or a device bool tensor (then no read is needed)
+    if flag_was_set:
+        rebaselined = detector.record_spike()  # host side; True: the history was cleared, warn
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ class SpikeStats:
         threshold: values above it are spikes (``inf`` while the detector warms up).
         baseline: median of the last ``recent`` accepted values (``nan`` with no history).
         spread: robust standard deviation of the step-to-step change, in log units (a relative
-            change: 0.1 is about 10%) when ``scale == "log"``, in the value's units otherwise.
+            change: 0.1 is about 10%) when ``scale == "log"``, in the value's units otherwise;
+            raised to the ``min_ratio`` floor when that is larger, so that
+            ``threshold == baseline * exp(sigmas * spread)`` (log) or ``baseline + sigmas * spread``.
         scale: ``"log"`` when the baseline is positive, ``"linear"`` otherwise.
         history: number of accepted values in the window.
         ratio: ``value / baseline`` (``None`` when undefined).
@@ -170,7 +173,7 @@ class SpikeDetector:
         self._history: Tensor | None = None  # [window] float32, oldest first, NaN = empty slot
         self._quantile_index: Tensor | None = None  # [window] int64: by number of valid changes, see _allocate
         self._threshold: Tensor | None = None  # [1] float32, for the next check
-        self._constants: tuple[Tensor, Tensor] = ()  # type: ignore[assignment]  # (log(min_ratio), inf) on the device
+        self._constants: tuple[Tensor, ...] = ()  # (log(min_ratio), inf) on the device
         self._statistic: tuple[Tensor, ...] = ()  # (threshold, baseline, margin, changes) for stats()
         self._checked: tuple[Tensor, ...] = ()  # the statistic and the value of the last check
         self._pending: Tensor | None = None  # [1] float32, NaN/Inf as NaN: the value of the last check
@@ -212,9 +215,9 @@ class SpikeDetector:
         Only accepted values enter the history, and never NaN/Inf. With a ``bool`` nothing is read
         (an ``accept(True)`` after a NaN/Inf value leaves an empty slot in the window); with a tensor
         (bool or 0/1, one element, on the value's device) the choice is made on the device and a
-        NaN/Inf value is left out, so a caller that has not read the step's result yet can still feed
-        the history. A ``True``
-        also ends a run of spikes (see :meth:`record_spike`); a tensor leaves that count alone.
+        NaN/Inf value is left out, so a caller that has not read the step's result yet can still
+        feed the history. ``True`` also ends a run of spikes (see :meth:`record_spike`); a tensor
+        leaves that count alone.
 
         Raises:
             RuntimeError: no :meth:`check` since the last ``accept``.
