@@ -281,14 +281,12 @@ def test_data_fault_on_a_trainer_is_data(tmp_path: Path) -> None:
     assert [(e.cause, e.offending_samples) for e in guard.events] == [("data", (3,))]
 
 
-@pytest.mark.xfail(reason="needs guard integration (reference sample / remedies by cause)", strict=True)
 def test_trainer_state_verdict_uses_the_reference_sample(tmp_path: Path) -> None:
     loader = DataLoader(fm.diverging_data(), batch_size=8)
     guard = fit(fm.DivergingMLP(), loader, tmp_path, max_consecutive_bad_steps=100)
     assert guard.events[0].cause == "state" and guard.events[0].details["state_passes"] == 1
 
 
-@pytest.mark.xfail(reason="needs guard integration (reference sample / remedies by cause)", strict=True)
 def test_trainer_whole_corrupt_batch_is_data_with_the_reference(tmp_path: Path) -> None:
     case = make_case("cosine_norm", bad=tuple(range(8, 16)))
     guard = fit(make_module("lightning", "cosine_norm"), make_loader(case.dataset), tmp_path)
@@ -336,7 +334,6 @@ def test_many_batchnorm_channels_are_summarised_in_the_event(tmp_path: Path) -> 
     assert len(line) < 6000
 
 
-@pytest.mark.xfail(reason="needs guard integration (reference sample / remedies by cause)", strict=True)
 def test_trainer_bundle_keeps_the_full_channel_lists(tmp_path: Path) -> None:
     """The event's bn_channels are short; the bundle's details_full.json has every channel."""
     import json
@@ -346,7 +343,6 @@ def test_trainer_bundle_keeps_the_full_channel_lists(tmp_path: Path) -> None:
     assert full["bn_channels"] == {f"net.{1 + 3 * i}": list(range(16)) for i in range(6)}
 
 
-@pytest.mark.xfail(reason="needs guard integration (reference sample / remedies by cause)", strict=True)
 def test_trainer_source_paths_are_relative_to_the_directory_at_fit_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -370,7 +366,6 @@ def test_trainer_source_paths_are_relative_to_the_directory_at_fit_start(
     assert guard.events[0].source_line is not None and guard.events[0].source_line.startswith("tests/models.py:")
 
 
-@pytest.mark.xfail(reason="needs guard integration (reference sample / remedies by cause)", strict=True)
 def test_trainer_bundle_replays_the_origin_in_the_real_batch(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
