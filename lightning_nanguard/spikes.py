@@ -109,13 +109,14 @@ class SpikeDetector:
     Args:
         window: number of recent accepted values kept (the spread is measured over them).
         warmup: accepted values needed before the detector can flag anything (it starts flagging
-            within ``warmup + refresh_every - 1`` accepted values).
+            within ``warmup + refresh_every - 1`` accepted values); at most ``window``.
         sigmas: how many robust standard deviations of the step-to-step change a spike lies above
             the baseline.
         min_ratio: a spike is also at least this many times the baseline (for a positive
             baseline; ``min_ratio - 1`` times ``|baseline|`` above it otherwise). Keeps a flat,
             nearly noise-free curve from turning every wobble into a spike.
-        recent: number of most recent accepted values whose median is the baseline.
+        recent: number of most recent accepted values whose median is the baseline; at most
+            ``window``.
         rebaseline_after: spikes in a row (reported with :meth:`record_spike`) after which the
             history is cleared, so that a real level shift does not become an endless skip.
         refresh_every: recompute the statistic every this many accepted values (1: every step).
@@ -151,19 +152,15 @@ class SpikeDetector:
         _check_int("recent", recent, 1)
         _check_int("rebaseline_after", rebaseline_after, 1)
         _check_int("refresh_every", refresh_every, 1)
-        if warmup > window:
-            raise ValueError(f"SpikeDetector: `warmup` ({warmup}) must not exceed `window` ({window}).")
-        if recent > window:
-            raise ValueError(f"SpikeDetector: `recent` ({recent}) must not exceed `window` ({window}).")
         if not (isinstance(sigmas, int | float) and math.isfinite(sigmas) and sigmas > 0):
             raise ValueError(f"SpikeDetector: `sigmas` must be a finite number > 0, got {sigmas!r}.")
         if not (isinstance(min_ratio, int | float) and math.isfinite(min_ratio) and min_ratio >= 1):
             raise ValueError(f"SpikeDetector: `min_ratio` must be a finite number >= 1, got {min_ratio!r}.")
         self.window = window
-        self.warmup = warmup
+        self.warmup = min(warmup, window)
         self.sigmas = float(sigmas)
         self.min_ratio = float(min_ratio)
-        self.recent = recent
+        self.recent = min(recent, window)
         self.rebaseline_after = rebaseline_after
         self.refresh_every = refresh_every
         self.name = name

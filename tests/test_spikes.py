@@ -340,7 +340,7 @@ def test_bad_input_gets_a_clear_error() -> None:
         detector.check(torch.ones(4))
     for kwargs, name in [
         ({"window": 2}, "window"),
-        ({"warmup": 500}, "warmup"),
+        ({"warmup": 1}, "warmup"),
         ({"sigmas": 0.0}, "sigmas"),
         ({"min_ratio": 0.5}, "min_ratio"),
         ({"min_ratio": math.inf}, "min_ratio"),
@@ -349,6 +349,13 @@ def test_bad_input_gets_a_clear_error() -> None:
     ]:
         with pytest.raises(ValueError, match=name):
             SpikeDetector(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_small_window_caps_warmup_and_recent() -> None:
+    detector = SpikeDetector(window=8)  # warmup 16 and recent 16 do not fit: both become 8
+    assert (detector.warmup, detector.recent) == (8, 8)
+    assert feed(detector, noisy(40)) == []
+    assert detector.check(torch.tensor(1e3)).item() == 1.0
 
 
 # ---------------------------------------------------------------------------- issue 10's label typos
