@@ -108,9 +108,10 @@ def test_failure_class(kind: str, value: float | None, tmp_path: Path) -> None:
         assert event.details["input_nonfinite"] is True
         assert "the batch itself holds NaN/Inf" in event.details["hint"]
         assert event.source_line is None and "module_type" not in event.details
-    else:  # the whole batch, one healthy probe (position 1), the search
+    else:
         assert event.cause == "data" and "input_fields" not in event.details
-        assert (event.details["bisect_passes"], event.details["state_passes"]) == (7, 2)
+        # the reference sub-batch the guard kept at step 0 runs healthy (1 pass), then the search (6)
+        assert (event.details["bisect_passes"], event.details["state_passes"]) == (7, 1)
         source_of(event, "models.py", origin_line(case.origin))
         assert event.details["source_text"].endswith(f"# ORIGIN: {case.origin}")
         assert event.details["module_type"] == MODULE_TYPES[kind]
@@ -396,7 +397,7 @@ def test_bundle_contents_and_pruning(tmp_path: Path) -> None:
     guard, _, recorder = fit(module, make_loader(case.dataset), tmp_path, max_repro_bundles=2)
     assert [e.global_step for e in guard.events] == [0, 1, 2, 3]
     root = Path(guard.log_dir) / "nanguard"
-    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-2", "step-3"]
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-2", "step-3"]
     event = guard.events[-1]
     assert event.offending_samples == (4,) and event.dataset_indices == (28,)
     bundle = Path(event.repro_path)
