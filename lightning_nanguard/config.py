@@ -105,9 +105,10 @@ RULES: dict[str, Rule] = {
     "max_consecutive_overflows": integer(1),
     "verbose": boolean(),
     "spike_action": choice(SPIKE_ACTIONS),
-    "spike_window": integer(8),
-    "spike_threshold": number(0.0),
-    "spike_warmup_steps": integer(1),
+    "spike_sigmas": number(0.0),
+    "spike_min_ratio": Rule(lambda v: _is_number(v) and 1.0 <= float(v) < float("inf"), "a number >= 1"),
+    "spike_window": integer(3),
+    "spike_warmup_steps": integer(2),
     "spike_rebaseline_after": integer(1),
     "sync_free": boolean(),
 }
@@ -125,6 +126,7 @@ def validate_arguments(arguments: Mapping[str, Any]) -> None:
         ...
         ValueError: NanGuard: `bisect` must be a bool (true or false), got 'false'.
     """
+    window, warmup = arguments.get("spike_window"), arguments.get("spike_warmup_steps")
     for name, value in arguments.items():
         rule = RULES.get(name)
         if rule is None:
@@ -134,3 +136,7 @@ def validate_arguments(arguments: Mapping[str, Any]) -> None:
                 f"NanGuard: `remedies` must be {rule.allowed}, got {value!r} (a single string: write [{value!r}])."
             )
         rule.check(name, value)
+    if _is_int(window) and _is_int(warmup) and warmup > window:  # type: ignore[operator]
+        raise ValueError(
+            f"NanGuard: `spike_warmup_steps` must be <= `spike_window` ({window}), got {warmup!r}."
+        )

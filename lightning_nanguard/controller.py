@@ -46,6 +46,7 @@ from lightning_nanguard.remedies import clip_gradients_
 from lightning_nanguard.reporting.recorder import IncidentRecorder
 from lightning_nanguard.reporting.scalars import scalar_tags
 from lightning_nanguard.snapshot import batchnorm_buffers
+from lightning_nanguard.spike_watch import SpikeSettings, SpikeWatch
 from lightning_nanguard.state import GuardState
 from lightning_nanguard.window import StepWindow
 
@@ -113,6 +114,8 @@ class StepController:
         self.with_norm = with_norm
         self.window = StepWindow()
         self.state = GuardState()
+        self.spikes: SpikeWatch | None = None
+        self._spike_state: dict[str, Any] = {}  # loaded before the detectors exist
         self.agreement = RankAgreement(None, 1)
         self.after_step = AfterStep(self.state, self.recovery, self.recorder, self.window)
         self.named_params: list[tuple[str, nn.Parameter]] = []
@@ -153,6 +156,29 @@ class StepController:
         )
         self.track_batchnorm = a["check_bn_stats"]
         self.with_norm = "clip_grad" in (a["remedies"] or ())
+        self.policy = _with(
+            self.policy, spike_action=a["spike_action"], spike_rebaseline_after=a["spike_rebaseline_after"]
+        )
+        self._configure_spikes(a)
+
+    def _configure_spikes(self, a: Mapping[str, Any]) -> None:
+        """The spike detectors for these arguments; a detector whose settings did not change keeps its history."""
+        if a["spike_action"] == "off":
+            self.spikes = None
+            return
+        settings = SpikeSettings(
+            window=a["spike_window"],
+            warmup=a["spike_warmup_steps"],
+            sigmas=a["spike_sigmas"],
+            min_ratio=a["spike_min_ratio"],
+            rebaseline_after=a["spike_rebaseline_after"],
+        )
+        current = self.spikes
+        if current is not None and current.settings == settings and (current.grad_norm is not None) == self.with_norm:
+            return
+        state = current.state_dict() if current is not None else self._spike_state
+        self.spikes = SpikeWatch(settings, watch_grad_norm=self.with_norm)
+        self.spikes.load_state_dict(state)
 
     def attach(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Bind to the Trainer's strategy and the model's parameters (``on_train_start``)."""
@@ -166,7 +192,8 @@ class StepController:
     def scalar_tags(self, trainer: Trainer) -> list[str]:
         """The ``nanguard/`` scalar tags this run can log."""
         remedies = self.recovery.book.enabled
-        return scalar_tags(self.policy.action, remedies, grad_scaler(trainer) is not None, spikes=False)
+        spikes = self.policy.spike_action != "off"
+        return scalar_tags(self.policy.action, remedies, grad_scaler(trainer) is not None, spikes=spikes)
 
     def warn_what_cannot_be_skipped(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """One warning each for manual optimisation and LBFGS: their steps are reported, not skipped."""
@@ -236,11 +263,17 @@ class StepController:
             device=pl_module.device,
             with_norm=self.with_norm or self.recorder.logging_due(trainer),
         )
-        return local_vector(summary)
+        spike = None
+        if self.spikes is not None and pl_module.automatic_optimization:
+            loss = self.window.step_loss(_loss_scale(trainer))
+            spike = self.spikes.check(loss, summary[1:2] if self.with_norm else None)
+        return local_vector(summary, spike)
 
     def _healthy(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor], grad_norm: float) -> None:
         self.state.counters = self.state.counters.healthy()
         self.state.step_was_bad = False
+        if self.spikes is not None:
+            self.spikes.accept(True)
         if math.isfinite(grad_norm) and grad_norm >= 0:  # -1: not computed this step
             self.recovery.remember_healthy_norm(grad_norm)
             threshold = self.recovery.book.clip_threshold
@@ -270,7 +303,7 @@ class StepController:
         if self.state.failing:
             return RankReport(rank, failed=True), None
         try:
-            inspector = IncidentInspector(self.diagnosis, self.window, self.named_params, self.recorder)
+            inspector = IncidentInspector(self.diagnosis, self.window, self.named_params, self.recorder, self.spikes)
             return inspector.inspect(trainer, pl_module, health, grads)
         except NonFiniteTrainingError:
             raise
@@ -301,6 +334,16 @@ class StepController:
         if decision.outcome == "healthy":  # a finite tensor whose norm overflowed: not an incident
             self._healthy(trainer, pl_module, grads, grad_norm)
             return
+        if self.spikes is not None:
+            self.spikes.accept(False)
+            if decision.rebaseline:
+                self.spikes.rebaseline()
+                self.recorder.notices.warn(
+                    f"rebaseline-{trainer.global_step}",
+                    f"NanGuard: {self.policy.spike_rebaseline_after} loss spikes in a row at step "
+                    f"{trainer.global_step}: the loss level shifted for good (a curriculum change?); the spike "
+                    "statistic starts over from the coming steps.",
+                )
         if decision.outcome == "overflow":  # the GradScaler skips this step by itself
             self.recorder.scalars(trainer, self.metrics(self.state.counters), previous=self.metrics(before))
             return
@@ -382,10 +425,11 @@ class StepController:
         self.after_step.run(trainer, pl_module, self._collective(pl_module))
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters, the last gradient norm, remedy state and the last 100 events, as primitives."""
+        """Counters, the last gradient norm, the spike statistic, remedy state and the last 100 events."""
         return {
             **dataclasses.asdict(self.state.counters),
             "last_grad_norm": self.state.last_grad_norm,
+            "spikes": self.spikes.state_dict() if self.spikes is not None else self._spike_state,
             "events": [event.to_dict() for event in self.recorder.events[-EVENTS_KEPT_IN_CHECKPOINT:]],
             "recovery": self.recovery.state_dict(),
         }
@@ -396,6 +440,9 @@ class StepController:
         norm = state.get("last_grad_norm")
         self.state.last_grad_norm = float(norm) if norm is not None else None
         self.recorder.events[:] = [NanEvent.from_dict(summary) for summary in state.get("events", [])]
+        self._spike_state = dict(state.get("spikes", {}))
+        if self.spikes is not None:
+            self.spikes.load_state_dict(self._spike_state)
         self.recovery.load_state_dict(state.get("recovery", {}))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -462,6 +509,15 @@ class StepController:
         """Every rank saw some rank's failure in the same reduce: all stop guarding (and joining collectives) now."""
         self.state.disabled = True
         self.state.failing = False
+
+
+def _loss_scale(trainer: Trainer) -> Tensor | None:
+    """The GradScaler's scale as a device tensor (no host read), ``None`` without one."""
+    scaler = grad_scaler(trainer)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    scale = getattr(scaler, "_scale", None)  # the device tensor behind get_scale(), which reads it to the host
+    return scale if isinstance(scale, Tensor) else None
 
 
 def _with(policy: Policy, **changes: Any) -> Policy:

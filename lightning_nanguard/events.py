@@ -28,6 +28,7 @@ EventAction = Literal["skipped", "raised", "warned", "rolled_back"]
 EventCause = Literal["data", "input", "state", "interaction"]
 EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
 EVENT_CAUSES: tuple[EventCause, ...] = get_args(EventCause)
+SPIKE_KINDS: tuple[EventKind, ...] = ("loss_spike", "grad_spike")
 
 
 def _json_float(value: float | None) -> float | str | None:
@@ -150,7 +151,13 @@ class NanEvent:
             >>> NanEvent(12, 1, 4, 0, ("loss", "grad"), "skipped",
             ...          nonfinite_grads=("fc.weight",)).headline()
             'step 12 (epoch 1, batch 4): non-finite loss, grad (1 parameter grads) -> step skipped'
+            >>> NanEvent(40, 0, 40, 0, ("loss_spike",), "skipped", loss=5e4,
+            ...          details={"threshold": 3.1, "ratio": 49800.0}).headline()[29:]
+            'loss spike (loss 5e+04, 4.98e+04x the recent level, threshold 3.1) -> step skipped'
         """
+        when = f"step {self.global_step} (epoch {self.epoch}, batch {self.batch_idx})"
+        if all(kind in SPIKE_KINDS for kind in self.kinds):
+            return f"{when}: {self._spike_words()} -> {self._done()}"
         what = ", ".join(self.kinds)
         counts = []
         if self.nonfinite_grads:
@@ -161,13 +168,27 @@ class NanEvent:
             counts.append(f"{len(self.nonfinite_params)} parameters")
         if counts:
             what += f" ({', '.join(counts)})"
-        done = {
+        return f"{when}: non-finite {what} -> {self._done()}"
+
+    def _done(self) -> str:
+        return {
             "skipped": "step skipped",
             "raised": "training stopped",
-            "warned": "step applied (action='warn')",
+            "warned": "step applied (action='warn')" if self.kinds[0] not in SPIKE_KINDS else "step applied",
             "rolled_back": "rolled back to the last good state",
         }[self.action]
-        return f"step {self.global_step} (epoch {self.epoch}, batch {self.batch_idx}): non-finite {what} -> {done}"
+
+    def _spike_words(self) -> str:
+        words = " and ".join("loss spike" if kind == "loss_spike" else "gradient-norm spike" for kind in self.kinds)
+        facts = []
+        if self.loss is not None and "loss_spike" in self.kinds:
+            facts.append(f"loss {self.loss:.3g}")
+        ratio, threshold = self.details.get("ratio"), self.details.get("threshold")
+        if isinstance(ratio, int | float):
+            facts.append(f"{ratio:.3g}x the recent level")
+        if isinstance(threshold, int | float):
+            facts.append(f"threshold {threshold:.3g}")
+        return words + (f" ({', '.join(facts)})" if facts else "")
 
 
 class NonFiniteTrainingError(RuntimeError):

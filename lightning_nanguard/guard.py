@@ -41,9 +41,10 @@ if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
     from torch.optim import Optimizer
 
-__all__ = ["Action", "NanGuard"]
+__all__ = ["Action", "NanGuard", "SpikeAction"]
 
 Action = Literal["skip", "raise", "warn", "rollback"]
+SpikeAction = Literal["skip", "warn", "off"]
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -108,6 +109,16 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         min_loss_scale: with a GradScaler, a loss scale falling below this is an incident.
         max_consecutive_overflows: with a GradScaler, this many overflow skips in a row is an incident.
         verbose: print a report of each event to the terminal.
+        spike_action: on a finite loss spike (the step loss far above its recent healthy values):
+            ``"skip"`` the update (default), ``"warn"`` (report only) or ``"off"`` (no spike check).
+            A spike never raises, is never rolled back and does not count toward escalation.
+        spike_sigmas: a spike lies this many robust standard deviations of the step-to-step change
+            of ``log(loss)`` above the median of the recent healthy losses...
+        spike_min_ratio: ...and at least this many times that median.
+        spike_window: healthy losses kept for the statistic.
+        spike_warmup_steps: healthy steps before spikes are flagged (and again after a re-baseline).
+        spike_rebaseline_after: after this many spikes in a row the statistic starts over (a level
+            shift, e.g. a curriculum change, is not an endless skip), with a warning.
 
     Example:
         >>> guard = NanGuard(action="skip", max_consecutive_bad_steps=5)
@@ -144,6 +155,12 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         min_loss_scale: float = 1.0,
         max_consecutive_overflows: int = 20,
         verbose: bool = True,
+        spike_action: SpikeAction = "skip",
+        spike_sigmas: float = 6.0,
+        spike_min_ratio: float = 3.0,
+        spike_window: int = 128,
+        spike_warmup_steps: int = 16,
+        spike_rebaseline_after: int = 5,
     ) -> None:
         arguments = dict(locals())
         arguments.pop("self")
@@ -171,6 +188,12 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.min_loss_scale = min_loss_scale
         self.max_consecutive_overflows = max_consecutive_overflows
         self.verbose = verbose
+        self.spike_action: SpikeAction = spike_action
+        self.spike_sigmas = spike_sigmas
+        self.spike_min_ratio = spike_min_ratio
+        self.spike_window = spike_window
+        self.spike_warmup_steps = spike_warmup_steps
+        self.spike_rebaseline_after = spike_rebaseline_after
 
         self.clock = GuardClock()  # `guard.clock.enabled = True` measures the time spent in the guard
         self.recorder = IncidentRecorder(verbose)

@@ -22,6 +22,7 @@ from lightning_nanguard.diagnosis import DiagnosisSettings, diagnose_step
 from lightning_nanguard.events import EventKind, NanEvent
 from lightning_nanguard.recovery import grad_scaler
 from lightning_nanguard.reporting.recorder import IncidentRecorder
+from lightning_nanguard.spike_watch import SpikeWatch
 from lightning_nanguard.window import StepWindow
 
 if TYPE_CHECKING:
@@ -60,11 +61,13 @@ class IncidentInspector:
         window: StepWindow,
         named_params: Sequence[tuple[str, nn.Parameter]],
         recorder: IncidentRecorder,
+        spikes: SpikeWatch | None = None,
     ) -> None:
         self.settings = settings
         self.window = window
         self.named_params = named_params
         self.recorder = recorder
+        self.spikes = spikes
 
     def inspect(
         self,
@@ -97,13 +100,18 @@ class IncidentInspector:
                 and _any_inf(grads)
             ):
                 event, overflow = None, True
-        if event is not None and self._may_diagnose(trainer, pl_module):
-            event = self._diagnose_step(trainer, pl_module, event)
+        spiked = False
+        if event is None and not overflow and health.spike and self.spikes is not None:
+            event = self._spike_event(trainer, grad_norm)
+            spiked = event is not None
+        threshold = self.spikes.loss_threshold() if spiked and self.spikes is not None else None
+        if event is not None and self._may_diagnose(trainer, pl_module) and (threshold is not None or not spiked):
+            event = self._diagnose(trainer, pl_module, event, loss_threshold=threshold)
         report = RankReport(
             rank,
-            incident=event is not None,
+            incident=event is not None and not spiked,
             overflow=overflow,
-            spike=health.spike,
+            spike=spiked,
             cause=_cause(event),
             quarantine=tuple(event.dataset_indices or ()) if event is not None else (),
             culprit_module=event.culprit_module if event is not None and event.phase is not None else None,
@@ -149,6 +157,25 @@ class IncidentInspector:
             },
         )
 
+    def _spike_event(self, trainer: Trainer, grad_norm: float) -> NanEvent | None:
+        """The event of a finite loss (or gradient-norm) spike; ``None`` when the flag does not hold up."""
+        assert self.spikes is not None
+        kinds = self.spikes.spike_kinds()
+        if not kinds:
+            return None
+        details = self.spikes.details()
+        return NanEvent(
+            global_step=trainer.global_step,
+            epoch=trainer.current_epoch,
+            batch_idx=self.window.batch_idx,
+            rank=trainer.global_rank,
+            kinds=kinds,
+            action="warned",
+            loss=details.get("value"),
+            grad_norm=grad_norm if grad_norm >= 0 else None,
+            details=details,
+        )
+
     # ------------------------------------------------------------------ the diagnosis
 
     def _may_diagnose(self, trainer: Trainer, pl_module: LightningModule) -> bool:
@@ -163,7 +190,9 @@ class IncidentInspector:
             return False
         return True
 
-    def _diagnose_step(self, trainer: Trainer, pl_module: LightningModule, event: NanEvent) -> NanEvent:
+    def _diagnose(
+        self, trainer: Trainer, pl_module: LightningModule, event: NanEvent, loss_threshold: float | None = None
+    ) -> NanEvent:
         """Bisect, localise and save a bundle from the BatchNorm state before the step; the step's state after."""
         with self.window.before_step_batchnorm(keep_after=True):
             event, diagnosis = diagnose_step(
@@ -174,6 +203,7 @@ class IncidentInspector:
                 self.settings,
                 self.recorder.sinks.nanguard_dir,
                 reference_batch=self.window.reference,
+                loss_threshold=loss_threshold,
             )
         if diagnosis is not None and diagnosis.error:
             self.recorder.notices.warn(

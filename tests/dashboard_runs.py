@@ -8,7 +8,6 @@ blank image gives ``0 / 0 = NaN`` (the demo's failure, on 12x12 images).
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -29,9 +28,6 @@ from torch.nn import functional
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NanGuard
-from lightning_nanguard._compat import CALLBACK_BASES
-from lightning_nanguard.reporting.context import save_incident_context
-from lightning_nanguard_tensorboard.layout import INCIDENTS_DIRNAME, incident_dirname
 
 N_IMAGES = 64
 BATCH = 16
@@ -93,25 +89,6 @@ def origin_line() -> int:
     return next(i for i, line in enumerate(lines, start=1) if line.endswith("# DASHBOARD-ORIGIN"))
 
 
-class IncidentContextFallback(*CALLBACK_BASES):  # type: ignore[misc]
-    """Writes an event's incident context when the guard did not (until the guard calls
-    ``save_incident_context`` itself, which makes this a no-op)."""
-
-    def __init__(self, guard: NanGuard, nanguard_dir: str) -> None:
-        self.guard = guard
-        self.nanguard_dir = nanguard_dir
-        self.seen = 0
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        directory = self.nanguard_dir
-        for event in self.guard.events[self.seen :]:
-            written = Path(directory, INCIDENTS_DIRNAME, incident_dirname(event.global_step, event.rank))
-            if not written.exists():
-                source = event.source_line.rpartition(":")[0] if event.source_line else None
-                save_incident_context(directory, event, source and os.path.abspath(source), batch)
-        self.seen = len(self.guard.events)
-
-
 def guarded_image_run(
     ns_name: str, logdir: Path, *, epochs: int = 2, max_repro_bundles: int = 1
 ) -> tuple[Path, NanGuard]:
@@ -123,8 +100,7 @@ def guarded_image_run(
     torch.manual_seed(0)
     guard = NanGuard(verbose=False, max_repro_bundles=max_repro_bundles)
     logger = namespace.loggers.TensorBoardLogger(str(logdir), name=ns_name, version=0)
-    fallback = IncidentContextFallback(guard, os.path.join(logger.log_dir, "nanguard"))
-    trainer = build_trainer(ns_name, logdir, callbacks=[guard, fallback], logger=logger, max_epochs=epochs)
+    trainer = build_trainer(ns_name, logdir, callbacks=[guard], logger=logger, max_epochs=epochs)
     trainer.fit(MODULES[ns_name](), DataLoader(image_dataset(), batch_size=BATCH, shuffle=False))
     return Path(logger.log_dir), guard
 

@@ -38,6 +38,12 @@ BAD: dict[str, list[Any]] = {
     "min_loss_scale": [0.0, -1.0, float("nan")],
     "max_consecutive_overflows": [0, 1.5, None],
     "verbose": ["false", 0, None],
+    "spike_action": ["skp", "raise", "rollback", False, None],
+    "spike_sigmas": [0, -1.0, float("inf"), "6"],
+    "spike_min_ratio": [0.5, 0.0, float("nan"), float("inf")],
+    "spike_window": [2, 0, 64.0, "128"],
+    "spike_warmup_steps": [1, 0, 16.5],
+    "spike_rebaseline_after": [0, 2.5, None],
 }
 
 GOOD: dict[str, list[Any]] = {
@@ -64,6 +70,12 @@ GOOD: dict[str, list[Any]] = {
     "min_loss_scale": [1e-4, 1.0, 1],
     "max_consecutive_overflows": [1, 20],
     "verbose": [True, False],
+    "spike_action": ["skip", "warn", "off"],
+    "spike_sigmas": [0.5, 6.0, 10],
+    "spike_min_ratio": [1, 1.5, 3.0],
+    "spike_window": [16, 128, 1000],
+    "spike_warmup_steps": [2, 16, 128],
+    "spike_rebaseline_after": [1, 5],
 }
 
 
@@ -95,6 +107,12 @@ def test_good_values_are_accepted_and_kept(name: str, value: Any) -> None:
 def test_a_single_remedy_string_says_how_to_write_the_list() -> None:
     with pytest.raises(ValueError, match=r"got 'clip_grad' \(a single string: write \['clip_grad'\]\)"):
         NanGuard(remedies="clip_grad")  # type: ignore[arg-type]
+
+
+def test_spike_warmup_cannot_exceed_the_window() -> None:
+    with pytest.raises(ValueError, match=r"`spike_warmup_steps` must be <= `spike_window` \(8\), got 16"):
+        NanGuard(spike_window=8)
+    NanGuard(spike_window=8, spike_warmup_steps=8)
 
 
 def test_the_allowed_values_are_spelled_out() -> None:

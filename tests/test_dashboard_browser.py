@@ -7,6 +7,7 @@ Skipped, with the reason, where chromium and chromedriver are not installed.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,7 +53,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TensorBoardServ
         guarded_image_run(ns, logdir)
     write_mixed_run(logdir / MIXED)
     with tensorboard_server(logdir, tmp_path_factory.mktemp("tb")) as tb:
-        assert wait_for(lambda: b'"grad_norm": [[' in tb.get(f"/data/plugin/nanguard/timeline?run={RUNS[1]}")[2])
+        assert wait_for(lambda: json.loads(tb.get(f"/data/plugin/nanguard/timeline?run={RUNS[1]}")[2])["grad_norm"])
         yield tb
 
 

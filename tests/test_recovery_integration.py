@@ -226,6 +226,22 @@ def test_plain_skip_cannot_save_a_diverging_run(tmp_path: Path) -> None:
         trainer.fit(LinearRegression(), _loader(_diverging_data()))
 
 
+def test_diverging_run_is_caught_as_state_spikes_before_any_nan(tmp_path: Path) -> None:
+    """With the defaults the blow-up is a run of finite loss spikes: skipped, blamed on the model state, remedied."""
+    guard = _quiet(action="rollback", remedies=["clip_grad", "lr_backoff"], snapshot_every_n_steps=10)
+    trainer = build_trainer("lightning", tmp_path, callbacks=[guard], max_epochs=3)
+    module = LinearRegression()
+    trainer.fit(module, _loader(_diverging_data()))
+    assert _finite(module) and trainer.global_step == 96
+    assert guard.events and all(e.kinds[0] == "loss_spike" and e.action == "skipped" for e in guard.events)
+    assert guard.bad_steps_total == 0 and guard.counters.spikes_total == len(guard.events)  # spikes never escalate
+    first = guard.events[0]
+    assert first.cause == "state" and first.offending_samples is None
+    assert first.details["state_passes"] == 1  # the reference sample of a healthy step fails too
+    assert [r.split(":")[0] for r in first.remedies] == ["clip_grad", "lr_backoff"]  # at the first incident
+    assert guard.recovery.rollbacks_total == 0
+
+
 def test_diverging_run_finishes_finite_with_rollback_clip_grad_and_lr_backoff(tmp_path: Path) -> None:
     guard = _quiet(
         action="rollback",
@@ -235,6 +251,7 @@ def test_diverging_run_finishes_finite_with_rollback_clip_grad_and_lr_backoff(tm
         check_params_every_n_steps=0,
         bisect=False,
         localize=False,
+        spike_action="off",  # let it diverge to NaN: the rollback path
     )
     tensorboard = TensorBoardLogger(tmp_path, name="tb", version=0)
     csv_logger = CSVLogger(tmp_path, name="csv", version=0)
