@@ -1,31 +1,48 @@
-"""Healthy-step cost of NanGuard against every alternative, measured side by side in one process.
+"""Healthy-step cost of NanGuard on five model shapes, measured side by side in one process.
 
 Run from the repository root (``bash scripts/bench.sh`` sets up the environment first)::
 
-    python benchmarks/overhead.py            # full run, writes docs/benchmarks.md and docs/benchmarks.png
-    python benchmarks/overhead.py --quick    # fewer repetitions
+    python benchmarks/overhead.py            # full run (~12 min), writes docs/benchmarks.md and docs/benchmarks.png
+    python benchmarks/overhead.py --quick    # 2 rounds, no reference variants (~4 min), same outputs
+    python benchmarks/overhead.py --models ResNet --rounds 3   # a subset, for development
 
-Everything is reported as ratios, never absolute times:
+Run it on a quiet machine: every number is a ratio of two timings taken in the same run, but other
+processes on the cores still add noise (the report records the load average before and after).
+Threads are pinned to 2, shapes, batch and input sizes to ``benchmarks/models.py``.
 
-1. Training-step time of the same model and data with: no guard; ``NanGuard()`` defaults; a
-   naive per-parameter ``torch.isfinite(p.grad).all()`` check; Lightning's ``detect_anomaly=True``.
-   Variants are interleaved round by round so drift in machine load hits all of them alike; the
-   median step time of each is divided by the no-guard median.
-2. Kernel level: NanGuard's check against GradScaler's fused check
-   (``_amp_foreach_non_finite_check_and_unscale_``) and against the floor (one reduction over a
-   single flat buffer holding the same number of values), for synthetic gradient lists and the
-   models' real gradients.
-3. Diagnosis: time of a bad step (bisection + localisation + bundle) against a healthy step.
+What is measured:
+
+1. **Time inside the guard** (the steady figure): every callable NanGuard installs runs under its
+   ``guard.clock`` (:class:`lightning_nanguard.timing.GuardClock`): callback hooks, gradient
+   hooks, the strategy's after-step work, the sampler wrapper. Its total over a window of
+   ``--steps`` training steps, divided by the wall time of the same window. A ``CSVLogger`` is
+   on and ``log_every_n_steps`` is Lightning's default (50), so the window holds one logging step
+   (where the guard also computes the gradient norm): it is averaged in.
+2. **End-to-end ratio**: mean step time of the window under ``NanGuard()`` over the same without
+   a guard; one pair per round, rounds interleaved in rotated order, median over rounds.
+   Reference variants (a hand-written per-parameter ``isfinite`` loop, ``detect_anomaly=True``)
+   run in the first round only: their costs are far above the noise.
+3. **The check against the memory floor**: on each model's real gradients, the check alone
+   against one read of every gradient byte (``flat.sum()`` over one flat buffer of the same size).
+   ``GradientCheck`` sums large gradients in ``register_post_accumulate_grad_hook`` during a real
+   backward: its cost is the time inside those hooks (sum over hooks of each hook's minimum over
+   the runs), the autograd-to-Python dispatch of each hook (measured apart) and the work after
+   backward. The others are timed as a whole (minimum over repetitions).
+4. **Diagnosis**: the time of a bad step (bisection + localisation + bundle) against a healthy step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,27 +55,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import MODELS, make
 
 from lightning_nanguard import NanGuard
-from lightning_nanguard.detection import fused_health_check
+from lightning_nanguard.detection import GradientCheck, fused_health_check
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
+THREADS = 2
+WARMUP = 5
+TARGET = 0.02  # at most 2% of a step inside the guard
 
 
-class StepTimer(Callback):
-    """Wall time of each training batch, from ``on_train_batch_start`` to ``on_train_batch_end``."""
+# ---------------------------------------------------------------------------- training runs
 
-    def __init__(self, warmup: int) -> None:
+
+class StepWindow(Callback):
+    """Wall time of the steps from ``warmup`` on (to the end of training); resets the guard's clock at its start."""
+
+    def __init__(self, warmup: int, guard: NanGuard | None) -> None:
         self.warmup = warmup
-        self.times: list[float] = []
-        self._start = 0.0
+        self.guard = guard
+        self.start = 0.0
+        self.first_step = 0
+        self.seconds = 0.0
+        self.steps = 0
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._start = time.perf_counter()
+        if trainer.global_step == self.warmup and not self.start:
+            if self.guard is not None:
+                self.guard.clock.reset()
+            self.start = time.perf_counter()
+            self.first_step = trainer.global_step
 
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if batch_idx >= self.warmup:
-            self.times.append(time.perf_counter() - self._start)
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.seconds = time.perf_counter() - self.start
+        self.steps = trainer.global_step - self.first_step
 
 
 class NaiveCheck(Callback):
@@ -70,22 +98,38 @@ class NaiveCheck(Callback):
                 param.grad = None
 
 
+def _guard() -> NanGuard:
+    guard = NanGuard(verbose=False)
+    guard.clock.enabled = True
+    return guard
+
+
 VARIANTS: dict[str, Callable[[], tuple[list[Callback], dict[str, Any]]]] = {
     "no guard": lambda: ([], {}),
-    "NanGuard()": lambda: ([NanGuard(verbose=False)], {}),
+    "NanGuard()": lambda: ([_guard()], {}),
     "naive isfinite loop": lambda: ([NaiveCheck()], {}),
     "detect_anomaly=True": lambda: ([], {"detect_anomaly": True}),
 }
+MAIN_VARIANTS = ["no guard", "NanGuard()"]
+REFERENCE_VARIANTS = ["naive isfinite loop", "detect_anomaly=True"]
 
 
-def fit_once(model_name: str, variant: str, steps: int, warmup: int, root: str) -> list[float]:
-    module, loader = make(model_name)
+@dataclass
+class Run:
+    step_seconds: float  # mean over the window
+    guard_seconds: dict[str, float] = field(default_factory=dict)  # per guard callable, over the window
+    window_seconds: float = 0.0
+
+
+def fit_once(model_name: str, variant: str, steps: int, root: str) -> Run:
+    module, loader = make(model_name, batches=WARMUP + steps)
     callbacks, trainer_kwargs = VARIANTS[variant]()
-    timer = StepTimer(warmup)
+    guard = next((c for c in callbacks if isinstance(c, NanGuard)), None)
+    window = StepWindow(WARMUP, guard)
     trainer = Trainer(
-        max_steps=steps,
-        callbacks=[timer, *callbacks],
-        logger=CSVLogger(root),  # a real logger: NanGuard logs its norm every log_every_n_steps (50)
+        max_steps=WARMUP + steps,
+        callbacks=[window, *callbacks],  # the window first: its clock reset precedes the guard's hooks
+        logger=CSVLogger(root),  # a real logger: NanGuard logs every log_every_n_steps (Lightning's default, 50)
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -95,80 +139,176 @@ def fit_once(model_name: str, variant: str, steps: int, warmup: int, root: str) 
         **trainer_kwargs,
     )
     trainer.fit(module, loader)
-    return timer.times
+    if window.steps != steps:
+        raise RuntimeError(f"{model_name} / {variant}: measured {window.steps} steps, expected {steps}")
+    seconds = dict(guard.clock.seconds) if guard is not None else {}
+    return Run(window.seconds / window.steps, seconds, window.seconds)
 
 
-def step_overhead(rounds: int, steps: int, warmup: int) -> dict[str, dict[str, float]]:
-    """Per model and variant: the median over rounds of (median step time / no-guard median step time).
+@dataclass
+class ModelResult:
+    no_guard_step: float = 0.0  # seconds, median over rounds
+    guard_fraction: list[float] = field(default_factory=list)  # per round
+    ratio: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # per variant, per round
+    by_callable: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # seconds, all rounds
+    window_total: float = 0.0  # seconds of NanGuard windows, all rounds
 
-    Each round runs every variant once, in a rotated order, and is compared with its own no-guard
-    run, so slow drift of the machine's speed cancels out.
-    """
-    results: dict[str, dict[str, float]] = {}
+
+def step_overhead(models: list[str], rounds: int, steps: int, reference: bool) -> dict[str, ModelResult]:
+    """Per model: guard fraction and end-to-end ratios, rounds interleaved in rotated order."""
+    results: dict[str, ModelResult] = {}
     with tempfile.TemporaryDirectory() as root:
-        for model_name in MODELS:
-            ratios: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
-            names = list(VARIANTS)
-            for round_index in range(rounds):
-                order = names[round_index % len(names) :] + names[: round_index % len(names)]  # rotate
-                medians = {v: statistics.median(fit_once(model_name, v, steps, warmup, root)) for v in order}
-                for variant, median in medians.items():
-                    ratios[variant].append(median / medians["no guard"])
-            results[model_name] = {v: statistics.median(r) for v, r in ratios.items()}
-            print(f"{model_name}: " + ", ".join(f"{v} {r:.3f}x" for v, r in results[model_name].items()), flush=True)
+        for model_name in models:
+            result = ModelResult()
+            no_guard_steps: list[float] = []
+            for index in range(rounds):
+                names = MAIN_VARIANTS + (REFERENCE_VARIANTS if reference and index == 0 else [])
+                order = names[index % len(names) :] + names[: index % len(names)]  # rotate
+                runs = {variant: fit_once(model_name, variant, steps, root) for variant in order}
+                base = runs["no guard"].step_seconds
+                no_guard_steps.append(base)
+                for variant, run in runs.items():
+                    if variant != "no guard":
+                        result.ratio[variant].append(run.step_seconds / base)
+                guarded = runs["NanGuard()"]
+                result.guard_fraction.append(sum(guarded.guard_seconds.values()) / guarded.window_seconds)
+                for name, seconds in guarded.guard_seconds.items():
+                    result.by_callable[name] += seconds
+                result.window_total += guarded.window_seconds
+                print(
+                    f"  {model_name} round {index + 1}/{rounds}: step {base * 1e3:.1f} ms, inside the guard "
+                    f"{result.guard_fraction[-1]:.2%}, "
+                    + ", ".join(f"{v} {r[-1]:.3f}x" for v, r in result.ratio.items() if len(r) == index + 1),
+                    flush=True,
+                )
+            result.no_guard_step = statistics.median(no_guard_steps)
+            results[model_name] = result
+            print(
+                f"{model_name}: inside the guard {statistics.median(result.guard_fraction):.2%} of a step "
+                f"(median of {rounds}), end-to-end {statistics.median(result.ratio['NanGuard()']):.3f}x",
+                flush=True,
+            )
     return results
 
 
-def _median_time(fn: Callable[[], Any], repeats: int) -> float:
+# ---------------------------------------------------------------------------- the check alone
+
+
+def _min_time(fn: Callable[[], Any], repeats: int) -> float:
     fn()
-    times = []
+    best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
-def model_gradients(model_name: str) -> list[Tensor]:
-    module, loader = make(model_name)
-    x, y = next(iter(loader))
-    module.training_step((x, y), 0).backward()
-    return [p.grad for p in module.parameters() if p.grad is not None]
+class _HookTimes:
+    """Clock stand-in for ``GradientCheck``: the duration of every hook call, in call order."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.durations: list[float] = []
+
+    @contextlib.contextmanager
+    def measure(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.durations.append(time.perf_counter() - start)
 
 
-def kernel_ratios(repeats: int) -> dict[str, dict[str, float]]:
-    """NanGuard's check and GradScaler's check, each divided by the floor (one flat reduction)."""
-    cases: dict[str, list[Tensor]] = {
-        "160 tensors, 25M values": [torch.randn(156_250) for _ in range(160)],
-        "2,000 tensors, 25M values": [torch.randn(12_500) for _ in range(2_000)],
-        "20,000 tensors, 2M values": [torch.randn(100) for _ in range(20_000)],
-    }
-    for model_name in MODELS:
-        cases[f"{model_name}: real grads"] = model_gradients(model_name)
+def hook_dispatch_seconds(repeats: int) -> float:
+    """Cost of autograd calling one Python post-accumulate-grad hook (backward with no-op hooks minus without)."""
+    leaves = [torch.nn.Parameter(torch.ones(1)) for _ in range(256)]
+
+    def backward() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+        torch.stack(leaves).sum().backward()
+
+    plain = _min_time(backward, repeats)
+    handles = [leaf.register_post_accumulate_grad_hook(lambda p: None) for leaf in leaves]
+    hooked = _min_time(backward, repeats)
+    for handle in handles:
+        handle.remove()
+    return max(0.0, (hooked - plain) / len(leaves))
+
+
+def streaming_check(model_name: str, runs: int, dispatch: float) -> tuple[float, float, int, list[Tensor]]:
+    """``GradientCheck`` on a real backward: (its cost, the floor on the same gradients, hooks, the gradients)."""
+    module, loader = make(model_name, batches=1)
+    batch = next(iter(loader))
+    params = list(module.parameters())
+    times = _HookTimes()
+    check = GradientCheck(params, clock=times)  # type: ignore[arg-type]
+    per_run: list[list[float]] = []
+    after: list[float] = []
+    floors: list[float] = []
+    for index in range(runs + 1):
+        module.zero_grad(set_to_none=True)
+        loss = module.training_step(batch, 0)
+        times.durations = []
+        loss.backward()
+        start = time.perf_counter()
+        check.health_check(with_norm=False).tolist()
+        if index:  # the first run warms up
+            after.append(time.perf_counter() - start)
+            per_run.append(times.durations)
+            flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+            floors.append(_min_time(lambda flat=flat: flat.sum().item(), 5))
+    check.remove()
+    hooks = len(per_run[0])
+    inside = sum(min(run[i] for run in per_run) for i in range(hooks))
+    grads = [p.grad for p in params if p.grad is not None]
+    return inside + hooks * dispatch + min(after), min(floors), hooks, grads
+
+
+CHECKS = ["GradientCheck (hooks)", "fused_health_check", "GradientCheck (after backward)", "GradScaler kernel (writes)"]
+
+
+def kernel_ratios(models: list[str], repeats: int) -> dict[str, dict[str, float]]:
+    """Each check's time over the floor (one read of every gradient byte), same gradients, side by side."""
+    dispatch = hook_dispatch_seconds(repeats)
+    print(f"  autograd -> Python hook dispatch: {dispatch * 1e6:.2f} us per hook", flush=True)
     results: dict[str, dict[str, float]] = {}
-    for name, grads in cases.items():
+    cases: dict[str, tuple[list[Tensor], float | None]] = {}
+    for model_name in models:
+        streamed, floor, hooks, grads = streaming_check(model_name, max(5, repeats // 2), dispatch)
+        cases[f"{model_name} ({len(grads)} tensors, {hooks} hooked)"] = (grads, streamed / floor)
+    cases["2,000 tensors, 25M values"] = ([torch.randn(12_500) for _ in range(2_000)], None)
+    cases["20,000 tensors, 2M values"] = ([torch.randn(100) for _ in range(20_000)], None)
+    for name, (grads, streamed) in cases.items():
         flat = torch.cat([g.reshape(-1) for g in grads])
         found, one = torch.zeros(1), torch.ones(1)
+        stateful = GradientCheck([torch.nn.Parameter(torch.empty_like(g)) for g in grads], stream=False)
+        for param, grad in zip(stateful.params, grads, strict=True):
+            param.grad = grad
         candidates: dict[str, Callable[[], Any]] = {
-            "floor": lambda flat=flat: torch.linalg.vector_norm(flat).item(),
-            "NanGuard check": lambda grads=grads: fused_health_check(grads, with_norm=False).tolist(),
-            "NanGuard check + norm": lambda grads=grads: fused_health_check(grads).tolist(),
-            "GradScaler check": lambda grads=grads, found=found, one=one: (
+            "floor": lambda flat=flat: flat.sum().item(),
+            "fused_health_check": lambda grads=grads: fused_health_check(grads, with_norm=False).tolist(),
+            "GradientCheck (after backward)": lambda check=stateful: check.health_check(with_norm=False).tolist(),
+            "GradScaler kernel (writes)": lambda grads=grads, found=found, one=one: (
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one),
                 found.item(),
             ),
+            "with the global norm": lambda grads=grads: fused_health_check(grads, with_norm=True).tolist(),
         }
-        timings: dict[str, list[float]] = {k: [] for k in candidates}
+        best: dict[str, float] = {}
         for _ in range(5):  # interleave the candidates
             for key, fn in candidates.items():
-                timings[key].append(_median_time(fn, max(1, repeats // 5)))
-        floor = statistics.median(timings["floor"])
-        results[name] = {k: statistics.median(v) / floor for k, v in timings.items() if k != "floor"}
-        print(
-            f"{name} ({len(grads)} tensors): " + ", ".join(f"{k} {r:.2f}x" for k, r in results[name].items()),
-            flush=True,
-        )
+                best[key] = min(best.get(key, float("inf")), _min_time(fn, max(1, repeats // 5)))
+        results[name] = {k: v / best["floor"] for k, v in best.items() if k != "floor"}
+        if streamed is not None:
+            results[name] = {"GradientCheck (hooks)": streamed, **results[name]}
+        print(f"  {name}: " + ", ".join(f"{k} {r:.2f}x" for k, r in results[name].items()), flush=True)
     return results
+
+
+# ---------------------------------------------------------------------------- diagnosis
 
 
 def diagnosis_cost() -> dict[str, float]:
@@ -184,11 +324,11 @@ def diagnosis_cost() -> dict[str, float]:
                 torch.utils.data.TensorDataset(images, dataset.tensors[1]),  # type: ignore[attr-defined]
                 batch_size=32,
             )
-            timer = StepTimer(warmup=0)
+            times = _BatchTimes()
             guard = NanGuard(verbose=False, bisect=bisect, localize=bisect, save_repro=bisect)
             trainer = Trainer(
                 max_steps=6,
-                callbacks=[timer, guard],
+                callbacks=[times, guard],
                 logger=CSVLogger(root),
                 enable_progress_bar=False,
                 enable_model_summary=False,
@@ -197,39 +337,127 @@ def diagnosis_cost() -> dict[str, float]:
                 devices=1,
             )
             trainer.fit(module, bad_loader)
-            healthy = statistics.median(timer.times[1:3] + timer.times[4:])
-            ratios["bad step, detect + skip only" if not bisect else "bad step, full diagnosis"] = (
-                timer.times[3] / healthy
-            )
-            if bisect:
+            healthy = statistics.median(times.seconds[1:3] + times.seconds[4:])
+            key = "bad step, full diagnosis" if bisect else "bad step, detect + skip only"
+            ratios[key] = times.seconds[3] / healthy
+            if bisect and guard.events:
                 ratios["bisection passes (n=32, k=1)"] = float(guard.events[0].details.get("bisect_passes", 0))
-    print(", ".join(f"{k}: {v:.2f}" for k, v in ratios.items()), flush=True)
+    print("  " + ", ".join(f"{k}: {v:.2f}" for k, v in ratios.items()), flush=True)
     return ratios
 
 
+class _BatchTimes(Callback):
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def _shapes(step: dict[str, ModelResult]) -> list[str]:
+    lines = ["| model | parameters | tensors | batch | step time, no guard |", "|---|---|---|---|---|"]
+    for name, spec in MODELS.items():
+        module, _ = make(name, batches=1)
+        params = list(module.parameters())
+        measured = f"{step[name].no_guard_step * 1e3:.1f} ms" if name in step else "not run"
+        size = f"{sum(p.numel() for p in params) / 1e6:.2f}M"
+        lines.append(f"| {name} | {size} | {len(params)} | {spec.batch_size} | {measured} |")
+    return lines
+
+
 def write_report(
-    step: dict[str, dict[str, float]], kernel: dict[str, dict[str, float]], diagnosis: dict[str, float]
+    step: dict[str, ModelResult],
+    kernel: dict[str, dict[str, float]],
+    diagnosis: dict[str, float],
+    settings: dict[str, Any],
 ) -> None:
     DOCS.mkdir(exist_ok=True)
     lines = [
         "# Benchmarks",
         "",
-        f"Generated by `python benchmarks/overhead.py` on {torch.get_num_threads()} CPU threads, "
-        f"torch {torch.__version__}. All numbers are ratios measured side by side in one run.",
+        f"Generated by `bash scripts/bench.sh` (`python benchmarks/overhead.py{settings['flags']}`) on "
+        f"{THREADS} CPU threads, torch {torch.__version__}; {settings['rounds']} interleaved rounds of "
+        f"{settings['steps']} measured steps per variant (after {WARMUP} warm-up steps), a `CSVLogger`, "
+        f"Lightning's default `log_every_n_steps=50`. Load average {settings['load_before']:.2f} before, "
+        f"{settings['load_after']:.2f} after (anything well above 0 means other processes shared the cores). "
+        "Shapes, batch and input sizes are pinned in `benchmarks/models.py`.",
         "",
-        "## Training-step time relative to no guard (median)",
+        "## Models",
         "",
     ]
-    variants = list(next(iter(step.values())))
-    lines += ["| model | " + " | ".join(variants) + " |", "|---|" + "---|" * len(variants)]
-    lines += [f"| {m} | " + " | ".join(f"{r[v]:.3f}" for v in variants) + " |" for m, r in step.items()]
-    lines += ["", "## Check kernels relative to the floor (one reduction over one flat buffer)", ""]
-    kinds = list(next(iter(kernel.values())))
+    lines += _shapes(step)
+    variants = ["NanGuard()", *(v for v in REFERENCE_VARIANTS if any(r.ratio.get(v) for r in step.values()))]
+    lines += [
+        "",
+        f"## Time inside the guard (target: at most {TARGET:.0%} of a step) and end-to-end step time",
+        "",
+        "Inside the guard: `guard.clock.total` (every hook, gradient hook, after-step work and sampler wrapper "
+        "NanGuard installs) over the wall time of the same steps, median over rounds (min-max in brackets). "
+        "End-to-end: mean step time relative to the same model without a guard, median over rounds "
+        "(reference variants: first round only).",
+        "",
+        "| model | inside the guard | within target | " + " | ".join(variants) + " |",
+        "|---|---|---|" + "---|" * len(variants),
+    ]
+    for name, result in step.items():
+        fraction = statistics.median(result.guard_fraction)
+        spread = f"({min(result.guard_fraction):.2%}-{max(result.guard_fraction):.2%})"
+        ratios = " | ".join(_median_or_dash(result.ratio.get(v)) for v in variants)
+        lines.append(f"| {name} | {fraction:.2%} {spread} | {'yes' if fraction <= TARGET else 'NO'} | {ratios} |")
+    lines += [
+        "",
+        "### Where the guard's time goes (share of a step, all rounds)",
+        "",
+        "| model | " + " | ".join(f"`{c}`" for c in _callables(step)) + " |",
+        "|---|" + "---|" * len(_callables(step)),
+    ]
+    for name, result in step.items():
+        window = result.window_total or float("inf")
+        shares = [result.by_callable.get(c, 0.0) / window for c in _callables(step)]
+        lines.append(f"| {name} | " + " | ".join(f"{share:.2%}" for share in shares) + " |")
+    lines += [
+        "",
+        "## The check alone against the memory floor",
+        "",
+        "Time of each check on the same gradients over one read of every gradient byte (`flat.sum()` over one "
+        "flat buffer of the same size), minimum over interleaved repetitions. `GradientCheck (hooks)` sums "
+        "large gradients during a real backward (see the module docs of `benchmarks/overhead.py` for how it is "
+        "timed); `GradScaler kernel (writes)` is the check used before, which writes every gradient.",
+        "",
+    ]
+    kinds = [k for k in [*CHECKS, "with the global norm"] if any(k in r for r in kernel.values())]
     lines += ["| gradients | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
-    lines += [f"| {c} | " + " | ".join(f"{r[k]:.2f}" for k in kinds) + " |" for c, r in kernel.items()]
-    lines += ["", "## Diagnosis", "", "| | ratio to a healthy step |", "|---|---|"]
-    lines += [f"| {k} | {v:.2f} |" for k, v in diagnosis.items()]
+    for case, found in kernel.items():
+        lines.append(f"| {case} | " + " | ".join(f"{found[k]:.2f}" if k in found else "-" for k in kinds) + " |")
+    if diagnosis:
+        lines += ["", "## Diagnosis", "", "| | ratio to a healthy step |", "|---|---|"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in diagnosis.items()]
     (DOCS / "benchmarks.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _plot(step, kernel, kinds)
+
+
+def _median_or_dash(values: list[float] | None) -> str:
+    return f"{statistics.median(values):.3f}" if values else "-"
+
+
+def _callables(step: dict[str, ModelResult]) -> list[str]:
+    totals: dict[str, float] = defaultdict(float)
+    for result in step.values():
+        for name, seconds in result.by_callable.items():
+            totals[name] += seconds / result.window_total if result.window_total else 0.0
+    return sorted(totals, key=totals.__getitem__, reverse=True)
+
+
+def _plot(step: dict[str, ModelResult], kernel: dict[str, dict[str, float]], kinds: list[str]) -> None:
     try:
         import matplotlib
 
@@ -238,20 +466,30 @@ def write_report(
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    width = 0.8 / len(variants)
-    for i, variant in enumerate(variants):
-        axes[0].bar([j + i * width for j in range(len(step))], [step[m][variant] for m in step], width, label=variant)
-    axes[0].set_xticks([j + 0.4 - width / 2 for j in range(len(step))], list(step), fontsize=7)
-    axes[0].set_ylabel("step time / no guard")
-    axes[0].set_yscale("log")
-    axes[0].legend(fontsize=7)
-    width = 0.8 / len(kinds)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    names = list(step)
+    positions = range(len(names))
+    fractions = [100 * statistics.median(step[n].guard_fraction) for n in names]
+    low = [f - 100 * min(step[n].guard_fraction) for f, n in zip(fractions, names, strict=True)]
+    high = [100 * max(step[n].guard_fraction) - f for f, n in zip(fractions, names, strict=True)]
+    axes[0].bar(positions, fractions, yerr=[low, high], color="tab:blue", capsize=3)
+    axes[0].axhline(100 * TARGET, color="tab:red", linestyle="--", label=f"target {TARGET:.0%}")
+    axes[0].set_xticks(list(positions), [n.split(" (")[0] for n in names], fontsize=8, rotation=15)
+    axes[0].set_ylabel("time inside the guard, % of a step")
+    axes[0].set_title("NanGuard() per healthy step (median, min-max over rounds)", fontsize=9)
+    axes[0].legend(fontsize=8)
+    width = 0.8 / max(1, len(kinds))
+    cases = list(kernel)
     for i, kind in enumerate(kinds):
-        axes[1].bar([j + i * width for j in range(len(kernel))], [kernel[c][kind] for c in kernel], width, label=kind)
-    axes[1].set_xticks([j + 0.4 - width / 2 for j in range(len(kernel))], list(kernel), fontsize=6, rotation=20)
-    axes[1].set_ylabel("time / floor")
+        values = [kernel[c].get(kind, float("nan")) for c in cases]
+        axes[1].bar([j + i * width for j in range(len(cases))], values, width, label=kind)
+    axes[1].axhline(1.2, color="tab:red", linestyle="--", label="1.2x the floor")
+    axes[1].set_xticks(
+        [j + 0.4 - width / 2 for j in range(len(cases))], [c.split(" (")[0] for c in cases], fontsize=7, rotation=15
+    )
+    axes[1].set_ylabel("time / one read of every gradient byte")
     axes[1].set_yscale("log")
+    axes[1].set_title("the check alone against the memory floor", fontsize=9)
     axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(DOCS / "benchmarks.png", dpi=120)
@@ -259,17 +497,38 @@ def write_report(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds and repetitions")
+    parser.add_argument("--quick", action="store_true", help="2 rounds, no reference variants, no diagnosis")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds per model (default 5, --quick 2)")
+    parser.add_argument("--steps", type=int, default=50, help="measured steps per run (default 50: one logging step)")
+    parser.add_argument("--models", nargs="*", help="only models whose name contains one of these words")
     args = parser.parse_args()
-    rounds, steps, repeats = (2, 25, 10) if args.quick else (7, 40, 30)
-    print("== kernel level", flush=True)
-    kernel = kernel_ratios(repeats)
-    print("== training step", flush=True)
-    step = step_overhead(rounds, steps, warmup=5)
-    print("== diagnosis", flush=True)
-    diagnosis = diagnosis_cost()
-    write_report(step, kernel, diagnosis)
-    print(f"wrote {DOCS / 'benchmarks.md'} and {DOCS / 'benchmarks.png'}")
+    torch.set_num_threads(THREADS)
+    rounds = args.rounds or (2 if args.quick else 5)
+    models = [m for m in MODELS if not args.models or any(word.lower() in m.lower() for word in args.models)]
+    if not models:
+        parser.error(f"--models {args.models} matches none of {list(MODELS)}")
+    load_before = os.getloadavg()[0]
+    if load_before > 0.5:
+        print(f"note: load average {load_before:.2f}: other processes share the cores, expect noise", flush=True)
+    started = time.perf_counter()
+    print("== the check alone against the memory floor", flush=True)
+    kernel = kernel_ratios(models, repeats=10 if args.quick else 30)
+    print(f"== training steps ({rounds} rounds of {args.steps} steps per variant)", flush=True)
+    step = step_overhead(models, rounds, args.steps, reference=not args.quick)
+    diagnosis: dict[str, float] = {}
+    if not args.quick:
+        print("== diagnosis", flush=True)
+        diagnosis = diagnosis_cost()
+    flags = "".join(f" {a}" for a in sys.argv[1:])
+    settings = {
+        "flags": flags,
+        "rounds": rounds,
+        "steps": args.steps,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+    }
+    write_report(step, kernel, diagnosis, settings)
+    print(f"wrote {DOCS / 'benchmarks.md'} and {DOCS / 'benchmarks.png'} in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

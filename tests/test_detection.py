@@ -462,6 +462,57 @@ def test_sparse_and_complex_gradients(value: float) -> None:
     check.remove()
 
 
+@NONFINITE
+@pytest.mark.parametrize("where", ["stacked", "single"])
+def test_many_small_gradients_some_missing(value: float, where: str) -> None:
+    """Same-shape small gradients are staged by one stack per shape, the rest by one copy; missing ones read 0."""
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(20))  # 40 small tensors in 2 shapes
+    odd = torch.nn.Parameter(torch.ones(3, 5))  # a shape of its own
+    check = GradientCheck([*layers.parameters(), odd])
+    assert check._large == []
+
+    def backward(skip: int | None = None) -> None:
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        odd.grad = None
+        h = torch.ones(2, 4)
+        for index, layer in enumerate(layers):
+            h = h if index == skip else h + layer(h).tanh()
+        (h.sum() + odd.sum()).backward()
+
+    backward(skip=7)  # layer 7 has no gradient
+    assert layers[7].weight.grad is None
+    assert check.health_check(with_norm=False).tolist()[0] == 0.0
+    grad = layers[3].bias.grad if where == "stacked" else odd.grad
+    grad.view(-1)[-1] = value
+    assert check.health_check(with_norm=False).tolist()[0] == 1.0
+    backward()  # all present again: the stale NaN/Inf is overwritten
+    assert check.health_check(with_norm=False).tolist()[0] == 0.0
+    odd.grad = None
+    layers[3].weight.grad = None
+    assert check.health_check(with_norm=False).tolist()[0] == 0.0
+    check.remove()
+
+
+@NONFINITE
+def test_small_sparse_gradient_takes_the_generic_path(value: float) -> None:
+    embedding = torch.nn.Embedding(10, 8, sparse=True)
+    bias = torch.nn.Parameter(torch.zeros(8))
+    large = torch.nn.Parameter(torch.zeros(64, 64))  # hooked: its sum shares the small gradients' buffer
+    check = GradientCheck([embedding.weight, bias, large])
+    (embedding(torch.tensor([1, 2])) + bias).sum().backward()
+    assert embedding.weight.grad.is_sparse
+    assert check.health_check(with_norm=False).tolist()[0] == 0.0
+    embedding.weight.grad = None
+    (embedding(torch.tensor([1, 2])) * value).sum().backward()
+    assert check.health_check(with_norm=False).tolist()[0] == 1.0
+    embedding.weight.grad = None
+    (embedding(torch.tensor([1])).sum() + (large * value).sum()).backward()
+    assert check.health_check(with_norm=False).tolist()[0] == 1.0
+    assert check.rechecked == 0  # the large gradient was summed by its hook, not read again
+    check.remove()
+
+
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_create_graph_backward_does_not_break_the_hooks() -> None:
     net = _Net()
