@@ -5,7 +5,7 @@ distributed sampler); the fault is on rank 1 only. Each rank writes ``rank<N>.js
 its final parameter bytes, the global steps whose update it skipped, its events, counters, learning
 rate, whether its guard is still active, and the error it stopped with, if any.
 
-Scenarios (``SCENARIOS``): ``skip`` (a NaN sample in batch 1 of rank 1), ``max_events`` and
+Scenarios (``SCENARIOS``): ``skip`` (a NaN sample in batch 1 and a label typo in batch 20 of rank 1), ``max_events`` and
 ``consecutive`` (rank-local faults that escalate), ``lr_backoff`` (a remedy decided on rank 1's
 incident), ``failure`` (an internal error of rank 1's guard).
 """
@@ -34,13 +34,14 @@ class Scenario:
     """A fault on rank 1 and the guard's configuration."""
 
     nan_indices: tuple[int, ...] = ()  # dataset items of rank 1 with a NaN feature (batch = index // 8)
+    typo_indices: tuple[int, ...] = ()  # dataset items of rank 1 whose label is 1e4 instead of ~1 (a loss spike)
     guard: dict[str, Any] = field(default_factory=dict)
     fail_at_step: int | None = None  # rank 1's guard raises an internal error at this step
     batches: int = 4
 
 
 SCENARIOS: dict[str, Scenario] = {
-    "skip": Scenario(nan_indices=(11,)),
+    "skip": Scenario(nan_indices=(11,), typo_indices=(8 * 20 + 5,), batches=24),
     "max_events": Scenario(nan_indices=(11, 27, 43, 59), guard={"max_events": 2}, batches=8),
     "consecutive": Scenario(nan_indices=(19, 27), guard={"max_consecutive_bad_steps": 2}),
     "lr_backoff": Scenario(nan_indices=(11,), guard={"remedies": ["lr_backoff"], "bisect": False}),
@@ -63,6 +64,8 @@ class Regression(pl.LightningModule):
         if rank == BAD_RANK:
             for index in self.scenario.nan_indices:
                 x[index, 1] = float("nan")
+            for index in self.scenario.typo_indices:
+                y[index] = 1e4
         return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -155,6 +158,7 @@ def main(name: str, out_dir: str) -> None:
             "bad_steps_total": guard.bad_steps_total,
             "skipped_total": guard.skipped_total,
             "consecutive_bad_steps": guard.consecutive_bad_steps,
+            "spikes_total": guard.counters.spikes_total,
         },
         "active": guard.active,
         "active_per_step": active.active,

@@ -66,11 +66,11 @@ def _same_on_every_rank(ranks: Ranks, *keys: str) -> None:
 # ------------------------------------------------------------------------------------ a NaN on rank 1
 
 
-def test_both_ranks_skip_the_same_step_with_identical_weights(run: Any) -> None:
+def test_both_ranks_skip_the_same_steps_with_identical_weights(run: Any) -> None:
     ranks = run("skip")
     for data in ranks.values():
-        assert (data["world_size"], data["global_step"], data["finite"], data["active"]) == (2, 4, True, True)
-        assert data["skipped_steps"] == [1]
+        assert (data["world_size"], data["global_step"], data["finite"], data["active"]) == (2, 24, True, True)
+        assert data["skipped_steps"] == [1, 20]  # the NaN of rank 1, then its loss spike
     _same_on_every_rank(ranks, "weights_sha256", "skipped_steps", "counters")
 
 
@@ -82,18 +82,20 @@ def test_ddp_strategy_is_wrapped_on_every_rank(run: Any) -> None:
 
 def test_the_event_names_rank_1_and_its_sample(run: Any) -> None:
     ranks = run("skip")
-    (event,) = ranks[1]["events"]
+    event, spike = ranks[1]["events"]
     assert (event["rank"], event["global_step"], event["batch_idx"], event["action"]) == (1, 1, 1, "skipped")
     assert event["offending_samples"] == [3]
     assert event["dataset_indices"] == [11]
     assert event["cause"] == "input"
     assert {"loss", "grad"} <= set(event["kinds"])
+    assert (spike["global_step"], spike["kinds"], spike["action"]) == (20, ["loss_spike"], "skipped")
+    assert (spike["cause"], spike["offending_samples"], spike["dataset_indices"]) == ("data", [5], [165])
 
 
 def test_only_the_offending_rank_reports_but_every_rank_counts(run: Any) -> None:
     ranks = run("skip")
     assert ranks[0]["events"] == []
-    expected = {"bad_steps_total": 1, "skipped_total": 1, "consecutive_bad_steps": 0}
+    expected = {"bad_steps_total": 1, "skipped_total": 2, "consecutive_bad_steps": 0, "spikes_total": 1}
     assert ranks[0]["counters"] == ranks[1]["counters"] == expected  # rank 0 writes TensorBoard: it must count
 
 
