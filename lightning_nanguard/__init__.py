@@ -10,7 +10,7 @@ from lightning_nanguard.detection import fused_health_check, nonfinite_names
 from lightning_nanguard.events import NanEvent, NonFiniteTrainingError
 from lightning_nanguard.guard import NanGuard
 from lightning_nanguard.reporting import read_events
-from lightning_nanguard.snapshot import BatchNormSnapshot
+from lightning_nanguard.batchnorm_buffers import BatchNormSnapshot
 
 __all__ = [
     "BatchNormSnapshot",

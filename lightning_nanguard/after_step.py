@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from lightning_nanguard.agreement import RankAgreement
+from lightning_nanguard.batchnorm_buffers import batchnorm_buffers
 from lightning_nanguard.decision import Counters, decide_weights
 from lightning_nanguard.detection import all_finite, nonfinite_names
 from lightning_nanguard.events import NanEvent, NonFiniteTrainingError
 from lightning_nanguard.recovery import Recovery
 from lightning_nanguard.reporting.recorder import IncidentRecorder
 from lightning_nanguard.reporting.scalars import scalar_values
-from lightning_nanguard.snapshot import batchnorm_buffers
 from lightning_nanguard.state import GuardState
 from lightning_nanguard.window import StepWindow
 

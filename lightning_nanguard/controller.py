@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from lightning_nanguard.after_step import AfterStep, ParamCheckSettings
 from lightning_nanguard.agreement import RankAgreement
+from lightning_nanguard.batchnorm_buffers import batchnorm_buffers
 from lightning_nanguard.decision import (
     Counters,
     Policy,
@@ -45,7 +46,6 @@ from lightning_nanguard.recovery import Recovery, grad_scaler
 from lightning_nanguard.remedies import clip_gradients_
 from lightning_nanguard.reporting.recorder import IncidentRecorder
 from lightning_nanguard.reporting.scalars import scalar_tags
-from lightning_nanguard.snapshot import batchnorm_buffers
 from lightning_nanguard.spike_watch import SpikeSettings, SpikeWatch
 from lightning_nanguard.state import GuardState
 from lightning_nanguard.window import StepWindow

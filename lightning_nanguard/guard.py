@@ -11,10 +11,9 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch import Tensor, nn
 from typing_extensions import override
@@ -25,7 +24,8 @@ from lightning_nanguard.controller import StepController
 from lightning_nanguard.decision import Counters, Policy
 from lightning_nanguard.diagnosis import DiagnosisSettings
 from lightning_nanguard.events import NanEvent, NonFiniteTrainingError
-from lightning_nanguard.indices import indices_from_batch, next_recorded_indices, record_batch_indices
+from lightning_nanguard.failsafe import CounterView, failsafe
+from lightning_nanguard.indices import indices_from_batch, next_recorded_indices
 from lightning_nanguard.recovery import Recovery, apply_module_eps
 from lightning_nanguard.remedies import Remedy
 from lightning_nanguard.reporting.recorder import IncidentRecorder
@@ -45,26 +45,6 @@ __all__ = ["Action", "NanGuard", "SpikeAction"]
 
 Action = Literal["skip", "raise", "warn", "rollback"]
 SpikeAction = Literal["skip", "warn", "off"]
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _failsafe(hook: _F) -> _F:
-    """Run a hook, timed, so that the guard's own failure never kills training (see ``StepController.fail``)."""
-
-    @functools.wraps(hook)
-    def wrapper(self: NanGuard, *args: Any, **kwargs: Any) -> Any:
-        if not self.active and not self.controller.state.failing:
-            return None
-        try:
-            with self.clock.measure(hook.__name__):
-                return hook(self, *args, **kwargs)
-        except NonFiniteTrainingError:
-            raise
-        except Exception as error:
-            self.controller.fail(error, hook.__name__)
-            return None
-
-    return wrapper  # type: ignore[return-value]
 
 
 class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
@@ -226,25 +206,10 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         """Counts over the run; identical on every rank (a bad step is a step bad on any rank)."""
         return self.controller.state.counters
 
-    @property
-    def bad_steps_total(self) -> int:
-        """Steps with NaN/Inf on some rank (and non-finite weights found after an update)."""
-        return self.counters.bad_steps_total
-
-    @property
-    def skipped_total(self) -> int:
-        """Updates dropped (NaN/Inf or loss spikes)."""
-        return self.counters.skipped_total
-
-    @property
-    def consecutive_bad_steps(self) -> int:
-        """Bad steps in a row up to now."""
-        return self.counters.consecutive_bad_steps
-
-    @property
-    def amp_overflow_total(self) -> int:
-        """Overflow steps a GradScaler skipped by itself (not incidents)."""
-        return self.counters.amp_overflow_total
+    bad_steps_total = CounterView("bad_steps_total", "Steps with NaN/Inf on some rank, and non-finite weights found.")
+    skipped_total = CounterView("skipped_total", "Updates dropped (NaN/Inf or loss spikes).")
+    consecutive_bad_steps = CounterView("consecutive_bad_steps", "Bad steps in a row up to now.")
+    amp_overflow_total = CounterView("amp_overflow_total", "Overflow steps a GradScaler skipped by itself.")
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -275,7 +240,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     # ------------------------------------------------------------------ fit
 
     @override
-    @_failsafe
+    @failsafe
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Wrap the strategy (every process, before ``strategy.setup``) and refuse what cannot be guarded."""
         if stage != "fit":
@@ -283,9 +248,12 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.controller.configure(self._arguments(), strategy_kind=supported_strategy_kind(trainer.strategy))
         self.recorder.sinks.verbose = self.verbose
         self._hooks = StrategyHooks(
-            self._after_optimizer_step, self._strategy_active, self.records_indices, self.recovery.book.quarantined
+            self._after_optimizer_step,
+            self._strategy_active,
+            self.records_indices,
+            self.recovery.book.quarantined,
+            self.clock,
         )
-        self._hooks.clock = self.clock
         apply_nanguard_strategy(trainer.strategy, self._hooks)
 
     @override
@@ -294,7 +262,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         remove_nanguard_strategy(trainer.strategy)
 
     @override
-    @_failsafe
+    @failsafe
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Resolve the log directory (a collective: every rank calls it) and the writers."""
         self._trainer = trainer
@@ -302,7 +270,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.controller.warn_what_cannot_be_skipped(trainer, pl_module)
 
     @override
-    @_failsafe
+    @failsafe
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Find parameters and BatchNorm buffers once the model sits on its device; first snapshot."""
         self.controller.attach(trainer, pl_module)
@@ -311,58 +279,47 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             self.controller.after_step.initial_snapshot(trainer, pl_module)
 
     @override
-    @_failsafe
+    @failsafe
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Make this epoch's training loader record its dataset indices (if the strategy did not already)."""
-        if self.records_indices and self._hooks is not None:
-            sampler = record_batch_indices(trainer.train_dataloader, self.recovery.book.quarantined, self.clock)
-            if sampler is not None and sampler not in self._hooks.samplers:
-                self._hooks.samplers.append(sampler)
+        if self._hooks is not None:
+            self._hooks.record(trainer.train_dataloader)
 
     # ------------------------------------------------------------------ per batch
 
     @override
-    @_failsafe
+    @failsafe
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Open the step's window at its first micro-batch (every batch in manual optimisation)."""
         window = self.controller.window
-        indices = self._dataset_indices(batch)
+        if self.index_key is not None:
+            indices = indices_from_batch(batch, self.index_key)
+        else:
+            indices = next_recorded_indices(self._hooks.samplers if self._hooks is not None else [])
         if not window.open or not pl_module.automatic_optimization:
             window.begin(checking=self.controller.checking(trainer, self.check_every_n_steps))
         window.add_batch(batch, batch_idx, indices, keep=self.controller.diagnosis.diagnoses)
 
-    def _dataset_indices(self, batch: Any) -> list[int] | None:
-        if self.index_key is not None:
-            return indices_from_batch(batch, self.index_key)
-        return next_recorded_indices(self._hooks.samplers if self._hooks is not None else [])
-
     @override
-    @_failsafe
+    @failsafe
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
         """Keep the loss of each (micro-)batch for the check; no host read here."""
         self.controller.window.add_loss(loss)
 
     @override
-    @_failsafe
+    @failsafe
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         """Check loss, gradients and BatchNorm statistics; make the one decision of the step on every rank."""
         self.controller.window.close()
         if self.controller.checking(trainer, self.check_every_n_steps):
             self.controller.check_step(trainer, pl_module, optimizer)
 
+    @failsafe
     def _after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Called by the strategy wrapper on every rank after the update: rollback, weight check, snapshot."""
-        trainer = self._trainer
-        pl_module = getattr(trainer, "lightning_module", None) if trainer is not None else None
-        if trainer is None or pl_module is None or not pl_module.automatic_optimization:
-            return
-        try:
-            with self.clock.measure("after_optimizer_step"):
-                self.controller.after_optimizer_step(trainer, pl_module)
-        except NonFiniteTrainingError:
-            raise
-        except Exception as error:  # same contract as the hooks
-            self.controller.fail(error, "after_optimizer_step")
+        pl_module = getattr(self._trainer, "lightning_module", None)
+        if self._trainer is not None and pl_module is not None and pl_module.automatic_optimization:
+            self.controller.after_optimizer_step(self._trainer, pl_module)
 
     def _strategy_active(self) -> bool:
         return self.active or self.controller.state.failing

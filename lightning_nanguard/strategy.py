@@ -65,6 +65,14 @@ class StrategyHooks:
     clock: GuardClock = field(default_factory=GuardClock)
     samplers: list[RecordingBatchSampler] = field(default_factory=list)
 
+    def record(self, loader: Any) -> None:
+        """Make a training ``loader`` record its dataset indices and drop the excluded ones (idempotent)."""
+        if not self.record_indices:
+            return
+        sampler = record_batch_indices(loader, exclude=self.exclude, clock=self.clock)
+        if sampler is not None and sampler not in self.samplers:
+            self.samplers.append(sampler)
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["samplers"] = []  # loaders belong to the process that iterates them
@@ -100,10 +108,8 @@ class NanGuardStrategyMixin(abc.ABC):  # ABC: same metaclass and layout as Light
         hooks = getattr(self, "_nanguard", None)
         trainer = getattr(getattr(self, "lightning_module", None), "_trainer", None)
         training = bool(getattr(trainer, "training", False))  # Lightning also processes val/test/predict loaders
-        if hooks is not None and hooks.record_indices and training:
-            sampler = record_batch_indices(dataloader, exclude=hooks.exclude, clock=hooks.clock)
-            if sampler is not None and sampler not in hooks.samplers:
-                hooks.samplers.append(sampler)
+        if hooks is not None and training:
+            hooks.record(dataloader)
         return dataloader
 
 

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_nanguard.batching import slice_batch
-from lightning_nanguard.snapshot import BatchNormSnapshot, batchnorm_running_vars
+from lightning_nanguard.batchnorm_buffers import BatchNormSnapshot, batchnorm_running_vars
 
 __all__ = ["MicroBatch", "StepWindow"]
 
