@@ -235,7 +235,10 @@ def _tensorboard_command() -> str:
     """How to start TensorBoard from here: ``tensorboard`` if it is on PATH, else this interpreter's."""
     if shutil.which("tensorboard"):
         return "tensorboard"
-    return f"{_relative(sys.executable)} -m tensorboard.main"
+    beside = Path(sys.executable).parent / "tensorboard"  # the venv's script, e.g. .venv/bin/tensorboard
+    if beside.exists():
+        return os.path.relpath(beside) if not os.path.relpath(beside).startswith("..") else str(beside)
+    return f"{sys.executable} -m tensorboard.main"
 
 
 def all_finite(module: nn.Module) -> bool:

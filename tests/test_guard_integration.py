@@ -180,7 +180,12 @@ def test_tensorboard_and_csv_loggers_together(
     skipped = {int(r["step"]): float(r["nanguard/skipped_total"]) for r in rows if r.get("nanguard/skipped_total")}
     assert skipped == {0: 0.0, 1: 1.0, 2: 1.0, 3: 1.0}
     assert "nan_skipped" not in rows[0]  # progress-bar only (logger=False)
-    assert trainer.progress_bar_metrics["nan_skipped"] == 1.0
+    skipped = trainer.progress_bar_metrics["nan_skipped"]
+    assert isinstance(skipped, int) and skipped == 1
+    assert f"{skipped:.3f}" == "1"  # how RichProgressBar formats it: an integer, not 1.000
+    from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+    assert Tqdm.format_num(skipped) == "1"
 
 
 # ------------------------------------------------------------------------------------ checkpoints and pickling

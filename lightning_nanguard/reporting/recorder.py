@@ -19,21 +19,33 @@ from lightning_nanguard.reporting.sinks import EventSinks
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
-__all__ = ["IncidentRecorder", "show_in_progress_bar"]
+__all__ = ["Count", "IncidentRecorder", "show_in_progress_bar"]
 
 PROGRESS_BAR_KEY = "nan_skipped"
 
 
-def show_in_progress_bar(trainer: Any, key: str, value: int) -> None:
-    """Show an integer in the progress bar (``self.log`` would turn it into ``3.000``).
+class Count(int):
+    """An ``int`` that reads as one in any progress bar: the rich bar formats every number with ``.3f``.
 
-    Lightning keeps the bar's values in its logger connector; an integer put there is shown as
-    is and stays until the key is logged again. Without that attribute nothing is shown.
+    Example:
+        >>> f"{Count(8):.3f}", f"{Count(8):.3g}", Count(8) + 1
+        ('8', '8', 9)
+    """
+
+    def __format__(self, spec: str) -> str:
+        return str(int(self))
+
+
+def show_in_progress_bar(trainer: Any, key: str, value: int) -> None:
+    """Show a count in the progress bar as ``8``, not ``8.000`` (what ``self.log`` gives: a float).
+
+    Lightning keeps the bar's values in its logger connector; a value put there is shown as is and
+    stays until the key is logged again. Without that attribute nothing is shown.
     """
     connector = getattr(trainer, "_logger_connector", None)
     metrics = getattr(connector, "_progress_bar_metrics", None)
     if isinstance(metrics, dict):
-        metrics[key] = int(value)
+        metrics[key] = Count(value)
 
 
 class IncidentRecorder:
