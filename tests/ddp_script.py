@@ -158,7 +158,7 @@ def main(name: str, out_dir: str) -> None:
             "bad_steps_total": guard.bad_steps_total,
             "skipped_total": guard.skipped_total,
             "consecutive_bad_steps": guard.consecutive_bad_steps,
-            "spikes_total": guard.counters.spikes_total,
+            "spikes_total": getattr(getattr(guard, "counters", None), "spikes_total", 0),
         },
         "active": guard.active,
         "active_per_step": active.active,
