@@ -117,13 +117,10 @@ class AfterStep:
 
     def _event(self, trainer: Trainer, pl_module: LightningModule) -> NanEvent:
         names = tuple(nonfinite_names(self.named_params) + nonfinite_names(batchnorm_buffers(pl_module)))
-        return NanEvent(
-            global_step=trainer.global_step,
-            epoch=trainer.current_epoch,
-            batch_idx=self.window.batch_idx,
-            rank=trainer.global_rank,
-            kinds=("param",),
-            action="warned",
+        return NanEvent.at_step(
+            trainer,
+            self.window.batch_idx,
+            ("param",),
             nonfinite_params=names,
             cause="state",
             details={"hint": "NaN/Inf reached the weights through an update with finite gradients (overflow)"},

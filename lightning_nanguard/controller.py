@@ -380,13 +380,10 @@ class StepController:
         """This rank's event; a collapsed loss scale (no rank's own NaN/Inf) is recorded by rank zero."""
         if event is not None or decision.outcome != "loss_scale" or trainer.global_rank != 0:
             return event
-        return NanEvent(
-            global_step=trainer.global_step,
-            epoch=trainer.current_epoch,
-            batch_idx=self.window.batch_idx,
-            rank=trainer.global_rank,
-            kinds=("loss_scale",),
-            action="warned",
+        return NanEvent.at_step(
+            trainer,
+            self.window.batch_idx,
+            ("loss_scale",),
             grad_norm=self.state.last_grad_norm,
             details={
                 "loss_scale": self._next_scale(trainer),
@@ -469,13 +466,10 @@ class StepController:
         kinds = tuple(kind for kind, bad in flags if bad)
         if not kinds:
             return None
-        event = NanEvent(
-            global_step=trainer.global_step if trainer else 0,
-            epoch=trainer.current_epoch if trainer else 0,
-            batch_idx=self.window.batch_idx,
-            rank=trainer.global_rank if trainer else 0,
-            kinds=kinds,  # type: ignore[arg-type]
-            action="warned",
+        event = NanEvent.at_step(
+            trainer,
+            self.window.batch_idx,
+            kinds,  # type: ignore[arg-type]
             nonfinite_grads=bad_grads,
             nonfinite_buffers=bad_buffers,
             nonfinite_params=bad_params,

@@ -109,6 +109,26 @@ class NanEvent:
     details: Mapping[str, Any] = field(default_factory=dict)
     cause: EventCause | None = None
 
+    @classmethod
+    def at_step(cls, trainer: Any, batch_idx: int, kinds: Sequence[EventKind], **fields: Any) -> NanEvent:
+        """An event of the step ``trainer`` is at (its global step, epoch and rank; 0 without a Trainer).
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> trainer = SimpleNamespace(global_step=7, current_epoch=1, global_rank=0)
+            >>> NanEvent.at_step(trainer, 3, ("loss",), loss=float("nan")).headline()[:40]
+            'step 7 (epoch 1, batch 3): non-finite lo'
+        """
+        return cls(
+            global_step=getattr(trainer, "global_step", 0),
+            epoch=getattr(trainer, "current_epoch", 0),
+            batch_idx=batch_idx,
+            rank=getattr(trainer, "global_rank", 0),
+            kinds=tuple(kinds),
+            action=fields.pop("action", "warned"),
+            **fields,
+        )
+
     def replace(self, **changes: Any) -> NanEvent:
         """A copy with some fields changed (events are immutable).
 

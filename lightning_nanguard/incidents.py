@@ -140,13 +140,10 @@ class IncidentInspector:
         loss = next((v for v in losses if not math.isfinite(v)), losses[-1] if losses else None)
         if loss is not None and scale is not None and math.isfinite(loss):
             loss /= scale  # on_before_backward saw the scaled loss
-        return NanEvent(
-            global_step=trainer.global_step,
-            epoch=trainer.current_epoch,
-            batch_idx=self.window.batch_idx,
-            rank=trainer.global_rank,
-            kinds=tuple(kinds),
-            action="warned",
+        return NanEvent.at_step(
+            trainer,
+            self.window.batch_idx,
+            tuple(kinds),
             nonfinite_grads=tuple(bad_grads),
             nonfinite_buffers=tuple(bad_buffers),
             loss=loss,
@@ -164,13 +161,10 @@ class IncidentInspector:
         if not kinds:
             return None
         details = self.spikes.details()
-        return NanEvent(
-            global_step=trainer.global_step,
-            epoch=trainer.current_epoch,
-            batch_idx=self.window.batch_idx,
-            rank=trainer.global_rank,
-            kinds=kinds,
-            action="warned",
+        return NanEvent.at_step(
+            trainer,
+            self.window.batch_idx,
+            kinds,
             loss=details.get("value"),
             grad_norm=grad_norm if grad_norm >= 0 else None,
             details=details,
