@@ -29,6 +29,7 @@ from lightning_nanguard.after_step import AfterStep, ParamCheckSettings
 from lightning_nanguard.agreement import RankAgreement
 from lightning_nanguard.batchnorm_buffers import batchnorm_buffers
 from lightning_nanguard.decision import (
+    LOCAL_FIELDS,
     Counters,
     Policy,
     RankReport,
@@ -38,6 +39,7 @@ from lightning_nanguard.decision import (
     local_vector,
     shared_part,
 )
+from lightning_nanguard.deferred import DeferredStep, StepView, SyncFreeSteps, clip_on_device_
 from lightning_nanguard.detection import bad_batchnorm_names, fused_health_check, nonfinite_names
 from lightning_nanguard.diagnosis import DiagnosisSettings
 from lightning_nanguard.events import EventAction, NanEvent, NonFiniteTrainingError
@@ -115,6 +117,9 @@ class StepController:
         self.window = StepWindow()
         self.state = GuardState()
         self.spikes: SpikeWatch | None = None
+        self.sync_free = False
+        self.sync = SyncFreeSteps()
+        self._resolving: DeferredStep | None = None
         self._spike_state: dict[str, Any] = {}  # loaded before the detectors exist
         self.agreement = RankAgreement(None, 1)
         self.after_step = AfterStep(self.state, self.recovery, self.recorder, self.window)
@@ -155,6 +160,7 @@ class StepController:
             a["check_params_every_n_steps"], a["snapshot_every_n_steps"], a["action"]
         )
         self.track_batchnorm = a["check_bn_stats"]
+        self.sync_free = a["sync_free"]
         self.with_norm = "clip_grad" in (a["remedies"] or ())
         self.policy = _with(
             self.policy, spike_action=a["spike_action"], spike_rebaseline_after=a["spike_rebaseline_after"]
@@ -187,6 +193,12 @@ class StepController:
         self.params = [p for _, p in self.named_params]
         self.window.attach(pl_module, self.track_batchnorm)
         self.after_step.agreement, self.after_step.named_params = self.agreement, self.named_params
+        if self.sync_free:
+            self.sync.attach([t for _, t in self.window.batchnorm_buffers])
+            for optimizer in trainer.optimizers:
+                reason = self.sync.unsupported(optimizer, grad_scaler(trainer))
+                if reason is not None:
+                    self.recorder.notices.warn("sync_free", f"NanGuard(sync_free=True): {reason}")
         self.recorder.rank = trainer.global_rank
 
     def scalar_tags(self, trainer: Trainer) -> list[str]:
@@ -211,6 +223,14 @@ class StepController:
                 "be skipped halfway; bad steps are detected and reported only.",
             )
 
+    def begin_step(self, trainer: Trainer, pl_module: LightningModule, every_n_steps: int) -> None:
+        """The first micro-batch of an optimizer step: resolve a sync-free step still pending, open the window."""
+        self.resolve_pending(trainer, pl_module)
+        checking = self.checking(trainer, every_n_steps)
+        self.window.begin(checking=checking)
+        if checking and self.sync_free:
+            self.sync.capture()
+
     def checking(self, trainer: Trainer, every_n_steps: int) -> bool:
         """Whether the optimizer step about to run is checked (the same answer on every rank)."""
         return trainer.global_step % every_n_steps == 0
@@ -223,7 +243,22 @@ class StepController:
         if isinstance(inner, torch.optim.LBFGS) and self.state.reported_step == trainer.global_step:
             return  # LBFGS evaluates its closure (and this hook) many times per step: one event per step
         grads = [g for p in self.params if (g := p.grad) is not None]
-        health = self._health(trainer, pl_module, grads)
+        vector = self._agreed_vector(trainer, pl_module, grads)
+        sync_free = self.sync_free and pl_module.automatic_optimization and not self.state.failing
+        if sync_free and self._defer(trainer, pl_module, optimizer, grads, vector):
+            return  # skipped on the device if bad; resolved before the next step's forward
+        self._resolve(trainer, pl_module, optimizer, grads, vector.tolist())  # the one host read of a step
+
+    def _resolve(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        optimizer: Optimizer,
+        grads: list[Tensor],
+        values: list[float],
+    ) -> None:
+        """Decide the step from its flags (read to the host) together with the other ranks, and act."""
+        health = StepHealth.from_values(values)
         if health.grad_norm >= 0 or math.isnan(health.grad_norm):
             self.state.last_grad_norm = health.grad_norm
         if health.healthy:
@@ -239,8 +274,8 @@ class StepController:
         # manual optimisation may call optimizer.step() a different number of times per rank: no collectives
         return self.agreement.distributed and pl_module.automatic_optimization
 
-    def _health(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor]) -> StepHealth:
-        """The step's flags, agreed over ranks, read once. A rank whose check fails still takes part."""
+    def _agreed_vector(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor]) -> Tensor:
+        """The step's flags with their sums over ranks, on the device. A rank whose check fails still takes part."""
         vector: Tensor | None = None
         if not self.state.failing:
             try:
@@ -251,7 +286,64 @@ class StepController:
             vector = local_vector(torch.tensor([0.0, -1.0, 0.0], device=pl_module.device), failed=True)
         if self._collective(pl_module):
             vector = torch.cat((vector, self.agreement.sum(shared_part(vector))))
-        return StepHealth.from_values(vector.tolist())  # the one host read of a healthy step
+        return vector
+
+    # ------------------------------------------------------------------ sync-free steps
+
+    def _defer(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer, grads: list[Tensor], vector: Tensor
+    ) -> bool:
+        """Skip on the device if the flags say so and read them later; ``False``: decide now instead."""
+        shared = vector[len(LOCAL_FIELDS) :] if vector.numel() > len(LOCAL_FIELDS) else shared_part(vector)
+        nonfinite, spike, failed = shared[0:1], shared[2:3], shared[3:4]
+        skip = torch.zeros_like(nonfinite)
+        if self.policy.action != "warn":
+            skip = skip + nonfinite
+        if self.policy.spike_action == "skip":
+            skip = skip + spike
+        if not self.sync.skip_on_device(optimizer, grad_scaler(trainer), skip):
+            return False
+        if self.spikes is not None:
+            self.spikes.accept((nonfinite + spike + failed) == 0)  # on the device: only healthy losses enter
+        threshold = self.recovery.book.clip_threshold
+        if threshold is not None and self.with_norm:
+            clip_on_device_(grads, vector[1], threshold)
+        step = DeferredStep(
+            global_step=trainer.global_step,
+            epoch=trainer.current_epoch,
+            batch_idx=self.window.batch_idx,
+            micro_batches=self.window.micro_batches,
+            losses=self.window.losses,
+            optimizer=optimizer,
+            logging_due=self.recorder.logging_due(trainer),
+            skipped_on_device=True,
+            grads=grads,
+        )
+        self.window.forget_batches()
+        self.sync.defer(step, vector)
+        return True
+
+    def resolve_pending(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Read and act on the flags of a step checked sync-free (before the next forward, or at the end)."""
+        taken = self.sync.take()
+        if taken is None:
+            return
+        step, values = taken
+        if not StepHealth.from_values(values).healthy:
+            self.sync.show_step_batchnorm()  # as at the check: the diagnosis sees what the default mode sees
+        self.window.micro_batches, self.window.losses, self.window.batch_idx = (
+            step.micro_batches,
+            step.losses,
+            step.batch_idx,
+        )
+        self._resolving = step
+        try:
+            view: Any = StepView(trainer, step.global_step, step.epoch)
+            self._resolve(view, pl_module, step.optimizer, step.grads, values)
+        finally:
+            self._resolving = None
+            self.window.forget_batches()
+            self.window.losses = []
 
     def _local_vector(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor]) -> Tensor:
         """This rank's flags from the fused check (no host read)."""
@@ -272,16 +364,18 @@ class StepController:
     def _healthy(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor], grad_norm: float) -> None:
         self.state.counters = self.state.counters.healthy()
         self.state.step_was_bad = False
-        if self.spikes is not None:
+        deferred = self._resolving
+        if self.spikes is not None and deferred is None:  # a sync-free step fed the history on the device
             self.spikes.accept(True)
         if math.isfinite(grad_norm) and grad_norm >= 0:  # -1: not computed this step
             self.recovery.remember_healthy_norm(grad_norm)
             threshold = self.recovery.book.clip_threshold
-            if threshold is not None:
+            if threshold is not None and deferred is None:  # sync-free: clipped on the device already
                 clip_gradients_(grads, grad_norm, threshold)
         self.window.refresh_reference(trainer.global_step, REFERENCE_EVERY_N_STEPS, self.diagnosis.batch_slicer)
         self.window.forget_batches()
-        self.recorder.scalars(trainer, self.metrics(self.state.counters))
+        due = deferred.logging_due if deferred is not None else None
+        self.recorder.scalars(trainer, self.metrics(self.state.counters), due=due)
 
     # ------------------------------------------------------------------ a step that is bad somewhere
 
@@ -315,6 +409,8 @@ class StepController:
         scaler = grad_scaler(trainer)
         if scaler is None or not scaler.is_enabled():
             return None
+        if self._resolving is not None:  # a step resolved late: the scaler has updated since
+            return float(scaler.get_scale())
         return float(scaler.get_scale()) * scaler.get_backoff_factor()  # what update() sets after an overflow
 
     def _carry_out(
@@ -335,7 +431,8 @@ class StepController:
             self._healthy(trainer, pl_module, grads, grad_norm)
             return
         if self.spikes is not None:
-            self.spikes.accept(False)
+            if self._resolving is None:
+                self.spikes.accept(False)
             if decision.rebaseline:
                 self.spikes.rebaseline()
                 self.recorder.notices.warn(
@@ -450,6 +547,7 @@ class StepController:
         state["agreement"] = RankAgreement(None, 1)  # never pickle the strategy or the batches
         state["window"] = StepWindow()
         state["after_step"] = AfterStep(self.state, self.recovery, self.recorder, state["window"])
+        state["sync"] = SyncFreeSteps()
         state["named_params"], state["params"] = [], []
         return state
 

@@ -99,6 +99,10 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         spike_warmup_steps: healthy steps before spikes are flagged (and again after a re-baseline).
         spike_rebaseline_after: after this many spikes in a row the statistic starts over (a level
             shift, e.g. a curriculum change, is not an endless skip), with a warning.
+        sync_free: no host read on healthy steps: a bad step's update is skipped inside torch's fused
+            Adam/AdamW/SGD/Adagrad (``found_inf``) and its BatchNorm statistics restored by a
+            device-side select; the verdict is read one step later, before the next forward, and
+            the incident handled then. Other optimizers keep the one host read per step (one warning).
 
     Example:
         >>> guard = NanGuard(action="skip", max_consecutive_bad_steps=5)
@@ -141,6 +145,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         spike_window: int = 128,
         spike_warmup_steps: int = 16,
         spike_rebaseline_after: int = 5,
+        sync_free: bool = False,
     ) -> None:
         arguments = dict(locals())
         arguments.pop("self")
@@ -174,6 +179,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.spike_window = spike_window
         self.spike_warmup_steps = spike_warmup_steps
         self.spike_rebaseline_after = spike_rebaseline_after
+        self.sync_free = sync_free
 
         self.clock = GuardClock()  # `guard.clock.enabled = True` measures the time spent in the guard
         self.recorder = IncidentRecorder(verbose)
@@ -280,6 +286,12 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
 
     @override
     @failsafe
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Resolve the last step when it was checked sync-free (its verdict is read one step late)."""
+        self.controller.resolve_pending(trainer, pl_module)
+
+    @override
+    @failsafe
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Make this epoch's training loader record its dataset indices (if the strategy did not already)."""
         if self._hooks is not None:
@@ -297,7 +309,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         else:
             indices = next_recorded_indices(self._hooks.samplers if self._hooks is not None else [])
         if not window.open or not pl_module.automatic_optimization:
-            window.begin(checking=self.controller.checking(trainer, self.check_every_n_steps))
+            self.controller.begin_step(trainer, pl_module, self.check_every_n_steps)
         window.add_batch(batch, batch_idx, indices, keep=self.controller.diagnosis.diagnoses)
 
     @override

@@ -85,11 +85,13 @@ class SpikeWatch:
             return None
         return flags[0] if len(flags) == 1 else torch.maximum(flags[0], flags[1])
 
-    def accept(self, healthy: bool) -> None:
-        """After the shared decision: the checked values enter the history only if the step was healthy."""
+    def accept(self, healthy: bool | Tensor) -> None:
+        """After the shared decision: the checked values enter the history only if the step was healthy.
+
+        A device tensor (a sync-free step, whose verdict the host does not know yet) is applied on the device.
+        """
         for detector in self._checked:
-            detector.accept(healthy)
-        self._checked = []
+            detector.accept(healthy)  # the detectors still describe this check until the next one
 
     def rebaseline(self) -> None:
         """Several spikes in a row: a real level shift. Start the statistics over."""

@@ -44,6 +44,7 @@ BAD: dict[str, list[Any]] = {
     "spike_window": [2, 0, 64.0, "128"],
     "spike_warmup_steps": [1, 0, 16.5],
     "spike_rebaseline_after": [0, 2.5, None],
+    "sync_free": ["true", 1, None],
 }
 
 GOOD: dict[str, list[Any]] = {
@@ -76,6 +77,7 @@ GOOD: dict[str, list[Any]] = {
     "spike_window": [16, 128, 1000],
     "spike_warmup_steps": [2, 16, 128],
     "spike_rebaseline_after": [1, 5],
+    "sync_free": [True, False],
 }
 
 

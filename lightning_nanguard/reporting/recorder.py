@@ -89,11 +89,16 @@ class IncidentRecorder:
         metrics: Mapping[str, float | None],
         previous: Mapping[str, float | None] | None = None,
         force: bool = False,
+        due: bool | None = None,
     ) -> None:
-        """Log the ``nanguard/`` scalars at logging steps, or now (``force`` or an incident: ``previous`` given)."""
+        """Log the ``nanguard/`` scalars at logging steps, or now (``force`` or an incident: ``previous`` given).
+
+        ``due`` says whether the step is a logging step when the Trainer has moved on since (a step
+        resolved late); by default the Trainer is asked.
+        """
         if self._scalars is None or not trainer.is_global_zero:
             return
-        if force or previous is not None or self.logging_due(trainer):
+        if force or previous is not None or (due if due is not None else self.logging_due(trainer)):
             for step, values in self._scalars.plan(metrics, trainer.global_step, previous=previous):
                 self.sinks.write_scalars(trainer, values, step)
 

@@ -1,0 +1,180 @@
+"""``NanGuard(sync_free=True)`` on a real Trainer with torch's fused optimizers (CPU).
+
+A bad step is a bitwise no-op (weights, optimizer state with Adam's step count, BatchNorm
+statistics), its event and diagnosis are those of the default mode, the verdict arrives one step
+late, and a healthy step reads nothing from the device inside the guard's hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import StepRecorder, build_trainer
+from test_host_syncs import HostReadCounter
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_nanguard import NanEvent, NanGuard
+
+BAD_ITEM = 11  # batch 1, position 3
+
+
+class Net(pl.LightningModule):
+    def __init__(self, optimizer: str = "adamw", fused: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        self.optimizer_name, self.fused = optimizer, fused
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9, fused=self.fused)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=self.fused)
+
+
+def _data(bad: tuple[int, ...] = (BAD_ITEM,)) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(48, 4, generator=g), torch.randn(48, generator=g)
+    for index in bad:
+        x[index, 2] = float("nan")
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def _fit(tmp_path: Path, guard: NanGuard, module: Net | None = None, bad: tuple[int, ...] = (BAD_ITEM,)) -> Any:
+    recorder = StepRecorder()
+    trainer = build_trainer("lightning", tmp_path, callbacks=[guard, recorder], max_epochs=1)
+    trainer.fit(module or Net(), _data(bad))
+    return trainer, recorder
+
+
+def _comparable(event: NanEvent) -> dict[str, Any]:
+    data = event.to_dict()
+    data.pop("repro_path")
+    return data
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_bad_step_is_a_bitwise_no_op_on_the_device(tmp_path: Path, optimizer: str) -> None:
+    guard = NanGuard(verbose=False, sync_free=True)
+    trainer, recorder = _fit(tmp_path, guard, Net(optimizer))
+    assert [(e.global_step, e.batch_idx, e.action) for e in guard.events] == [(1, 1, "skipped")]
+    record = recorder.by_step(1)
+    assert record.unchanged(), "weights, BatchNorm statistics and optimizer state must be bitwise unchanged"
+    if optimizer == "adamw":
+        assert record.adam_steps("after") == record.adam_steps("before")  # the step count too
+    assert all(r.changed_params() for r in recorder.records if r.global_step != 1)  # healthy steps train
+    assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
+    assert guard.skipped_total == 1 and guard.bad_steps_total == 1
+
+
+def test_the_event_and_diagnosis_match_the_default_mode(tmp_path: Path) -> None:
+    deferred = NanGuard(verbose=False, sync_free=True)
+    _fit(tmp_path / "sync_free", deferred)
+    default = NanGuard(verbose=False)
+    _fit(tmp_path / "default", default)
+    assert [_comparable(e) for e in deferred.events] == [_comparable(e) for e in default.events]
+    event = deferred.events[0]
+    assert (event.cause, event.offending_samples, event.dataset_indices) == ("input", (3,), (BAD_ITEM,))
+
+
+def test_the_last_step_is_resolved_at_the_end_of_training(tmp_path: Path) -> None:
+    guard = NanGuard(verbose=False, sync_free=True, bisect=False)
+    _fit(tmp_path, guard, bad=(45,))  # the sixth and last batch
+    assert [(e.global_step, e.action) for e in guard.events] == [(5, "skipped")]
+
+
+@pytest.mark.parametrize(("fused", "reads"), [(True, 0), (False, 1)], ids=["fused", "not-fused-falls-back"])
+def test_a_healthy_step_reads_nothing_from_the_device(tmp_path: Path, fused: bool, reads: int) -> None:
+    counter = HostReadCounter(ignore_host_copies=True)
+
+    class Counted(NanGuard):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.per_step: list[int] = []
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            counter.reads.clear()
+            with counter:
+                super().on_train_batch_start(*args)
+
+        def on_before_backward(self, *args: Any) -> None:
+            with counter:
+                super().on_before_backward(*args)
+
+        def on_before_optimizer_step(self, *args: Any) -> None:
+            with counter:
+                super().on_before_optimizer_step(*args)
+
+        def _after_optimizer_step(self, *args: Any) -> None:
+            with counter:
+                super()._after_optimizer_step(*args)
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.per_step.append(sum(counter.reads.values()))
+
+    guard = Counted(verbose=False, sync_free=True, check_params_every_n_steps=0)
+    trainer = build_trainer("lightning", tmp_path, callbacks=[guard], max_epochs=1, log_every_n_steps=50)
+    trainer.fit(Net(fused=fused), _data(bad=()))
+    assert guard.events == [] and len(guard.per_step) == 6
+    assert guard.per_step == [reads] * 6  # the default mode reads once per step (test_host_syncs.py)
+
+
+def test_an_optimizer_that_cannot_skip_on_the_device_keeps_the_host_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    guard = NanGuard(verbose=False, sync_free=True, save_repro=False)
+    with caplog.at_level(logging.WARNING, logger="lightning_nanguard"):
+        _, recorder = _fit(tmp_path, guard, Net(fused=False))
+    assert sum("is not fused" in r.getMessage() for r in caplog.records) == 1
+    assert recorder.by_step(1).unchanged()  # skipped the default way
+    assert [e.global_step for e in guard.events] == [1]
+
+
+def test_warn_lets_the_update_through(tmp_path: Path) -> None:
+    guard = NanGuard(verbose=False, sync_free=True, action="warn", save_repro=False, bisect=False)
+    trainer, recorder = _fit(tmp_path, guard)
+    assert [(e.global_step, e.action) for e in guard.events][0] == (1, "warned")
+    assert not recorder.by_step(1).unchanged()
+    assert not all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
+
+
+def test_with_a_grad_scaler_the_nan_step_is_skipped_by_the_scaler(tmp_path: Path) -> None:
+    """16-mixed on CPU: the guard's flag joins the GradScaler's own, which then skips (and backs off its scale)."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    guard = NanGuard(verbose=False, sync_free=True, save_repro=False)
+    recorder = StepRecorder()
+    trainer = build_trainer(
+        "lightning", tmp_path, callbacks=[guard, recorder], max_epochs=1, plugins=[MixedPrecision("16-mixed", "cpu")]
+    )
+    trainer.fit(Net(), _data())
+    assert [(e.global_step, e.action) for e in guard.events] == [(1, "skipped")]
+    assert recorder.by_step(1).unchanged()
+    assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
+
+
+def test_a_loss_spike_is_skipped_on_the_device(tmp_path: Path) -> None:
+    from test_spike_guard import TYPOS, Regression, Regressor
+
+    class FusedRegressor(Regressor):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, fused=True)
+
+    guard = NanGuard(verbose=False, sync_free=True, save_repro=False)
+    recorder = StepRecorder()
+    trainer = build_trainer("lightning", tmp_path, callbacks=[guard, recorder], max_epochs=1)
+    trainer.fit(FusedRegressor(), DataLoader(Regression(TYPOS), batch_size=8))
+    assert [(e.global_step, e.kinds, e.action, e.dataset_indices) for e in guard.events] == [
+        (25, ("loss_spike",), "skipped", (200,)),
+        (28, ("loss_spike",), "skipped", (230,)),
+    ]
+    assert recorder.by_step(25).unchanged() and recorder.by_step(28).unchanged()
