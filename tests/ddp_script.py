@@ -41,7 +41,7 @@ class Scenario:
 
 
 SCENARIOS: dict[str, Scenario] = {
-    "skip": Scenario(nan_indices=(11,), typo_indices=(8 * 20 + 5,), batches=24),
+    "skip": Scenario(nan_indices=(11,), typo_indices=(8 * 20 + 5,), batches=24, guard={"remedies": ["quarantine"]}),
     "max_events": Scenario(nan_indices=(11, 27, 43, 59), guard={"max_events": 2}, batches=8),
     "consecutive": Scenario(nan_indices=(19, 27), guard={"max_consecutive_bad_steps": 2}),
     "lr_backoff": Scenario(nan_indices=(11,), guard={"remedies": ["lr_backoff"], "bisect": False}),
@@ -163,6 +163,7 @@ def main(name: str, out_dir: str) -> None:
         "active": guard.active,
         "active_per_step": active.active,
         "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "quarantined": sorted(guard.remedy_book.quarantined),
         "events": [event.to_dict() for event in guard.events],
         "error": error,
     }
