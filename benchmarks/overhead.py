@@ -21,13 +21,15 @@ What is measured:
 2. **End-to-end ratio**: mean step time of the window under ``NanGuard()`` over the same without
    a guard; one pair per round, rounds interleaved in rotated order, median over rounds.
    Reference variants (a hand-written per-parameter ``isfinite`` loop, ``detect_anomaly=True``)
-   run in the first round only: their costs are far above the noise.
+   run in the first round only, 20 steps: their costs are far above the noise.
 3. **The check against the memory floor**: on each model's real gradients, the check alone
    against one read of every gradient byte (``flat.sum()`` over one flat buffer of the same size).
-   ``GradientCheck`` sums large gradients in ``register_post_accumulate_grad_hook`` during a real
-   backward: its cost is the time inside those hooks (sum over hooks of each hook's minimum over
-   the runs), the autograd-to-Python dispatch of each hook (measured apart) and the work after
-   backward. The others are timed as a whole (minimum over repetitions).
+   Every candidate, the floor included, is timed once right after a real backward (which evicts
+   the caches), minimum over the runs. ``GradientCheck (hooks)`` sums large gradients in
+   ``register_post_accumulate_grad_hook`` during backward: its cost is the time inside those hooks
+   (sum over hooks of each hook's minimum over the runs), the autograd-to-Python dispatch of each
+   hook (measured apart) and the work after backward. Synthetic gradient lists are timed after
+   evicting the caches with a 64 MB read.
 4. **Diagnosis**: the time of a bad step (bisection + localisation + bundle) against a healthy step.
 """
 
@@ -112,6 +114,11 @@ VARIANTS: dict[str, Callable[[], tuple[list[Callback], dict[str, Any]]]] = {
 }
 MAIN_VARIANTS = ["no guard", "NanGuard()"]
 REFERENCE_VARIANTS = ["naive isfinite loop", "detect_anomaly=True"]
+REFERENCE_STEPS = 20  # anomaly mode runs up to 10x slower
+
+
+def _steps_of(variant: str, steps: int) -> int:
+    return min(steps, REFERENCE_STEPS) if variant in REFERENCE_VARIANTS else steps
 
 
 @dataclass
@@ -164,7 +171,7 @@ def step_overhead(models: list[str], rounds: int, steps: int, reference: bool) -
             for index in range(rounds):
                 names = MAIN_VARIANTS + (REFERENCE_VARIANTS if reference and index == 0 else [])
                 order = names[index % len(names) :] + names[: index % len(names)]  # rotate
-                runs = {variant: fit_once(model_name, variant, steps, root) for variant in order}
+                runs = {v: fit_once(model_name, v, _steps_of(v, steps), root) for v in order}
                 base = runs["no guard"].step_seconds
                 no_guard_steps.append(base)
                 for variant, run in runs.items():
@@ -238,36 +245,91 @@ def hook_dispatch_seconds(repeats: int) -> float:
     return max(0.0, (hooked - plain) / len(leaves))
 
 
-def streaming_check(model_name: str, runs: int, dispatch: float) -> tuple[float, float, int, list[Tensor]]:
-    """``GradientCheck`` on a real backward: (its cost, the floor on the same gradients, hooks, the gradients)."""
+CHECKS = ["GradientCheck (hooks)", "GradientCheck (after backward)", "fused_health_check", "GradScaler kernel (writes)"]
+
+
+def _candidates(grads: list[Tensor], flat: Tensor, post: GradientCheck) -> dict[str, Callable[[], Any]]:
+    found, one = torch.zeros(1), torch.ones(1)
+    return {
+        "floor": lambda: flat.sum().item(),
+        "GradientCheck (after backward)": lambda: post.health_check(with_norm=False).tolist(),
+        "fused_health_check": lambda: fused_health_check(grads, with_norm=False).tolist(),
+        "GradScaler kernel (writes)": lambda: (
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one),
+            found.item(),
+        ),
+        "with the global norm": lambda: fused_health_check(grads, with_norm=True).tolist(),
+    }
+
+
+def model_checks(model_name: str, runs: int, dispatch: float) -> tuple[dict[str, float], int, int]:
+    """On a model's real gradients, right after a real backward each time: every check over the floor.
+
+    Returns the ratios, the number of gradients and of hooked ones. The floor reads a flat buffer
+    of the same size that backward has evicted from the caches, like the gradients the checks read.
+    """
     module, loader = make(model_name, batches=1)
     batch = next(iter(loader))
     params = list(module.parameters())
     times = _HookTimes()
-    check = GradientCheck(params, clock=times)  # type: ignore[arg-type]
-    per_run: list[list[float]] = []
-    after: list[float] = []
-    floors: list[float] = []
-    for index in range(runs + 1):
+    hooked = GradientCheck(params, clock=times)  # type: ignore[arg-type]
+    hooked.enabled = False
+    post = GradientCheck(params, stream=False)
+    flat = torch.zeros(sum(p.numel() for p in params))
+
+    def backward() -> None:
         module.zero_grad(set_to_none=True)
-        loss = module.training_step(batch, 0)
-        times.durations = []
-        loss.backward()
-        start = time.perf_counter()
-        check.health_check(with_norm=False).tolist()
-        if index:  # the first run warms up
-            after.append(time.perf_counter() - start)
-            per_run.append(times.durations)
-            flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
-            floors.append(_min_time(lambda flat=flat: flat.sum().item(), 5))
-    check.remove()
-    hooks = len(per_run[0])
-    inside = sum(min(run[i] for run in per_run) for i in range(hooks))
+        module.training_step(batch, 0).backward()
+
+    backward()
     grads = [p.grad for p in params if p.grad is not None]
-    return inside + hooks * dispatch + min(after), min(floors), hooks, grads
+    best: dict[str, float] = defaultdict(lambda: float("inf"))
+    per_hook: list[list[float]] = []
+    for index in range(runs + 1):  # the first round warms up
+        for key in _candidates(grads, flat, post):
+            backward()
+            grads[:] = [p.grad for p in params if p.grad is not None]
+            fn = _candidates(grads, flat, post)[key]
+            start = time.perf_counter()
+            fn()
+            if index:
+                best[key] = min(best[key], time.perf_counter() - start)
+        hooked.enabled = True
+        times.durations = []
+        backward()
+        start = time.perf_counter()
+        hooked.health_check(with_norm=False).tolist()
+        if index:
+            best["after the hooks"] = min(best["after the hooks"], time.perf_counter() - start)
+            per_hook.append(times.durations)
+        times.durations = []  # the disabled hooks of the other candidates' backward land here
+        hooked.enabled = False
+    hooked.remove()
+    hooks = len(per_hook[0])
+    inside = sum(min(run[i] for run in per_hook) for i in range(hooks))
+    best["GradientCheck (hooks)"] = inside + hooks * dispatch + best.pop("after the hooks")
+    floor = best.pop("floor")
+    return {k: best[k] / floor for k in [*CHECKS, "with the global norm"]}, len(grads), hooks
 
 
-CHECKS = ["GradientCheck (hooks)", "fused_health_check", "GradientCheck (after backward)", "GradScaler kernel (writes)"]
+def synthetic_checks(grads: list[Tensor], repeats: int) -> dict[str, float]:
+    """Synthetic gradient lists: every check over the floor, each timed after evicting the caches."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    post = GradientCheck([torch.nn.Parameter(torch.empty_like(g)) for g in grads], stream=False)
+    for param, grad in zip(post.params, grads, strict=True):
+        param.grad = grad
+    evict = torch.zeros(16_000_000)  # 64 MB, twice the last-level cache
+    best: dict[str, float] = defaultdict(lambda: float("inf"))
+    candidates = _candidates(grads, flat, post)
+    for index in range(repeats + 1):
+        for key, fn in candidates.items():
+            evict.sum()
+            start = time.perf_counter()
+            fn()
+            if index:
+                best[key] = min(best[key], time.perf_counter() - start)
+    floor = best.pop("floor")
+    return {k: v / floor for k, v in best.items()}
 
 
 def kernel_ratios(models: list[str], repeats: int) -> dict[str, dict[str, float]]:
@@ -275,36 +337,17 @@ def kernel_ratios(models: list[str], repeats: int) -> dict[str, dict[str, float]
     dispatch = hook_dispatch_seconds(repeats)
     print(f"  autograd -> Python hook dispatch: {dispatch * 1e6:.2f} us per hook", flush=True)
     results: dict[str, dict[str, float]] = {}
-    cases: dict[str, tuple[list[Tensor], float | None]] = {}
     for model_name in models:
-        streamed, floor, hooks, grads = streaming_check(model_name, max(5, repeats // 2), dispatch)
-        cases[f"{model_name} ({len(grads)} tensors, {hooks} hooked)"] = (grads, streamed / floor)
-    cases["2,000 tensors, 25M values"] = ([torch.randn(12_500) for _ in range(2_000)], None)
-    cases["20,000 tensors, 2M values"] = ([torch.randn(100) for _ in range(20_000)], None)
-    for name, (grads, streamed) in cases.items():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        found, one = torch.zeros(1), torch.ones(1)
-        stateful = GradientCheck([torch.nn.Parameter(torch.empty_like(g)) for g in grads], stream=False)
-        for param, grad in zip(stateful.params, grads, strict=True):
-            param.grad = grad
-        candidates: dict[str, Callable[[], Any]] = {
-            "floor": lambda flat=flat: flat.sum().item(),
-            "fused_health_check": lambda grads=grads: fused_health_check(grads, with_norm=False).tolist(),
-            "GradientCheck (after backward)": lambda check=stateful: check.health_check(with_norm=False).tolist(),
-            "GradScaler kernel (writes)": lambda grads=grads, found=found, one=one: (
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one),
-                found.item(),
-            ),
-            "with the global norm": lambda grads=grads: fused_health_check(grads, with_norm=True).tolist(),
-        }
-        best: dict[str, float] = {}
-        for _ in range(5):  # interleave the candidates
-            for key, fn in candidates.items():
-                best[key] = min(best.get(key, float("inf")), _min_time(fn, max(1, repeats // 5)))
-        results[name] = {k: v / best["floor"] for k, v in best.items() if k != "floor"}
-        if streamed is not None:
-            results[name] = {"GradientCheck (hooks)": streamed, **results[name]}
-        print(f"  {name}: " + ", ".join(f"{k} {r:.2f}x" for k, r in results[name].items()), flush=True)
+        ratios, tensors, hooks = model_checks(model_name, max(5, repeats // 3), dispatch)
+        results[f"{model_name} ({tensors} tensors, {hooks} hooked)"] = ratios
+    synthetic = {
+        "2,000 tensors, 25M values": [torch.randn(12_500) for _ in range(2_000)],
+        "20,000 tensors, 2M values": [torch.randn(100) for _ in range(20_000)],
+    }
+    for name, grads in synthetic.items():
+        results[name] = synthetic_checks(grads, max(5, repeats // 3))
+    for name, ratios in results.items():
+        print(f"  {name}: " + ", ".join(f"{k} {r:.2f}x" for k, r in ratios.items()), flush=True)
     return results
 
 
@@ -403,7 +446,7 @@ def write_report(
         "Inside the guard: `guard.clock.total` (every hook, gradient hook, after-step work and sampler wrapper "
         "NanGuard installs) over the wall time of the same steps, median over rounds (min-max in brackets). "
         "End-to-end: mean step time relative to the same model without a guard, median over rounds "
-        "(reference variants: first round only).",
+        f"(reference variants: first round only, {REFERENCE_STEPS} steps).",
         "",
         "| model | inside the guard | within target | " + " | ".join(variants) + " |",
         "|---|---|---|" + "---|" * len(variants),
@@ -429,9 +472,11 @@ def write_report(
         "## The check alone against the memory floor",
         "",
         "Time of each check on the same gradients over one read of every gradient byte (`flat.sum()` over one "
-        "flat buffer of the same size), minimum over interleaved repetitions. `GradientCheck (hooks)` sums "
-        "large gradients during a real backward (see the module docs of `benchmarks/overhead.py` for how it is "
-        "timed); `GradScaler kernel (writes)` is the check used before, which writes every gradient.",
+        "flat buffer of the same size), each timed right after a real backward (caches evicted), minimum over "
+        "interleaved runs. `GradientCheck (hooks)` sums large gradients during backward (the sum over hooks of "
+        "their time, their dispatch, and the work after backward; see `benchmarks/overhead.py`); "
+        "`GradientCheck (after backward)` is the same object without hooks; `fused_health_check` the stateless "
+        "function; `GradScaler kernel (writes)` the check used before, which writes every gradient.",
         "",
     ]
     kinds = [k for k in [*CHECKS, "with the global norm"] if any(k in r for r in kernel.values())]

@@ -123,9 +123,8 @@ def _sum(flat: Tensor) -> Tensor:
 class _Staging:
     """A flat buffer of one device and dtype with one view per tensor shape: many tensors, one copy.
 
-    ``load`` copies a tensor list with one ``torch._foreach_copy_`` (the sources are only read).
-    Called with other shapes than the ones it was built for, the copy either broadcasts, which still
-    puts every source element into the buffer at least once (enough for a NaN/Inf test), or raises.
+    ``load`` copies a tensor list of the shapes it was built for with one ``torch._foreach_copy_``
+    (the sources are only read).
     """
 
     def __init__(self, like: Sequence[Tensor]) -> None:
@@ -139,23 +138,19 @@ class _Staging:
         return self.flat
 
 
-_STAGING: OrderedDict[tuple[torch.device, torch.dtype, int], _Staging] = OrderedDict()
+_STAGING: OrderedDict[tuple[torch.device, torch.dtype, tuple[torch.Size, ...]], _Staging] = OrderedDict()
 
 
 def _staged(tensors: list[Tensor]) -> Tensor:
-    """A flat copy of ``tensors`` (one device and dtype, dense) through a cached staging buffer."""
-    key = (tensors[0].device, tensors[0].dtype, len(tensors))
+    """A flat copy of ``tensors`` (one device and dtype, dense) through a staging buffer cached by their shapes."""
+    key = (tensors[0].device, tensors[0].dtype, tuple(t.shape for t in tensors))
     staging = _STAGING.get(key)
-    if staging is not None:
-        try:
-            return staging.load(tensors)
-        except RuntimeError:  # other shapes than last time: rebuild the views
-            pass
-    staging = _Staging(tensors)
-    _STAGING[key] = staging
-    _STAGING.move_to_end(key)
-    while len(_STAGING) > _STAGING_CACHE_SIZE:
-        _STAGING.popitem(last=False)
+    if staging is None:
+        staging = _STAGING[key] = _Staging(tensors)
+        while len(_STAGING) > _STAGING_CACHE_SIZE:
+            _STAGING.popitem(last=False)
+    else:
+        _STAGING.move_to_end(key)
     return staging.load(tensors)
 
 
