@@ -5,32 +5,15 @@ from __future__ import annotations
 import copy
 import io
 import math
-from collections import Counter
 from collections.abc import Iterable
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_host_syncs import HostReadCounter
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from lightning_nanguard.spikes import SpikeDetector, SpikeStats
-
-_HOST_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "__complex__"}
-
-
-class HostReadCounter(TorchFunctionMode):
-    """Counts tensor calls that read device values to the host (as in test_host_syncs.py)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: Counter[str] = Counter()
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if getattr(func, "__name__", "") in _HOST_READS:
-            self.reads[func.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def feed(detector: SpikeDetector, values: Iterable[float], dtype: torch.dtype = torch.float32) -> list[int]:
