@@ -308,7 +308,10 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             indices = indices_from_batch(batch, self.index_key)
         else:
             indices = next_recorded_indices(self._hooks.samplers if self._hooks is not None else [])
-        if not window.open or not pl_module.automatic_optimization:
+        # a new optimizer step: the first micro-batch, or a window left open by a step Lightning never took
+        # (training_step returned None); every batch in manual optimisation
+        first = batch_idx % max(1, getattr(trainer, "accumulate_grad_batches", 1)) == 0
+        if not window.open or first or not pl_module.automatic_optimization:
             self.controller.begin_step(trainer, pl_module, self.check_every_n_steps)
         window.add_batch(batch, batch_idx, indices, keep=self.controller.diagnosis.diagnoses)
 

@@ -469,3 +469,35 @@ def test_skip_restores_batchnorm_even_when_its_statistics_are_not_checked(
     assert bad.changed_params() == []
     assert bad.unchanged(), "BatchNorm running statistics of the skipped batch were kept"
     assert _all_finite(module)
+
+
+def test_a_training_step_returning_none_is_no_step_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """Lightning skips backward and the update for a ``None`` loss: the guard must not keep that batch's window."""
+
+    class SkipsBatchTwo(lightning.pytorch.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if batch_idx == 2:
+                return None
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 4, generator=g), torch.randn(32, generator=g)
+    x[27, 0] = math.nan  # batch 3, right after the skipped batch
+    guard = NanGuard(verbose=False, save_repro=False)
+    trainer = lightning.pytorch.Trainer(
+        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+        callbacks=[guard], enable_model_summary=False,
+    )
+    trainer.fit(SkipsBatchTwo(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8))
+    assert trainer.global_step == 4  # Lightning counts the batch without a loss as a step
+    (event,) = guard.events
+    assert (event.batch_idx, event.offending_samples, event.dataset_indices) == (3, (3,), (27,))
+    assert len(guard.controller.window.micro_batches) == 0
