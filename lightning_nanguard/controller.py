@@ -18,16 +18,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_nanguard.after_step import AfterStep, ParamCheckSettings
+from lightning_nanguard.after_step import AfterStep
 from lightning_nanguard.agreement import RankAgreement
-from lightning_nanguard.batchnorm_buffers import batchnorm_buffers
 from lightning_nanguard.decision import (
     LOCAL_FIELDS,
     Counters,
@@ -40,15 +38,17 @@ from lightning_nanguard.decision import (
     shared_part,
 )
 from lightning_nanguard.deferred import DeferredStep, StepView, SyncFreeSteps, clip_on_device_
-from lightning_nanguard.detection import bad_batchnorm_names, fused_health_check, nonfinite_names
+from lightning_nanguard.detection import fused_health_check
 from lightning_nanguard.diagnosis import DiagnosisSettings
 from lightning_nanguard.events import EventAction, NanEvent, NonFiniteTrainingError
-from lightning_nanguard.incidents import IncidentInspector
+from lightning_nanguard.incidents import IncidentInspector, check_module
+from lightning_nanguard.messages import stop_history, stop_message
 from lightning_nanguard.recovery import Recovery, grad_scaler
 from lightning_nanguard.remedies import clip_gradients_
 from lightning_nanguard.reporting.recorder import IncidentRecorder
 from lightning_nanguard.reporting.scalars import scalar_tags
-from lightning_nanguard.spike_watch import SpikeSettings, SpikeWatch
+from lightning_nanguard.settings import GuardSettings
+from lightning_nanguard.spike_watch import SpikeWatch
 from lightning_nanguard.state import GuardState
 from lightning_nanguard.window import StepWindow
 
@@ -56,35 +56,13 @@ if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
     from torch.optim import Optimizer
 
-__all__ = ["StepController", "escalation_message"]
+__all__ = ["StepController"]
 
 log = logging.getLogger("lightning_nanguard")
 
 DONE: dict[str, EventAction] = {"skip": "skipped", "raise": "raised", "warn": "warned", "rollback": "skipped"}
 REFERENCE_EVERY_N_STEPS = 100
 EVENTS_KEPT_IN_CHECKPOINT = 100
-
-
-def escalation_message(rule: str, counters: Counters, policy: Policy, event: NanEvent | None, where: str) -> str:
-    """The message every rank raises with when an escalation rule fires.
-
-    Example:
-        >>> escalation_message("max_events", Counters(bad_steps_total=3), Policy(max_events=3), None, "")[:58]
-        'NanGuard: 3 bad steps in total reached max_events=3; last:'
-    """
-    if rule == "max_consecutive_bad_steps":
-        what = (
-            f"{counters.consecutive_bad_steps} consecutive bad steps reached max_consecutive_bad_steps="
-            f"{policy.max_consecutive_bad_steps}"
-        )
-    else:
-        what = f"{counters.bad_steps_total} bad steps in total reached max_events={policy.max_events}"
-    last = event.headline() if event is not None else "on another rank (see its events)"
-    return (
-        f"NanGuard: {what}; last: {last}. Skipping no longer helps: the weights, the learning rate or the data "
-        "pipeline is at fault, not single batches. Use action='rollback' with remedies=['clip_grad', "
-        f"'lr_backoff'], lower the learning rate, or inspect the events.{where}"
-    )
 
 
 class StepController:
@@ -128,63 +106,29 @@ class StepController:
 
     # ------------------------------------------------------------------ setup
 
-    def configure(self, arguments: Mapping[str, Any], strategy_kind: str = "single") -> None:
-        """Take the ``NanGuard`` arguments as they are now (at ``setup``; users may change them after ``__init__``)."""
-        a = arguments
-        diagnose_here = strategy_kind != "fsdp"
-        if not diagnose_here:
+    def configure(self, settings: GuardSettings) -> None:
+        """Take the configuration (at ``setup``); a spike detector whose settings did not change keeps its history."""
+        if not settings.diagnosis.diagnose_here:
             self.recorder.notices.warn(
                 "fsdp",
                 "NanGuard: under FSDP bad steps are detected and skipped on all ranks, but "
                 "bisection and localisation are off (they would re-run sharded forwards on one rank).",
             )
-        self.policy = Policy(
-            action=a["action"],
-            max_consecutive_bad_steps=a["max_consecutive_bad_steps"],
-            max_events=a["max_events"],
-            rollback_after_consecutive=a["rollback_after_consecutive"],
-            min_loss_scale=a["min_loss_scale"],
-            max_consecutive_overflows=a["max_consecutive_overflows"],
-        )
-        self.diagnosis = DiagnosisSettings(
-            a["bisect"],
-            a["localize"],
-            a["max_bisect_passes"],
-            a["save_repro"],
-            a["max_repro_bundles"],
-            a["batch_slicer"],
-            diagnose_here,
-            source_root=os.getcwd(),  # source lines are shown relative to where `fit` started
-        )
-        self.after_step.settings = ParamCheckSettings(
-            a["check_params_every_n_steps"], a["snapshot_every_n_steps"], a["action"]
-        )
-        self.track_batchnorm = a["check_bn_stats"]
-        self.sync_free = a["sync_free"]
-        self.with_norm = "clip_grad" in (a["remedies"] or ())
-        self.policy = _with(
-            self.policy, spike_action=a["spike_action"], spike_rebaseline_after=a["spike_rebaseline_after"]
-        )
-        self._configure_spikes(a)
-
-    def _configure_spikes(self, a: Mapping[str, Any]) -> None:
-        """The spike detectors for these arguments; a detector whose settings did not change keeps its history."""
-        if a["spike_action"] == "off":
-            self.spikes = None
-            return
-        settings = SpikeSettings(
-            window=a["spike_window"],
-            warmup=a["spike_warmup_steps"],
-            sigmas=a["spike_sigmas"],
-            min_ratio=a["spike_min_ratio"],
-            rebaseline_after=a["spike_rebaseline_after"],
+        self.policy, self.diagnosis = settings.policy, settings.diagnosis
+        self.after_step.settings = settings.param_checks
+        self.track_batchnorm, self.with_norm, self.sync_free = (
+            settings.track_batchnorm,
+            settings.with_norm,
+            settings.sync_free,
         )
         current = self.spikes
-        if current is not None and current.settings == settings and (current.grad_norm is not None) == self.with_norm:
-            return
-        state = current.state_dict() if current is not None else self._spike_state
-        self.spikes = SpikeWatch(settings, watch_grad_norm=self.with_norm)
-        self.spikes.load_state_dict(state)
+        unchanged = current is not None and current.settings == settings.spikes
+        if settings.spikes is None:
+            self.spikes = None
+        elif not unchanged or current is None or (current.grad_norm is not None) != self.with_norm:
+            state = current.state_dict() if current is not None else self._spike_state
+            self.spikes = SpikeWatch(settings.spikes, watch_grad_norm=self.with_norm)
+            self.spikes.load_state_dict(state)
 
     def attach(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Bind to the Trainer's strategy and the model's parameters (``on_train_start``)."""
@@ -471,7 +415,11 @@ class StepController:
         self.recorder.scalars(trainer, self.metrics(self.state.counters), previous=self.metrics(before))
         self.recorder.progress(trainer, self.state.counters.skipped_total)
         if decision.action == "raise":
-            raise NonFiniteTrainingError(self._raise_message(decision, event), self._history(decision, event))
+            counters, events = self.state.counters, self.recorder.events
+            raise NonFiniteTrainingError(
+                stop_message(decision, counters, self.policy, event, self.recorder.events_path),
+                stop_history(decision, events, self.policy, event),
+            )
 
     def _shared_event(self, trainer: Trainer, decision: StepDecision, event: NanEvent | None) -> NanEvent | None:
         """This rank's event; a collapsed loss scale (no rank's own NaN/Inf) is recorded by rank zero."""
@@ -489,26 +437,6 @@ class StepController:
                 "the learning rate, or find the op producing huge values",
             },
         )
-
-    def _raise_message(self, decision: StepDecision, event: NanEvent | None) -> str:
-        path = self.recorder.events_path
-        where = f" Events are in {path}." if path is not None else ""
-        if decision.escalation is not None:
-            return escalation_message(decision.escalation, self.state.counters, self.policy, event, where)
-        what = event.headline() if event is not None else "another rank saw NaN/Inf (see its event)"
-        return (
-            f"NanGuard: {what}. The optimizer step was not applied, so the weights are still finite. "
-            "Inspect the event (error.event), then use action='skip' to train past bad batches or fix the "
-            f"origin.{where}"
-        )
-
-    def _history(self, decision: StepDecision, event: NanEvent | None) -> list[NanEvent]:
-        events = self.recorder.events
-        if decision.escalation is None:
-            return events[-1:] if event is not None else []
-        if decision.escalation == "max_events":
-            return list(events)
-        return events[-self.policy.max_consecutive_bad_steps :]
 
     def metrics(self, counters: Counters) -> dict[str, float | None]:
         """The ``nanguard/`` scalar values for ``counters``."""
@@ -555,28 +483,12 @@ class StepController:
 
     def manual_check(self, trainer: Trainer | None, module: nn.Module, loss: Tensor | None) -> NanEvent | None:
         """``NanGuard.check``: gradients, BatchNorm statistics, weights and ``loss`` of ``module``, now."""
-        named = list(module.named_parameters())
-        bad_grads = tuple(nonfinite_names((n, p.grad) for n, p in named if p.grad is not None))
-        bad_buffers = tuple(bad_batchnorm_names(batchnorm_buffers(module)))
-        bad_params = tuple(nonfinite_names(named))
-        loss_bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
-        flags = (("loss", loss_bad), ("grad", bad_grads), ("bn_stats", bad_buffers), ("param", bad_params))
-        kinds = tuple(kind for kind, bad in flags if bad)
-        if not kinds:
-            return None
-        event = NanEvent.at_step(
-            trainer,
-            self.window.batch_idx,
-            kinds,  # type: ignore[arg-type]
-            nonfinite_grads=bad_grads,
-            nonfinite_buffers=bad_buffers,
-            nonfinite_params=bad_params,
-            loss=float(loss.detach().float().sum()) if loss is not None else None,
-        )
-        self.state.counters = self.state.counters.replace(bad_steps_total=self.state.counters.bad_steps_total + 1)
-        self.recorder.events.append(event)
-        if trainer is not None:
-            self.recorder.sinks.event(event, trainer.global_rank, trainer)
+        event = check_module(trainer, module, loss, self.window.batch_idx)
+        if event is not None:
+            self.state.counters = self.state.counters.replace(bad_steps_total=self.state.counters.bad_steps_total + 1)
+            self.recorder.events.append(event)
+            if trainer is not None:
+                self.recorder.sinks.event(event, trainer.global_rank, trainer)
         return event
 
     # ------------------------------------------------------------------ failure of the guard itself

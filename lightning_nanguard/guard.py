@@ -29,6 +29,7 @@ from lightning_nanguard.indices import indices_from_batch, next_recorded_indices
 from lightning_nanguard.recovery import Recovery, apply_module_eps
 from lightning_nanguard.remedies import Remedy
 from lightning_nanguard.reporting.recorder import IncidentRecorder
+from lightning_nanguard.settings import GuardSettings
 from lightning_nanguard.strategy import (
     StrategyHooks,
     apply_nanguard_strategy,
@@ -251,7 +252,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         """Wrap the strategy (every process, before ``strategy.setup``) and refuse what cannot be guarded."""
         if stage != "fit":
             return
-        self.controller.configure(self._arguments(), strategy_kind=supported_strategy_kind(trainer.strategy))
+        kind = supported_strategy_kind(trainer.strategy)
+        self.controller.configure(GuardSettings.from_arguments(self._arguments(), strategy_kind=kind))
         self.recorder.sinks.verbose = self.verbose
         self._hooks = StrategyHooks(
             self._after_optimizer_step,

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_nanguard.batchnorm_buffers import batchnorm_buffers
 from lightning_nanguard.decision import RankReport, StepHealth
 from lightning_nanguard.detection import bad_batchnorm_names, grouped_norms, nonfinite_names
 from lightning_nanguard.diagnosis import DiagnosisSettings, diagnose_step
@@ -28,7 +29,7 @@ from lightning_nanguard.window import StepWindow
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
-__all__ = ["IncidentInspector"]
+__all__ = ["IncidentInspector", "check_module"]
 
 def _any_inf(tensors: Sequence[Tensor]) -> bool:
     """Whether some element is +/-Inf (bad path only: one host read)."""
@@ -43,6 +44,37 @@ def _cause(event: NanEvent | None) -> str | None:
     if event.cause is not None:
         return event.cause
     return "data" if event.offending_samples is not None else None
+
+
+def check_module(trainer: Any, module: nn.Module, loss: Tensor | None, batch_idx: int) -> NanEvent | None:
+    """The event of ``module``'s NaN/Inf gradients, BatchNorm statistics, weights or ``loss`` now (``None``: none).
+
+    For manual optimisation and custom loops (``NanGuard.check``); one host read per device.
+
+    Example:
+        >>> net = nn.Linear(2, 1)
+        >>> net(torch.tensor([[float("nan"), 1.0]])).sum().backward()
+        >>> check_module(None, net, None, 0).kinds
+        ('grad',)
+    """
+    named = list(module.named_parameters())
+    bad_grads = tuple(nonfinite_names((n, p.grad) for n, p in named if p.grad is not None))
+    bad_buffers = tuple(bad_batchnorm_names(batchnorm_buffers(module)))
+    bad_params = tuple(nonfinite_names(named))
+    loss_bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
+    flags = (("loss", loss_bad), ("grad", bad_grads), ("bn_stats", bad_buffers), ("param", bad_params))
+    kinds = tuple(kind for kind, bad in flags if bad)
+    if not kinds:
+        return None
+    return NanEvent.at_step(
+        trainer,
+        batch_idx,
+        kinds,  # type: ignore[arg-type]
+        nonfinite_grads=bad_grads,
+        nonfinite_buffers=bad_buffers,
+        nonfinite_params=bad_params,
+        loss=float(loss.detach().float().sum()) if loss is not None else None,
+    )
 
 
 class IncidentInspector:
