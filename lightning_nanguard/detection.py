@@ -121,36 +121,60 @@ def _sum(flat: Tensor) -> Tensor:
 
 
 class _Staging:
-    """A flat buffer of one device and dtype with one view per tensor shape: many tensors, one copy.
+    """A flat buffer of one device and dtype that many tensors are copied into, with a few kernels.
 
-    ``load`` copies a tensor list of the shapes it was built for with one ``torch._foreach_copy_``
-    (the sources are only read).
+    Built for a list of tensor shapes: tensors of a shape that occurs more than once are copied by
+    one ``torch.stack`` per shape (a plain copy per tensor, ~4x cheaper than ``_foreach_copy_`` on
+    a CPU), the others by one ``_foreach_copy_``. The sources are only read. :meth:`load` raises
+    ``RuntimeError`` for a list of other shapes.
     """
 
     def __init__(self, like: Sequence[Tensor]) -> None:
         first = like[0]
         self.flat = torch.empty(sum(t.numel() for t in like), dtype=first.dtype, device=first.device)
-        parts = torch.split(self.flat, [t.numel() for t in like])
-        self.views = [part.view(t.shape) for part, t in zip(parts, like, strict=True)]
+        by_shape: dict[torch.Size, list[int]] = {}
+        for index, tensor in enumerate(like):
+            by_shape.setdefault(tensor.shape, []).append(index)
+        self.stacks: list[tuple[list[int], torch.Size, Tensor]] = []
+        self.single_indices: list[int] = []
+        self.single_views: list[Tensor] = []
+        offset = 0
+        for shape, indices in by_shape.items():
+            size = like[indices[0]].numel() * len(indices)
+            view = self.flat[offset : offset + size].view(len(indices), *shape)
+            offset += size
+            if len(indices) > 1:
+                self.stacks.append((indices, shape, view))
+            else:
+                self.single_indices.append(indices[0])
+                self.single_views.append(view[0])
 
-    def load(self, tensors: list[Tensor]) -> Tensor:
-        torch._foreach_copy_(self.views, tensors)
+    def load(self, tensors: Sequence[Tensor]) -> Tensor:
+        for indices, shape, view in self.stacks:
+            if tensors[indices[0]].shape != shape:
+                raise RuntimeError("other shapes than the staging buffer was built for")
+            torch.stack([tensors[i] for i in indices], out=view)
+        if self.single_indices:
+            torch._foreach_copy_(self.single_views, [tensors[i] for i in self.single_indices])
         return self.flat
 
 
-_STAGING: OrderedDict[tuple[torch.device, torch.dtype, tuple[torch.Size, ...]], _Staging] = OrderedDict()
+_STAGING: OrderedDict[tuple[torch.device, torch.dtype, tuple[int, ...]], _Staging] = OrderedDict()
 
 
-def _staged(tensors: list[Tensor]) -> Tensor:
-    """A flat copy of ``tensors`` (one device and dtype, dense) through a staging buffer cached by their shapes."""
-    key = (tensors[0].device, tensors[0].dtype, tuple(t.shape for t in tensors))
+def _staged(tensors: list[Tensor], sizes: list[int]) -> Tensor:
+    """A flat copy of ``tensors`` (one device and dtype, dense; ``sizes`` their numels) through a cached buffer."""
+    key = (tensors[0].device, tensors[0].dtype, tuple(sizes))
     staging = _STAGING.get(key)
-    if staging is None:
-        staging = _STAGING[key] = _Staging(tensors)
-        while len(_STAGING) > _STAGING_CACHE_SIZE:
-            _STAGING.popitem(last=False)
-    else:
+    if staging is not None:
         _STAGING.move_to_end(key)
+        try:
+            return staging.load(tensors)
+        except RuntimeError:  # the same sizes in other shapes: rebuild
+            pass
+    staging = _STAGING[key] = _Staging(tensors)
+    while len(_STAGING) > _STAGING_CACHE_SIZE:
+        _STAGING.popitem(last=False)
     return staging.load(tensors)
 
 
@@ -161,12 +185,17 @@ def _group_total(group: list[Tensor], dtype: torch.dtype, sqrt: bool = False) ->
     """
     if not (dtype.is_floating_point or dtype.is_complex):
         return None  # integers are always finite
-    small = [t for t in group if t.numel() < SMALL_NUMEL]
-    large = [t for t in group if t.numel() >= SMALL_NUMEL] if len(small) < len(group) else []
+    sizes = [t.numel() for t in group]
+    if max(sizes) < SMALL_NUMEL:
+        small, small_sizes, large = group, sizes, []
+    else:
+        small = [t for t, n in zip(group, sizes, strict=True) if n < SMALL_NUMEL]
+        small_sizes = [n for n in sizes if n < SMALL_NUMEL]
+        large = [t for t, n in zip(group, sizes, strict=True) if n >= SMALL_NUMEL]
     total: Tensor | None = None
     if small:
         try:
-            flat = _staged(small)
+            flat = _staged(small, small_sizes)
             if sqrt:
                 flat.sqrt_()  # of the staged copy: a negative value becomes NaN
             total = _sum(flat)
