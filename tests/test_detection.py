@@ -305,6 +305,18 @@ def test_staging_follows_changing_shapes() -> None:
     assert len(_STAGING) == cached
 
 
+@NONFINITE
+def test_staging_with_the_same_sizes_in_other_shapes(value: float) -> None:
+    """Same numels, other shapes (a stacked shape group and single tensors): still every element, exactly."""
+    for shapes in ([(2, 3), (2, 3), (5,)], [(3, 2), (3, 2), (1, 5)], [(6,), (1, 6), (5, 1)]):
+        tensors = [torch.ones(shape) for shape in shapes]
+        assert nonfinite_candidate(tensors).item() == 0.0
+        for index in range(len(tensors)):
+            bad = [t.clone() for t in tensors]
+            bad[index].view(-1)[-1] = value
+            assert nonfinite_candidate(bad).item() == 1.0
+
+
 def test_integer_tensors_are_always_finite_and_complex_parts_are_both_read() -> None:
     assert nonfinite_candidate([torch.arange(5), torch.ones(3, dtype=torch.int64)]).item() == 0.0
     assert nonfinite_candidate([torch.tensor([1 + 2j, 3 + 0j])]).item() == 0.0
