@@ -168,6 +168,10 @@ class SpikeDetector:
         self.spikes_total = 0
         self.rebaselines_total = 0
         self._history: Tensor | None = None  # [window] float32, oldest first, NaN = empty slot
+        # log(max(value, tiny)) of the same slots, taken one value at a time: on a CPU with several threads
+        # torch's log of a whole window can cost milliseconds (its parallel path), of one element microseconds
+        self._logs: Tensor | None = None
+        self._pending_log: Tensor | None = None
         self._quantile_index: Tensor | None = None  # [window] int64: by number of valid changes, see _allocate
         self._threshold: Tensor | None = None  # [1] float32, for the next check
         self._constants: tuple[Tensor, ...] = ()  # (log(min_ratio), inf) on the device
@@ -203,6 +207,7 @@ class SpikeDetector:
         # NaN and +/-Inf become NaN: never above the threshold, an empty slot if accepted anyway
         current = torch.nan_to_num(raw, nan=math.nan, posinf=math.nan, neginf=math.nan)
         self._pending = current
+        self._pending_log = current.clamp_min(_TINY).log()
         self._checked = (*self._statistic, raw)
         return (current > threshold).to(_FLOAT32)
 
@@ -222,14 +227,17 @@ class SpikeDetector:
         if self._pending is None:
             raise RuntimeError("SpikeDetector.accept: call check(value) first (once per step, then accept once).")
         current, self._pending = self._pending, None
-        history = self._history
-        assert history is not None
+        current_log, self._pending_log = self._pending_log, None
+        history, logs = self._history, self._logs
+        assert history is not None and logs is not None and current_log is not None
         if isinstance(accepted, Tensor):
             take = accepted.detach().reshape(1).to(device=current.device, dtype=torch.bool) & (current == current)
             self._history = torch.where(take, torch.cat((history[1:], current)), history)
+            self._logs = torch.where(take, torch.cat((logs[1:], current_log)), logs)
         elif accepted:
             self.consecutive_spikes = 0
             self._history = torch.cat((history[1:], current))
+            self._logs = torch.cat((logs[1:], current_log))
         else:
             return
         self._stale += 1
@@ -303,7 +311,7 @@ class SpikeDetector:
         self.consecutive_spikes = int(state_dict.get("consecutive_spikes", 0))
         self.spikes_total = int(state_dict.get("spikes_total", 0))
         self.rebaselines_total = int(state_dict.get("rebaselines_total", 0))
-        self._history = self._threshold = self._pending = None
+        self._history = self._logs = self._threshold = self._pending = self._pending_log = None
         self._statistic = self._checked = ()
 
     def __repr__(self) -> str:
@@ -338,6 +346,7 @@ class SpikeDetector:
             history = values.to(device)
             self._loaded = []
         self._history = history
+        self._logs = torch.stack([v.clamp_min(_TINY).log() for v in history])  # once: one element at a time
         # n valid changes, sorted first (NaN sorts last): their 90% quantile sits at round(0.9 * (n - 1)).
         # Below `warmup` values (warmup - 1 changes) the table points at the last change, NaN while the
         # window is not full: a NaN threshold flags nothing.
@@ -356,6 +365,7 @@ class SpikeDetector:
         self._loaded = []
         if self._history is not None:  # a new tensor, not fill_(): the old one may be an inference tensor
             self._history = torch.full_like(self._history, math.nan)
+            self._logs = torch.full_like(self._history, math.nan)
             self._refresh()
 
     def _refresh(self) -> None:
@@ -368,7 +378,8 @@ class SpikeDetector:
         assert history is not None and index is not None
         baseline = history[-self.recent :].nanmedian()  # NaN while empty
         positive = baseline > 0
-        values = torch.where(positive, history.clamp_min(_TINY).log(), history)
+        assert self._logs is not None
+        values = torch.where(positive, self._logs, history)
         changes = (values[1:] - values[:-1]).abs().sort().values  # NaN (empty slots) sort last
         valid = (changes == changes).sum().reshape(1)
         # index_select, not changes[index[valid]]: indexing with a 0-dim tensor reads it to the host
