@@ -73,9 +73,19 @@ def local_vector(summary: Tensor, spike: Tensor | None = None, failed: bool = Fa
         [0.0, 2.5, 0.0, 0.0, 0.0]
     """
     device, dtype = summary.device, torch.float32
-    spike = spike.reshape(1).to(dtype) if spike is not None else torch.zeros(1, dtype=dtype, device=device)
-    flag = torch.full((1,), 1.0 if failed else 0.0, dtype=dtype, device=device)
-    return torch.cat((summary.to(dtype), spike, flag))
+    spike = spike.reshape(1).to(dtype) if spike is not None else _flag(0.0, device)
+    return torch.cat((summary.to(dtype), spike, _flag(1.0 if failed else 0.0, device)))
+
+
+_FLAGS: dict[tuple[float, torch.device], Tensor] = {}
+
+
+def _flag(value: float, device: torch.device) -> Tensor:
+    """A cached, never-written 1-element float32 tensor (no allocation per step)."""
+    key = (value, device)
+    if key not in _FLAGS:
+        _FLAGS[key] = torch.full((1,), value, dtype=torch.float32, device=device)
+    return _FLAGS[key]
 
 
 def shared_part(vector: Tensor) -> Tensor:
