@@ -159,6 +159,7 @@ class ModelResult:
     ratio: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # per variant, per round
     by_callable: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # seconds, all rounds
     window_total: float = 0.0  # seconds of NanGuard windows, all rounds
+    max_load: float = 0.0  # the highest 1-minute load average seen after one of its runs
 
 
 def step_overhead(models: list[str], rounds: int, steps: int, reference: bool) -> dict[str, ModelResult]:
@@ -171,7 +172,10 @@ def step_overhead(models: list[str], rounds: int, steps: int, reference: bool) -
             for index in range(rounds):
                 names = MAIN_VARIANTS + (REFERENCE_VARIANTS if reference and index == 0 else [])
                 order = names[index % len(names) :] + names[: index % len(names)]  # rotate
-                runs = {v: fit_once(model_name, v, _steps_of(v, steps), root) for v in order}
+                runs = {}
+                for variant in order:
+                    runs[variant] = fit_once(model_name, variant, _steps_of(variant, steps), root)
+                    result.max_load = max(result.max_load, os.getloadavg()[0])
                 base = runs["no guard"].step_seconds
                 no_guard_steps.append(base)
                 for variant, run in runs.items():
@@ -407,11 +411,14 @@ class _BatchTimes(Callback):
 
 
 def _shapes(step: dict[str, ModelResult]) -> list[str]:
-    lines = ["| model | parameters | tensors | batch | step time, no guard |", "|---|---|---|---|---|"]
+    lines = [
+        "| model | parameters | tensors | batch | step time, no guard | load average during its runs (max) |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, spec in MODELS.items():
         module, _ = make(name, batches=1)
         params = list(module.parameters())
-        measured = f"{step[name].no_guard_step * 1e3:.1f} ms" if name in step else "not run"
+        measured = f"{step[name].no_guard_step * 1e3:.1f} ms | {step[name].max_load:.2f}" if name in step else "- | -"
         size = f"{sum(p.numel() for p in params) / 1e6:.2f}M"
         lines.append(f"| {name} | {size} | {len(params)} | {spec.batch_size} | {measured} |")
     return lines
@@ -431,7 +438,8 @@ def write_report(
         f"{THREADS} CPU threads, torch {torch.__version__}; {settings['rounds']} interleaved rounds of "
         f"{settings['steps']} measured steps per variant (after {WARMUP} warm-up steps), a `CSVLogger`, "
         f"Lightning's default `log_every_n_steps=50`. Load average {settings['load_before']:.2f} before, "
-        f"{settings['load_after']:.2f} after (anything well above 0 means other processes shared the cores). "
+        f"{settings['load_after']:.2f} after, per model below (anything well above 0 means other processes "
+        "shared the 2 cores: the times inside the guard then drift too, usually up for small models). "
         "Shapes, batch and input sizes are pinned in `benchmarks/models.py`.",
         "",
         "## Models",
