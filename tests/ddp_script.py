@@ -7,7 +7,7 @@ rate, whether its guard is still active, and the error it stopped with, if any.
 
 Scenarios (``SCENARIOS``): ``skip`` (a NaN sample in batch 1 and a label typo in batch 20 of rank 1), ``max_events`` and
 ``consecutive`` (rank-local faults that escalate), ``lr_backoff`` (a remedy decided on rank 1's
-incident), ``failure`` (an internal error of rank 1's guard).
+incident), ``failure`` (an internal error of rank 1's guard), ``sync_free`` (rank 1's NaN skipped on the device).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class Scenario:
     guard: dict[str, Any] = field(default_factory=dict)
     fail_at_step: int | None = None  # rank 1's guard raises an internal error at this step
     batches: int = 4
+    fused: bool = False  # torch's fused Adam (which can skip a step on the device: sync_free)
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -46,6 +47,7 @@ SCENARIOS: dict[str, Scenario] = {
     "consecutive": Scenario(nan_indices=(19, 27), guard={"max_consecutive_bad_steps": 2}),
     "lr_backoff": Scenario(nan_indices=(11,), guard={"remedies": ["lr_backoff"], "bisect": False}),
     "failure": Scenario(fail_at_step=1),
+    "sync_free": Scenario(nan_indices=(11,), guard={"sync_free": True}, fused=True),
 }
 
 
@@ -73,7 +75,7 @@ class Regression(pl.LightningModule):
         return nn.functional.mse_loss(self.net(x).squeeze(-1), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=1e-2)
+        return torch.optim.Adam(self.parameters(), lr=1e-2, fused=self.scenario.fused)
 
 
 class SkipLog(pl.Callback):

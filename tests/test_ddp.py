@@ -152,3 +152,16 @@ def test_an_internal_failure_on_one_rank_disables_every_rank_together(run: Any) 
         assert not data["active"]
         assert data["active_per_step"] == [True, True, False, False]  # failed at step 1, off from step 2
     _same_on_every_rank(ranks, "weights_sha256")
+
+
+# ------------------------------------------------------------------------------------ sync-free steps
+
+
+def test_sync_free_skips_on_every_rank_and_reports_one_step_later(run: Any) -> None:
+    ranks = run("sync_free")
+    for data in ranks.values():
+        assert (data["global_step"], data["finite"], data["active"]) == (4, True, True)
+        assert data["skipped_steps"] == [1]  # the fused Adam kernel skipped it on both ranks
+    _same_on_every_rank(ranks, "weights_sha256", "counters")
+    (event,) = ranks[1]["events"]
+    assert (event["global_step"], event["action"], event["dataset_indices"]) == (1, "skipped", [11])
