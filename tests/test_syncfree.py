@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_nanguard.detection import GradientCheck, fused_health_check
 from lightning_nanguard.batchnorm_buffers import batchnorm_buffers, batchnorm_running_vars
+from lightning_nanguard.detection import GradientCheck, fused_health_check
 from lightning_nanguard.syncfree import (
     DeferredRead,
     DeviceSkip,
