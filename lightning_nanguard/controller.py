@@ -206,13 +206,13 @@ class StepController:
         if health.grad_norm >= 0 or math.isnan(health.grad_norm):
             self.state.last_grad_norm = health.grad_norm
         if health.healthy:
-            self._healthy(trainer, pl_module, grads, health.grad_norm)
+            self._healthy(trainer, pl_module, grads, health)
             return
         report, event = self._inspect(trainer, pl_module, optimizer, health, grads)
         reports = self.agreement.gather(report) if self._collective(pl_module) else [report]
         policy = self._policy(pl_module, optimizer)
         decision, after = decide(reports, self.state.counters, policy, self._next_scale(trainer))
-        self._carry_out(trainer, pl_module, optimizer, decision, after, event, grads, health.grad_norm)
+        self._carry_out(trainer, pl_module, optimizer, decision, after, event, grads, health)
 
     def _collective(self, pl_module: LightningModule) -> bool:
         # manual optimisation may call optimizer.step() a different number of times per rank: no collectives
@@ -239,7 +239,7 @@ class StepController:
     ) -> bool:
         """Skip on the device if the flags say so and read them later; ``False``: decide now instead."""
         shared = vector[len(LOCAL_FIELDS) :] if vector.numel() > len(LOCAL_FIELDS) else shared_part(vector)
-        nonfinite, spike, failed = shared[0:1], shared[2:3], shared[3:4]
+        nonfinite, spike = shared[0:1], shared[2:3]
         skip = torch.zeros_like(nonfinite)
         if self.policy.action != "warn":
             skip = skip + nonfinite
@@ -247,8 +247,6 @@ class StepController:
             skip = skip + spike
         if not self.sync.skip_on_device(optimizer, grad_scaler(trainer), skip):
             return False
-        if self.spikes is not None:
-            self.spikes.accept((nonfinite + spike + failed) == 0)  # on the device: only healthy losses enter
         threshold = self.recovery.book.clip_threshold
         if threshold is not None and self.with_norm:
             clip_on_device_(grads, vector[1], threshold)
@@ -299,18 +297,19 @@ class StepController:
             device=pl_module.device,
             with_norm=self.with_norm or self.recorder.logging_due(trainer),
         )
-        spike = None
+        spike = loss = None
         if self.spikes is not None and pl_module.automatic_optimization:
             loss = self.window.step_loss(_loss_scale(trainer))
             spike = self.spikes.check(loss, summary[1:2] if self.with_norm else None)
-        return local_vector(summary, spike)
+        return local_vector(summary, spike, loss=loss)
 
-    def _healthy(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor], grad_norm: float) -> None:
+    def _healthy(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor], health: StepHealth) -> None:
         self.state.counters = self.state.counters.healthy()
         self.state.step_was_bad = False
         deferred = self._resolving
-        if self.spikes is not None and deferred is None:  # a sync-free step fed the history on the device
-            self.spikes.accept(True)
+        grad_norm = health.grad_norm
+        if self.spikes is not None:  # the values came with the step's one read: nothing more is read
+            self.spikes.accept(True, loss=health.loss, grad_norm=grad_norm)
         if math.isfinite(grad_norm) and grad_norm >= 0:  # -1: not computed this step
             self.recovery.remember_healthy_norm(grad_norm)
             threshold = self.recovery.book.clip_threshold
@@ -366,17 +365,16 @@ class StepController:
         counters: Counters,
         event: NanEvent | None,
         grads: list[Tensor],
-        grad_norm: float,
+        health: StepHealth,
     ) -> None:
         before, self.state.counters = self.state.counters, counters
         if decision.disable:
             self.disable_everywhere()
         if decision.outcome == "healthy":  # a finite tensor whose norm overflowed: not an incident
-            self._healthy(trainer, pl_module, grads, grad_norm)
+            self._healthy(trainer, pl_module, grads, health)
             return
         if self.spikes is not None:
-            if self._resolving is None:
-                self.spikes.accept(False)
+            self.spikes.accept(False)
             if decision.rebaseline:
                 self.spikes.rebaseline()
                 self.recorder.notices.warn(

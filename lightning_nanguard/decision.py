@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -50,7 +51,7 @@ __all__ = [
 Outcome = Literal["healthy", "incident", "overflow", "loss_scale", "spike"]
 StepAction = Literal["skip", "raise", "warn", "rollback"]
 
-LOCAL_FIELDS: tuple[str, ...] = ("bad", "grad_norm", "others_bad", "spike", "failed")
+LOCAL_FIELDS: tuple[str, ...] = ("bad", "grad_norm", "others_bad", "spike", "failed", "loss")
 """This rank's values, in the order of :func:`local_vector`."""
 SHARED_FIELDS: tuple[str, ...] = ("bad", "others_bad", "spike", "failed")
 """The flags summed over ranks (DDP), in the order of :func:`shared_part`."""
@@ -60,21 +61,25 @@ SHARED_FIELDS: tuple[str, ...] = ("bad", "others_bad", "spike", "failed")
 _CAUSE_PRIORITY = ("state", "input", "data", "interaction")
 
 
-def local_vector(summary: Tensor, spike: Tensor | None = None, failed: bool = False) -> Tensor:
+def local_vector(
+    summary: Tensor, spike: Tensor | None = None, failed: bool = False, loss: Tensor | None = None
+) -> Tensor:
     """This rank's flags as one float32 device vector laid out as :data:`LOCAL_FIELDS`.
 
     Args:
         summary: ``fused_health_check`` output ``[bad, grad_norm, others_bad]``.
         spike: 1-element flag of the loss-spike check (``None``: no check).
         failed: this rank's guard failed internally and cannot check (the vector then says so).
+        loss: the step's loss, read with the flags for the spike statistic (``None``: NaN).
 
     Example:
-        >>> local_vector(torch.tensor([0.0, 2.5, 0.0])).tolist()
-        [0.0, 2.5, 0.0, 0.0, 0.0]
+        >>> local_vector(torch.tensor([0.0, 2.5, 0.0]), loss=torch.tensor(0.75)).tolist()
+        [0.0, 2.5, 0.0, 0.0, 0.0, 0.75]
     """
     device, dtype = summary.device, torch.float32
     spike = spike.reshape(1).to(dtype) if spike is not None else _flag(0.0, device)
-    return torch.cat((summary.to(dtype), spike, _flag(1.0 if failed else 0.0, device)))
+    loss = loss.reshape(1).to(device=device, dtype=dtype) if loss is not None else _flag(math.nan, device)
+    return torch.cat((summary.to(dtype), spike, _flag(1.0 if failed else 0.0, device), loss))
 
 
 _FLAGS: dict[tuple[float, torch.device], Tensor] = {}
@@ -95,7 +100,7 @@ def shared_part(vector: Tensor) -> Tensor:
         >>> shared_part(torch.tensor([1.0, 9.0, 0.0, 1.0, 0.0])).tolist()
         [1.0, 0.0, 1.0, 0.0]
     """
-    return torch.cat((vector[0:1], vector[2:5]))
+    return torch.cat((vector[0:1], vector[2:5]))  # bad, others_bad, spike, failed
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,7 @@ class StepHealth:
         others_bad: this rank's loss or BatchNorm statistics flagged.
         spike: this rank's loss is a spike.
         failed: this rank's guard failed internally.
+        loss: this rank's step loss (NaN when not checked), for the spike statistic.
         ranks_bad, ranks_others_bad, ranks_spike, ranks_failed: how many ranks raised each flag
             (this rank's flag without DDP).
     """
@@ -117,6 +123,7 @@ class StepHealth:
     others_bad: bool
     spike: bool
     failed: bool
+    loss: float
     ranks_bad: int
     ranks_others_bad: int
     ranks_spike: int
@@ -127,13 +134,13 @@ class StepHealth:
         """From ``local + shared`` values read to the host (``shared`` absent without DDP).
 
         Example:
-            >>> StepHealth.from_values([0.0, 1.5, 0.0, 0.0, 0.0]).healthy
+            >>> StepHealth.from_values([0.0, 1.5, 0.0, 0.0, 0.0, 0.7]).healthy
             True
-            >>> health = StepHealth.from_values([0.0, 1.5, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+            >>> health = StepHealth.from_values([0.0, 1.5, 0.0, 0.0, 0.0, 0.7, 1.0, 1.0, 0.0, 0.0])
             >>> health.healthy, health.ranks_bad, health.bad
             (False, 1, False)
         """
-        bad, grad_norm, others_bad, spike, failed = values[: len(LOCAL_FIELDS)]
+        bad, grad_norm, others_bad, spike, failed, loss = values[: len(LOCAL_FIELDS)]
         shared = list(values[len(LOCAL_FIELDS) :]) or [bad, others_bad, spike, failed]
         return cls(
             bad=bad > 0,
@@ -141,6 +148,7 @@ class StepHealth:
             others_bad=others_bad > 0,
             spike=spike > 0,
             failed=failed > 0,
+            loss=float(loss),
             ranks_bad=int(shared[0]),
             ranks_others_bad=int(shared[1]),
             ranks_spike=int(shared[2]),

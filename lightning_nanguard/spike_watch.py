@@ -9,7 +9,7 @@ Example:
     >>> watch = SpikeWatch(SpikeSettings(warmup=4))
     >>> for loss in [1.0, 0.9, 1.1, 1.0]:
     ...     _ = watch.check(torch.tensor(loss), grad_norm=None)
-    ...     watch.accept(True)
+    ...     watch.accept(True, loss=loss)
     >>> watch.check(torch.tensor(1e4), grad_norm=None).item()
     1.0
     >>> watch.spike_kinds()
@@ -85,13 +85,15 @@ class SpikeWatch:
             return None
         return flags[0] if len(flags) == 1 else torch.maximum(flags[0], flags[1])
 
-    def accept(self, healthy: bool | Tensor) -> None:
+    def accept(self, healthy: bool, loss: float | None = None, grad_norm: float | None = None) -> None:
         """After the shared decision: the checked values enter the history only if the step was healthy.
 
-        A device tensor (a sync-free step, whose verdict the host does not know yet) is applied on the device.
+        ``loss`` and ``grad_norm`` are the checked values as read with the step's flags (nothing is
+        read here then). The detectors still describe this check until the next one.
         """
+        values = {"loss": loss, "grad_norm": grad_norm}
         for detector in self._checked:
-            detector.accept(healthy)  # the detectors still describe this check until the next one
+            detector.accept(healthy, value=values[detector.name])
 
     def rebaseline(self) -> None:
         """Several spikes in a row: a real level shift. Start the statistics over."""

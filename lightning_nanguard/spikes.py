@@ -7,10 +7,17 @@ new value that is both
 - ``sigmas`` robust standard deviations above the recent level, and
 - ``min_ratio`` times the recent level,
 
-without reading anything to the host: :meth:`~SpikeDetector.check` returns a 1-element float32
-flag tensor that the caller folds into its own single read of the step.
+with a single comparison on the value's device: :meth:`~SpikeDetector.check` returns a 1-element
+float32 flag tensor that the caller folds into its own single read of the step, and reads nothing.
 
-The statistic, for positive values (the usual case), works on ``log(value)``, so a spike is a
+The statistic lives on the host, in plain floats: the caller already reads each step's value to
+the host with its other results (the guard puts the loss in the step's one read) and hands it to
+:meth:`~SpikeDetector.accept`; every ``refresh_every`` accepted values the threshold is recomputed
+in Python and written to a 1-element device tensor with ``fill_`` (no synchronisation). So a healthy
+step costs the device one comparison, and the statistic costs no kernel at all. (A first version
+kept the window on the device: about ten small kernels a step, 80-370 us on this 2-core CPU.)
+
+For positive values (the usual case) the statistic works on ``log(value)``, so a spike is a
 *factor* above the recent level whatever the units of the loss:
 
 - ``baseline``: the median of the last ``recent`` (16) accepted values;
@@ -28,22 +35,23 @@ NaN/Inf values are never spikes (they are the NaN/Inf check's business) and neve
 history. The detector is inactive (never flags) until ``warmup`` values have been accepted, and
 again for ``warmup`` values after a re-baseline.
 
-Cost: :meth:`~SpikeDetector.check` is a handful of kernels on one element; the statistic (about
-twenty small kernels on the window: a median, a sort, an index) is recomputed every
-``refresh_every`` accepted values, so the threshold a value meets is at most that many steps old.
+The threshold a value meets is at most ``refresh_every`` accepted values old.
 
 The caller's protocol, once per step::
 
-    flag = detector.check(loss)       # device tensor, no host read
-    ...                               # the caller reads flag with its other step results, decides
-    detector.accept(step_was_healthy) # a bool, or a device bool tensor (then no read is needed)
+    flag = detector.check(loss)               # device tensor, no host read
+    ...                                       # the caller reads flag and loss with its other results
+    detector.accept(step_was_healthy, value=loss_value)  # host floats: nothing read
     if flag_was_set:
-        rebaselined = detector.record_spike()  # host side; True: the history was cleared, warn
+        rebaselined = detector.record_spike()  # True: the history was cleared, warn
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -167,29 +175,23 @@ class SpikeDetector:
         self.consecutive_spikes = 0
         self.spikes_total = 0
         self.rebaselines_total = 0
-        self._history: Tensor | None = None  # [window] float32, oldest first, NaN = empty slot
-        # log(max(value, tiny)) of the same slots, taken one value at a time: on a CPU with several threads
-        # torch's log of a whole window can cost milliseconds (its parallel path), of one element microseconds
-        self._logs: Tensor | None = None
-        self._pending_log: Tensor | None = None
-        self._quantile_index: Tensor | None = None  # [window] int64: by number of valid changes, see _allocate
-        self._threshold: Tensor | None = None  # [1] float32, for the next check
-        self._constants: tuple[Tensor, ...] = ()  # (log(min_ratio), inf) on the device
-        self._statistic: tuple[Tensor, ...] = ()  # (threshold, baseline, margin, changes) for stats()
-        self._checked: tuple[Tensor, ...] = ()  # the statistic and the value of the last check
-        self._pending: Tensor | None = None  # [1] float32, NaN/Inf as NaN: the value of the last check
-        self._loaded: list[float] = []  # history restored by load_state_dict, placed on next use
-        self._stale = 0  # accept calls that may have changed the history since the last refresh
+        self._history: deque[float] = deque(maxlen=window)  # accepted values, oldest first (host floats)
+        self._stale = 0  # accepted values since the statistic was last computed
+        self._statistic = _Statistic.warming_up(0)  # what the device threshold holds
+        self._thresholds: dict[torch.device, Tensor] = {}  # the threshold on each device it was used on
+        self._pending: Tensor | None = None  # the value of the last check, until accept()
+        self._checked: tuple[_Statistic, Tensor] | None = None  # the last check: its statistic and value
 
     # ------------------------------------------------------------------ the healthy path
 
     def check(self, value: Tensor) -> Tensor:
         """1-element float32 flag on ``value``'s device: 1.0 when ``value`` is a spike, else 0.0.
 
-        No host read. NaN/Inf is never a spike. The value is kept for :meth:`accept`.
+        Three small kernels on the device, no host read. NaN/Inf is never a spike. The value is kept
+        for :meth:`accept`.
 
         Args:
-            value: a one-element tensor (a 0-dim loss, any floating dtype: computed in float32).
+            value: a one-element tensor (a 0-dim loss, any floating dtype: compared in float32).
 
         Raises:
             TypeError: ``value`` is not a floating-point tensor.
@@ -202,49 +204,46 @@ class SpikeDetector:
                 f"SpikeDetector.check: expected a single {self.name} value, got a tensor of shape {tuple(value.shape)} "
                 "(reduce it first, e.g. sum the micro-batch losses)."
             )
-        threshold = self._ready(value.device)
-        raw = value.detach().reshape(1).to(_FLOAT32)
-        # NaN and +/-Inf become NaN: never above the threshold, an empty slot if accepted anyway
-        current = torch.nan_to_num(raw, nan=math.nan, posinf=math.nan, neginf=math.nan)
-        self._pending = current
-        self._pending_log = current.clamp_min(_TINY).log()
-        self._checked = (*self._statistic, raw)
-        return (current > threshold).to(_FLOAT32)
+        raw = value.detach().reshape(1)
+        self._pending = raw
+        self._checked = (self._statistic, raw)
+        threshold = self._threshold_on(raw.device)
+        # NaN and +/-Inf become NaN, which never compares above a threshold: they are the NaN/Inf check's business
+        finite = torch.nan_to_num(raw.to(_FLOAT32), nan=math.nan, posinf=math.nan, neginf=math.nan)
+        return (finite > threshold).to(_FLOAT32)
 
-    def accept(self, accepted: Tensor | bool) -> None:
+    def accept(self, accepted: Tensor | bool, value: float | None = None) -> None:
         """Tell whether the value of the last :meth:`check` came from a healthy step.
 
-        Only accepted values enter the history, and never NaN/Inf. With a ``bool`` nothing is read
-        (an ``accept(True)`` after a NaN/Inf value leaves an empty slot in the window); with a tensor
-        (bool or 0/1, one element, on the value's device) the choice is made on the device and a
-        NaN/Inf value is left out, so a caller that has not read the step's result yet can still
-        feed the history. ``True`` also ends a run of spikes (see :meth:`record_spike`); a tensor
-        leaves that count alone.
+        Only accepted, finite values enter the history. ``True`` also ends a run of spikes (see
+        :meth:`record_spike`).
+
+        Args:
+            accepted: whether the step was healthy (a one-element tensor is read to the host).
+            value: the checked value as a float, when the caller has read it already (the guard
+                reads it with the step's other results): then nothing is read here. Without it the
+                pending value is read (one host read).
 
         Raises:
             RuntimeError: no :meth:`check` since the last ``accept``.
         """
         if self._pending is None:
             raise RuntimeError("SpikeDetector.accept: call check(value) first (once per step, then accept once).")
-        current, self._pending = self._pending, None
-        current_log, self._pending_log = self._pending_log, None
-        history, logs = self._history, self._logs
-        assert history is not None and logs is not None and current_log is not None
+        pending, self._pending = self._pending, None
         if isinstance(accepted, Tensor):
-            take = accepted.detach().reshape(1).to(device=current.device, dtype=torch.bool) & (current == current)
-            self._history = torch.where(take, torch.cat((history[1:], current)), history)
-            self._logs = torch.where(take, torch.cat((logs[1:], current_log)), logs)
-        elif accepted:
-            self.consecutive_spikes = 0
-            self._history = torch.cat((history[1:], current))
-            self._logs = torch.cat((logs[1:], current_log))
-        else:
+            accepted = bool(accepted.reshape(-1)[0])
+        if not accepted:
             return
+        self.consecutive_spikes = 0
+        current = float(pending.float().reshape(-1)[0]) if value is None else float(value)
+        if not math.isfinite(current):
+            return
+        self._history.append(current)
         self._stale += 1
         if self._stale >= self.refresh_every:
             self._refresh()
 
-    # ------------------------------------------------------------------ host side (bad path)
+    # ------------------------------------------------------------------ host side
 
     def record_spike(self) -> bool:
         """Count a spike the caller acted on; after ``rebaseline_after`` in a row, clear the history.
@@ -265,23 +264,22 @@ class SpikeDetector:
         return True
 
     def stats(self) -> SpikeStats:
-        """The statistic the last :meth:`check` compared its value with (host read: bad steps only).
+        """The statistic the last :meth:`check` compared its value with (reads that value: bad steps only).
 
         Unchanged by the ``accept``/``record_spike`` that follow that check.
         """
-        if not self._checked:
-            return SpikeStats(None, math.inf, math.nan, math.nan, "log", len(self._loaded), None)
-        threshold, baseline, margin, changes, raw = (float(t.reshape(-1)[0].item()) for t in self._checked)
-        if math.isnan(threshold):  # warming up
-            threshold = margin = math.inf
-        positive = baseline > 0
-        ratio = raw / baseline if positive and math.isfinite(raw) else None
-        spread = margin / self.sigmas  # the larger of the measured spread and the min_ratio floor
-        history = int(changes) + 1 if changes > 0 else len(self._values())
-        return SpikeStats(raw, threshold, baseline, spread, "log" if positive else "linear", history, ratio)
+        if self._checked is None:
+            return SpikeStats(None, math.inf, math.nan, math.nan, "log", len(self._history), None)
+        statistic, raw = self._checked
+        value = float(raw.float().reshape(-1)[0])
+        positive = statistic.baseline > 0
+        ratio = value / statistic.baseline if positive and math.isfinite(value) else None
+        spread = statistic.margin / self.sigmas  # the larger of the measured spread and the min_ratio floor
+        scale: Literal["log", "linear"] = "log" if positive or math.isnan(statistic.baseline) else "linear"
+        return SpikeStats(value, statistic.threshold, statistic.baseline, spread, scale, statistic.history, ratio)
 
     def describe(self) -> dict[str, Any]:
-        """The event's ``details`` for a spike: see :meth:`SpikeStats.details` (host read)."""
+        """The event's ``details`` for a spike: see :meth:`SpikeStats.details`."""
         return self.stats().details()
 
     def reset(self) -> None:
@@ -294,25 +292,31 @@ class SpikeDetector:
     def state_dict(self) -> dict[str, Any]:
         """The history (oldest first) and counters as primitives (``torch.load(weights_only=True)``-safe)."""
         return {
-            "history": self._values(),
+            "history": list(self._history),
             "consecutive_spikes": self.consecutive_spikes,
             "spikes_total": self.spikes_total,
             "rebaselines_total": self.rebaselines_total,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the history moves to the device of the next checked value.
+        """Restore :meth:`state_dict` (the threshold is recomputed at once).
 
         A history longer than ``window`` keeps its newest values; non-finite entries are dropped;
         missing keys default to an empty history and zero counters.
         """
         values = [float(v) for v in state_dict.get("history", [])]
-        self._loaded = [v for v in values if math.isfinite(v)][-self.window :]
+        self._history = deque((v for v in values if math.isfinite(v)), maxlen=self.window)
         self.consecutive_spikes = int(state_dict.get("consecutive_spikes", 0))
         self.spikes_total = int(state_dict.get("spikes_total", 0))
         self.rebaselines_total = int(state_dict.get("rebaselines_total", 0))
-        self._history = self._logs = self._threshold = self._pending = self._pending_log = None
-        self._statistic = self._checked = ()
+        self._pending, self._checked = None, None
+        self._refresh()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_thresholds"] = {}  # device tensors are rebuilt where they are next used
+        state["_pending"], state["_checked"] = None, None
+        return state
 
     def __repr__(self) -> str:
         return (
@@ -323,76 +327,58 @@ class SpikeDetector:
 
     # ------------------------------------------------------------------ internals
 
-    def _values(self) -> list[float]:
-        """Accepted values in the window, oldest first (host read)."""
-        if self._history is None:
-            return list(self._loaded)
-        return [v for v in self._history.tolist() if not math.isnan(v)]
-
-    def _ready(self, device: torch.device) -> Tensor:
-        """The threshold on ``device``; allocates the state there on first use, after loading or a move."""
-        if self._threshold is None or self._threshold.device != device:
-            self._allocate(device)
-        assert self._threshold is not None
-        return self._threshold
-
-    def _allocate(self, device: torch.device) -> None:
-        if self._history is not None:  # the value moved: carry the history along
-            history = self._history.to(device)
-        else:
-            values = torch.full((self.window,), math.nan, dtype=_FLOAT32)
-            if self._loaded:
-                values[self.window - len(self._loaded) :] = torch.tensor(self._loaded, dtype=_FLOAT32)
-            history = values.to(device)
-            self._loaded = []
-        self._history = history
-        self._logs = torch.stack([v.clamp_min(_TINY).log() for v in history])  # once: one element at a time
-        # n valid changes, sorted first (NaN sorts last): their 90% quantile sits at round(0.9 * (n - 1)).
-        # Below `warmup` values (warmup - 1 changes) the table points at the last change, NaN while the
-        # window is not full: a NaN threshold flags nothing.
-        changes = torch.arange(self.window, dtype=torch.float64)
-        index = ((changes - 1).clamp_min(0) * _Q).round().to(torch.int64)
-        index[changes < self.warmup - 1] = self.window - 2
-        self._quantile_index = index.to(device)
-        # 0-dim constants on the device: torch.where with Python floats builds them on every call
-        self._constants = (
-            torch.tensor(math.log(self.min_ratio), dtype=_FLOAT32, device=device),
-            torch.tensor(math.inf, dtype=_FLOAT32, device=device),
-        )
-        self._refresh()
+    def _threshold_on(self, device: torch.device) -> Tensor:
+        threshold = self._thresholds.get(device)
+        if threshold is None:
+            threshold = torch.full((1,), self._statistic.threshold, dtype=_FLOAT32, device=device)
+            self._thresholds[device] = threshold
+        return threshold
 
     def _clear(self) -> None:
-        self._loaded = []
-        if self._history is not None:  # a new tensor, not fill_(): the old one may be an inference tensor
-            self._history = torch.full_like(self._history, math.nan)
-            self._logs = torch.full_like(self._history, math.nan)
-            self._refresh()
+        self._history.clear()
+        self._refresh()
 
     def _refresh(self) -> None:
-        """Recompute the threshold (and the statistic behind it) from the history, on the device.
-
-        About twenty small kernels and no host read. While the detector warms up, the quantile index
-        points at an empty (NaN) change, so the threshold is NaN and no value compares above it.
-        """
-        history, index = self._history, self._quantile_index
-        assert history is not None and index is not None
-        baseline = history[-self.recent :].nanmedian()  # NaN while empty
-        positive = baseline > 0
-        assert self._logs is not None
-        values = torch.where(positive, self._logs, history)
-        changes = (values[1:] - values[:-1]).abs().sort().values  # NaN (empty slots) sort last
-        valid = (changes == changes).sum().reshape(1)
-        # index_select, not changes[index[valid]]: indexing with a 0-dim tensor reads it to the host
-        margin = changes.index_select(0, index.index_select(0, valid)) * (self.sigmas / _Q_TO_SIGMA)
-        # log scale: threshold = baseline * exp(max(margin, log(min_ratio)));
-        # linear scale: threshold = baseline + max(margin, (min_ratio - 1) * |baseline|), never 0 above 0
-        log_ratio, inf = self._constants
-        floor = torch.where(positive, log_ratio, baseline.abs() * (self.min_ratio - 1.0))
-        margin = torch.maximum(margin, floor)
-        linear = torch.where(margin > 0, margin + baseline, inf)
-        self._threshold = torch.where(positive, margin.exp() * baseline, linear)
-        self._statistic = (self._threshold, baseline, margin, valid)
+        """Recompute the statistic from the history (host floats) and write the threshold to the devices."""
         self._stale = 0
+        self._statistic = _Statistic.of(
+            list(self._history), self.warmup, self.recent, self.sigmas, self.min_ratio
+        )
+        for threshold in self._thresholds.values():
+            threshold.fill_(self._statistic.threshold)  # a kernel with a host scalar: no synchronisation
+
+
+@dataclass(frozen=True)
+class _Statistic:
+    """The threshold and what it is made of (``inf`` while warming up: nothing compares above it)."""
+
+    threshold: float
+    baseline: float
+    margin: float
+    history: int
+
+    @classmethod
+    def warming_up(cls, history: int, baseline: float = math.nan) -> _Statistic:
+        return cls(math.inf, baseline, math.inf, history)
+
+    @classmethod
+    def of(cls, values: list[float], warmup: int, recent: int, sigmas: float, min_ratio: float) -> _Statistic:
+        """The statistic of the accepted ``values`` (oldest first); see the module docs."""
+        if not values:
+            return cls.warming_up(0)
+        baseline = statistics.median_low(values[-recent:])  # an observed value, as torch.median gives
+        if len(values) < warmup:
+            return cls.warming_up(len(values), baseline)
+        positive = baseline > 0
+        series = [math.log(max(v, _TINY)) for v in values] if positive else values
+        changes = sorted(abs(b - a) for a, b in itertools.pairwise(series))
+        quantile = changes[round(_Q * (len(changes) - 1))] if changes else 0.0
+        margin = quantile * sigmas / _Q_TO_SIGMA
+        if positive:
+            margin = max(margin, math.log(min_ratio))
+            return cls(baseline * math.exp(margin), baseline, margin, len(values))
+        margin = max(margin, abs(baseline) * (min_ratio - 1.0))
+        return cls(baseline + margin if margin > 0 else math.inf, baseline, margin, len(values))
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

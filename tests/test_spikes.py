@@ -114,11 +114,11 @@ def test_nonfinite_is_not_a_spike_and_never_enters_the_history(value: float) -> 
     before = detector.state_dict()["history"]
     flag = detector.check(torch.tensor(value))
     assert flag.item() == 0.0
-    detector.accept(flag == 0)  # decided on the device: the NaN/Inf value is left out
+    detector.accept(flag == 0, value=value)
     assert detector.state_dict()["history"] == before
     detector.check(torch.tensor(value))
-    detector.accept(True)  # a careless caller: an empty slot, not the value
-    assert detector.state_dict()["history"] == before[1:]
+    detector.accept(True)  # a careless caller (and one that lets the detector read the value): still left out
+    assert detector.state_dict()["history"] == before
     assert detector.check(torch.tensor(50.0)).item() == 1.0
     assert feed(detector, noisy(300, seed=8)) == []
 
@@ -175,33 +175,36 @@ def test_a_healthy_step_ends_a_run_of_spikes() -> None:
 # ---------------------------------------------------------------------------- device side, no host reads
 
 
-def test_accept_tensor_decides_on_the_device_like_accept_bool() -> None:
+def test_accept_tensor_or_read_value_like_accept_bool_with_the_value() -> None:
     values = [*noisy(100), 80.0, *noisy(30, seed=2), math.nan, *noisy(10, seed=4)]
     by_bool, by_tensor = SpikeDetector(), SpikeDetector()
     for value in values:
         flag = by_bool.check(torch.tensor(value))
         by_bool.accept(not flag.item() and math.isfinite(value))
         flag = by_tensor.check(torch.tensor(value))
-        by_tensor.accept(flag == 0)  # NaN is left out by the detector itself
+        by_tensor.accept(flag == 0)  # reads the flag and the value; NaN is left out by the detector itself
     assert by_tensor.state_dict()["history"] == by_bool.state_dict()["history"]
     assert 80.0 not in by_tensor.state_dict()["history"]
     assert len(by_tensor.state_dict()["history"]) == 128
 
 
-def test_check_and_accept_read_nothing_to_the_host() -> None:
+def test_check_and_accept_with_the_value_read_nothing_to_the_host() -> None:
+    """The guard reads the flag and the loss with its step's one read, and hands the loss to accept()."""
     detector = SpikeDetector(refresh_every=1)
     counter = HostReadCounter()
-    values = [torch.tensor(v) for v in [*noisy(150), 1e5, *noisy(20, seed=1)]]
+    values = [*noisy(150), 1e5, *noisy(20, seed=1)]
+    flagged = []
     with counter:
         for value in values:
-            flag = detector.check(value)
-            detector.accept(True)
-            detector.check(value)
-            detector.accept(flag == 0)
+            flag = detector.check(torch.tensor(value))
+            flagged.append(flag)
+            detector.accept(value < 1e4, value=value)  # the caller's verdict, from its own read
     assert sum(counter.reads.values()) == 0, dict(counter.reads)
-    with counter:  # the counter sees reads: stats() is the bad path and reads
-        detector.stats()
-    assert sum(counter.reads.values()) > 0
+    assert [i for i, f in enumerate(flagged) if f.item()] == [150]
+    with counter:  # the counter sees reads: without the value, accept() reads it
+        detector.check(torch.tensor(1.0))
+        detector.accept(True)
+    assert sum(counter.reads.values()) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
