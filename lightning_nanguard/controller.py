@@ -50,6 +50,7 @@ from lightning_nanguard.reporting.scalars import scalar_tags
 from lightning_nanguard.settings import GuardSettings
 from lightning_nanguard.spike_watch import SpikeWatch
 from lightning_nanguard.state import GuardState
+from lightning_nanguard.syncfree import scaler_found_inf
 from lightning_nanguard.window import StepWindow
 
 if TYPE_CHECKING:
@@ -187,7 +188,7 @@ class StepController:
         if isinstance(inner, torch.optim.LBFGS) and self.state.reported_step == trainer.global_step:
             return  # LBFGS evaluates its closure (and this hook) many times per step: one event per step
         grads = [g for p in self.params if (g := p.grad) is not None]
-        vector = self._agreed_vector(trainer, pl_module, grads)
+        vector = self._agreed_vector(trainer, pl_module, grads, optimizer)
         sync_free = self.sync_free and pl_module.automatic_optimization and not self.state.failing
         if sync_free and self._defer(trainer, pl_module, optimizer, grads, vector):
             return  # skipped on the device if bad; resolved before the next step's forward
@@ -218,12 +219,14 @@ class StepController:
         # manual optimisation may call optimizer.step() a different number of times per rank: no collectives
         return self.agreement.distributed and pl_module.automatic_optimization
 
-    def _agreed_vector(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor]) -> Tensor:
+    def _agreed_vector(
+        self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor], optimizer: Optimizer
+    ) -> Tensor:
         """The step's flags with their sums over ranks, on the device. A rank whose check fails still takes part."""
         vector: Tensor | None = None
         if not self.state.failing:
             try:
-                vector = self._local_vector(trainer, pl_module, grads)
+                vector = self._local_vector(trainer, pl_module, grads, optimizer)
             except Exception as error:  # a bug in the guard: this rank says so in the reduce instead of hanging it
                 self.fail(error, "the per-step check")
         if vector is None:
@@ -287,16 +290,29 @@ class StepController:
             self.window.forget_batches()
             self.window.losses = []
 
-    def _local_vector(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor]) -> Tensor:
-        """This rank's flags from the fused check (no host read)."""
+    def _local_vector(
+        self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor], optimizer: Optimizer
+    ) -> Tensor:
+        """This rank's flags from the fused check (no host read).
+
+        Under a GradScaler that has unscaled this optimizer's gradients (Lightning does so before
+        ``on_before_optimizer_step`` for optimizers that are not fused) the scaler has just tested
+        every gradient for NaN/Inf: its flag is used, and the gradients are not read a second time
+        (unless the norm is due).
+        """
         bn = self.window.batchnorm_buffers
+        with_norm = self.with_norm or self.recorder.logging_due(trainer)
+        scaler_flag = None if with_norm else scaler_found_inf(grad_scaler(trainer), optimizer)
         summary = fused_health_check(
-            grads,
+            grads if scaler_flag is None else [],
             others=[*self.window.losses, *(t for _, t in bn if t.is_floating_point())],
             nonnegative=self.window.running_vars,
             device=pl_module.device,
-            with_norm=self.with_norm or self.recorder.logging_due(trainer),
+            with_norm=with_norm,
         )
+        if scaler_flag is not None:
+            flag = scaler_flag.reshape(1).to(device=summary.device, dtype=summary.dtype)
+            summary = torch.cat((summary[0:1] + flag, summary[1:]))
         spike = loss = None
         if self.spikes is not None and pl_module.automatic_optimization:
             loss = self.window.step_loss(_loss_scale(trainer))

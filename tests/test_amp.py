@@ -161,3 +161,23 @@ def test_nan_only_gradients_under_grad_scaler_are_an_incident(tmp_path: Path) ->
 
     assert [(e.global_step, e.kinds, e.dataset_indices) for e in guard.events] == [(1, ("grad",), (11,))]
     assert guard.amp_overflow_total == 0
+
+
+def test_under_a_grad_scaler_the_gradients_are_not_read_twice(tmp_path: Path, monkeypatch: Any) -> None:
+    """The scaler tested every gradient when it unscaled them: its flag stands in for the guard's gradient read."""
+    import lightning_nanguard.controller as controller
+
+    checked: list[int] = []
+    original = controller.fused_health_check
+
+    def spy(grads: Any, *args: Any, **kwargs: Any) -> Any:
+        checked.append(len(grads))
+        return original(grads, *args, **kwargs)
+
+    monkeypatch.setattr(controller, "fused_health_check", spy)
+    plugin, _ = _fp16()
+    guard = NanGuard(verbose=False, save_repro=False)
+    trainer = build_trainer("lightning", tmp_path, callbacks=[guard], plugins=[plugin], log_every_n_steps=50)
+    trainer.fit(Regression(hidden=8), DataLoader(_mixed_sign_data(nan_at=(19,)), batch_size=8))
+    assert checked == [0] * 8  # no step read the gradients itself
+    assert [(e.global_step, e.action) for e in guard.events] == [(2, "skipped")]  # the NaN is still caught
