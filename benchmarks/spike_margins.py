@@ -612,17 +612,23 @@ def cost_us(rounds: int = 7, steps: int = 2000) -> dict[str, float]:
     """
     g = torch.Generator().manual_seed(0)
     values = list((1.0 + 0.1 * torch.rand(steps, generator=g)).unbind())
+    floats = [float(v) for v in values]  # what the guard has on the host: the loss came with the step's read
 
-    def detector_loop(refresh_every: int, by_tensor: bool) -> Callable[[], None]:
+    def detector_loop(refresh_every: int, mode: str) -> Callable[[], None]:
         detector = SpikeDetector(refresh_every=refresh_every)
         for v in values[:200]:
             detector.check(v)
             detector.accept(True)
 
         def run() -> None:
-            for v in values:
+            for v, f in zip(values, floats, strict=True):
                 flag = detector.check(v)
-                detector.accept(flag == 0 if by_tensor else True)
+                if mode == "value":
+                    detector.accept(True, value=f)
+                elif mode == "tensor":
+                    detector.accept(flag == 0)
+                else:
+                    detector.accept(True)
 
         return run
 
@@ -649,9 +655,10 @@ def cost_us(rounds: int = 7, steps: int = 2000) -> dict[str, float]:
         return run
 
     variants = {
-        "SpikeDetector (defaults: refresh_every=4): check + accept(bool)": detector_loop(4, False),
-        "SpikeDetector (defaults): check + accept(tensor)": detector_loop(4, True),
-        "SpikeDetector, refresh_every=1 (statistic every step)": detector_loop(1, False),
+        "SpikeDetector (defaults), as the guard runs it: check + accept(bool, value)": detector_loop(4, "value"),
+        "SpikeDetector (defaults): check + accept(bool), the value read by accept": detector_loop(4, "bool"),
+        "SpikeDetector (defaults): check + accept(tensor), flag and value read": detector_loop(4, "tensor"),
+        "SpikeDetector, refresh_every=1 (statistic every step)": detector_loop(1, "value"),
         "SpikeDetector: check alone": check_only(),
         "running (EMA) estimate: check + accept": running_loop(),
     }

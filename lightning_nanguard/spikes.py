@@ -176,6 +176,7 @@ class SpikeDetector:
         self.spikes_total = 0
         self.rebaselines_total = 0
         self._history: deque[float] = deque(maxlen=window)  # accepted values, oldest first (host floats)
+        self._logs: deque[float] = deque(maxlen=window)  # log(max(value, tiny)) of the same values
         self._stale = 0  # accepted values since the statistic was last computed
         self._statistic = _Statistic.warming_up(0)  # what the device threshold holds
         self._thresholds: dict[torch.device, Tensor] = {}  # the threshold on each device it was used on
@@ -239,6 +240,7 @@ class SpikeDetector:
         if not math.isfinite(current):
             return
         self._history.append(current)
+        self._logs.append(math.log(max(current, _TINY)))
         self._stale += 1
         if self._stale >= self.refresh_every:
             self._refresh()
@@ -306,6 +308,7 @@ class SpikeDetector:
         """
         values = [float(v) for v in state_dict.get("history", [])]
         self._history = deque((v for v in values if math.isfinite(v)), maxlen=self.window)
+        self._logs = deque((math.log(max(v, _TINY)) for v in self._history), maxlen=self.window)
         self.consecutive_spikes = int(state_dict.get("consecutive_spikes", 0))
         self.spikes_total = int(state_dict.get("spikes_total", 0))
         self.rebaselines_total = int(state_dict.get("rebaselines_total", 0))
@@ -336,13 +339,14 @@ class SpikeDetector:
 
     def _clear(self) -> None:
         self._history.clear()
+        self._logs.clear()
         self._refresh()
 
     def _refresh(self) -> None:
         """Recompute the statistic from the history (host floats) and write the threshold to the devices."""
         self._stale = 0
         self._statistic = _Statistic.of(
-            list(self._history), self.warmup, self.recent, self.sigmas, self.min_ratio
+            list(self._history), list(self._logs), self.warmup, self.recent, self.sigmas, self.min_ratio
         )
         for threshold in self._thresholds.values():
             threshold.fill_(self._statistic.threshold)  # a kernel with a host scalar: no synchronisation
@@ -362,15 +366,17 @@ class _Statistic:
         return cls(math.inf, baseline, math.inf, history)
 
     @classmethod
-    def of(cls, values: list[float], warmup: int, recent: int, sigmas: float, min_ratio: float) -> _Statistic:
-        """The statistic of the accepted ``values`` (oldest first); see the module docs."""
+    def of(
+        cls, values: list[float], logs: list[float], warmup: int, recent: int, sigmas: float, min_ratio: float
+    ) -> _Statistic:
+        """The statistic of the accepted ``values`` (oldest first) and their ``logs``; see the module docs."""
         if not values:
             return cls.warming_up(0)
         baseline = statistics.median_low(values[-recent:])  # an observed value, as torch.median gives
         if len(values) < warmup:
             return cls.warming_up(len(values), baseline)
         positive = baseline > 0
-        series = [math.log(max(v, _TINY)) for v in values] if positive else values
+        series = logs if positive else values
         changes = sorted(abs(b - a) for a, b in itertools.pairwise(series))
         quantile = changes[round(_Q * (len(changes) - 1))] if changes else 0.0
         margin = quantile * sigmas / _Q_TO_SIGMA
