@@ -1,8 +1,7 @@
-"""Loss-spike detection on the device: a finite value far above the recent healthy values.
+"""Loss-spike detection: a finite value far above the recent healthy values, flagged on the device.
 
 :class:`SpikeDetector` keeps the last ``window`` *accepted* (healthy) values of a per-step
-scalar, the training loss or the gradient norm, in a tensor on that scalar's device, and flags a
-new value that is both
+scalar, the training loss or the gradient norm, and flags a new value that is both
 
 - ``sigmas`` robust standard deviations above the recent level, and
 - ``min_ratio`` times the recent level,
@@ -68,7 +67,7 @@ _Q_TO_SIGMA = 2.326348  # 90% quantile of |N(0, 2)|: |x[i] - x[i-1]| for Gaussia
 
 @dataclass(frozen=True)
 class SpikeStats:
-    """A host-side reading of a :class:`SpikeDetector` (bad path only: it reads the device).
+    """What a :class:`SpikeDetector` compared a value with (bad path only: it reads that value).
 
     Args:
         value: the last checked value (``None`` before the first :meth:`SpikeDetector.check`).
@@ -109,7 +108,7 @@ class SpikeStats:
 
 
 class SpikeDetector:
-    """Flags values far above the recent accepted values, decided on the device with no host read.
+    """Flags values far above the recent accepted values: one comparison on the device, no host read.
 
     One instance watches one per-step scalar: the loss (``name="loss"``) or, where it is computed
     every step anyway, the gradient norm (``name="grad_norm"``).
