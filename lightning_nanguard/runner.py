@@ -17,9 +17,9 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_nanguard.batching import BatchSlicer, batch_size, slice_batch
+from lightning_nanguard.batchnorm_buffers import batchnorm_buffers, batchnorm_running_vars
 from lightning_nanguard.detection import bad_batchnorm_names, fused_health_check, nonfinite_names
 from lightning_nanguard.isolation import isolated
-from lightning_nanguard.batchnorm_buffers import batchnorm_buffers, batchnorm_running_vars
 
 __all__ = ["StepFn", "SubBatchRunner", "loss_from_output"]
 

@@ -1,4 +1,4 @@
-"""Every ``NanGuard`` argument refuses its bad values with a message naming the argument, what is allowed, and the value.
+"""Every ``NanGuard`` argument refuses bad values with a message naming the argument, what is allowed, and the value.
 
 Table-driven: each argument of ``NanGuard.__init__`` has a row of bad values and a row of good ones;
 a test checks the table covers the whole signature, so a new argument cannot go unvalidated.
