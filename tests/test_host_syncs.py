@@ -7,45 +7,16 @@ call made while the guard's hooks run.
 
 from __future__ import annotations
 
-import sys
-from collections import Counter
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from host_reads import HostReadCounter
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NanGuard
-
-_HOST_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "__complex__"}
-
-
-class HostReadCounter(TorchFunctionMode):
-    """Counts calls that read tensor values to the host while it is active.
-
-    With ``ignore_host_copies`` the reads ``DeferredRead.result`` makes of its own host copy are not
-    counted: that copy was made without waiting (pinned memory and an event on CUDA), so reading it
-    is no synchronisation with the device.
-    """
-
-    def __init__(self, ignore_host_copies: bool = False) -> None:
-        super().__init__()
-        self.reads: Counter[str] = Counter()
-        self.ignore_host_copies = ignore_host_copies
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", "")
-        if name in _HOST_READS and not (self.ignore_host_copies and _reading_a_host_copy()):
-            self.reads[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _reading_a_host_copy() -> bool:
-    frame = sys._getframe(2)
-    return frame.f_code.co_name == "result" and frame.f_code.co_filename.endswith("syncfree.py")
 
 
 class CountingGuard(NanGuard):

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import copy
 import math
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from host_reads import HostReadCounter
 from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard.batchnorm_buffers import batchnorm_buffers, batchnorm_running_vars
@@ -42,22 +41,6 @@ FUSED = pytest.mark.parametrize(
     ],
     ids=["Adam", "AdamW-amsgrad", "SGD-nesterov", "SGD", "Adagrad"],
 )
-_HOST_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "__complex__"}
-
-
-class HostReadCounter(TorchFunctionMode):
-    """Counts the tensor calls that read values to the host (a synchronisation on CUDA)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: Counter[str] = Counter()
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if getattr(func, "__name__", "") in _HOST_READS:
-            self.reads[func.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 128), nn.Linear(128, 2))

@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import StepRecorder, build_trainer
-from test_host_syncs import HostReadCounter
+from host_reads import HostReadCounter
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
