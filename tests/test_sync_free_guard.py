@@ -178,3 +178,49 @@ def test_a_loss_spike_is_skipped_on_the_device(tmp_path: Path) -> None:
         (28, ("loss_spike",), "skipped", (230,)),
     ]
     assert recorder.by_step(25).unchanged() and recorder.by_step(28).unchanged()
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_the_guards_hooks_never_synchronise_on_a_healthy_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every hook NanGuard installs runs under ``set_sync_debug_mode("error")`` (Lightning's own code does not).
+
+    The first two steps are left out: they allocate the pinned host buffer and take the reference
+    sample. A synchronising call would raise inside a hook, which the guard turns into "disabled
+    itself after an internal error": so the guard must end the run active and silent.
+    """
+
+    class SyncChecked(NanGuard):
+        strict = False
+
+        def _strictly(self, hook: Any, *args: Any) -> Any:
+            torch.cuda.set_sync_debug_mode("error" if self.strict else "default")
+            try:
+                return hook(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            self.strict = batch_idx >= 2
+            self._strictly(super().on_train_batch_start, trainer, module, batch, batch_idx)
+
+        def on_before_backward(self, *args: Any) -> None:
+            self._strictly(super().on_before_backward, *args)
+
+        def on_before_optimizer_step(self, *args: Any) -> None:
+            self._strictly(super().on_before_optimizer_step, *args)
+
+        def _after_optimizer_step(self, *args: Any) -> None:
+            self._strictly(super()._after_optimizer_step, *args)
+
+    guard = SyncChecked(verbose=False, sync_free=True, check_params_every_n_steps=0)
+    trainer = build_trainer("lightning", tmp_path, callbacks=[guard], accelerator="cuda", log_every_n_steps=50)
+    with caplog.at_level(logging.WARNING, logger="lightning_nanguard"):
+        trainer.fit(Net(fused=True), _data(bad=()))
+    assert guard.active and guard.events == [], caplog.text
+    assert "internal error" not in caplog.text
