@@ -137,6 +137,4 @@ def validate_arguments(arguments: Mapping[str, Any]) -> None:
             )
         rule.check(name, value)
     if _is_int(window) and _is_int(warmup) and warmup > window:  # type: ignore[operator]
-        raise ValueError(
-            f"NanGuard: `spike_warmup_steps` must be <= `spike_window` ({window}), got {warmup!r}."
-        )
+        raise ValueError(f"NanGuard: `spike_warmup_steps` must be <= `spike_window` ({window}), got {warmup!r}.")

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["IncidentInspector", "check_module"]
 
+
 def _any_inf(tensors: Sequence[Tensor]) -> bool:
     """Whether some element is +/-Inf (bad path only: one host read)."""
     flags = [torch.isinf(t).any() for t in tensors]

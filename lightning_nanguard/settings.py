@@ -73,9 +73,7 @@ class GuardSettings:
                 diagnose_here=strategy_kind != "fsdp",
                 source_root=os.getcwd(),  # source lines are shown relative to where `fit` started
             ),
-            param_checks=ParamCheckSettings(
-                a["check_params_every_n_steps"], a["snapshot_every_n_steps"], a["action"]
-            ),
+            param_checks=ParamCheckSettings(a["check_params_every_n_steps"], a["snapshot_every_n_steps"], a["action"]),
             spikes=None
             if a["spike_action"] == "off"
             else SpikeSettings(

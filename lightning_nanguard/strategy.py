@@ -78,6 +78,7 @@ class StrategyHooks:
         state["samplers"] = []  # loaders belong to the process that iterates them
         return state
 
+
 _GENERATED: dict[type, type] = {}
 _NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # how objects of plain classes pickle
 

@@ -105,9 +105,11 @@ class StepWindow:
         """The step's loss summed over micro-batches, divided by the loss scale, on the device."""
         if not self.losses:
             return None
-        total = self.losses[0].float().sum() if len(self.losses) == 1 else torch.stack(
-            [loss.float().sum() for loss in self.losses]
-        ).sum()
+        total = (
+            self.losses[0].float().sum()
+            if len(self.losses) == 1
+            else torch.stack([loss.float().sum() for loss in self.losses]).sum()
+        )
         return total / scale if scale is not None else total
 
     # ------------------------------------------------------------------ BatchNorm

@@ -428,28 +428,73 @@ def make_case(
         x = torch.randn(n, 8, generator=g)
         y = torch.randint(0, 4, (n,), generator=g)
         x[idx] = 0.0  # blank samples
-        return FailureCase(kind, TensorDataset(x, y), bad, ("grad",), ("net.feature.weight",), (), True,
-                           "cosine_norm", "net.norm", "SqrtBackward0", "backward")
+        return FailureCase(
+            kind,
+            TensorDataset(x, y),
+            bad,
+            ("grad",),
+            ("net.feature.weight",),
+            (),
+            True,
+            "cosine_norm",
+            "net.norm",
+            "SqrtBackward0",
+            "backward",
+        )
     if kind == "power_pool":
         x = torch.randn(n, 6, 4, generator=g)
         y = torch.rand(n, generator=g)
         x[idx] = 0.0  # all positions padded
-        return FailureCase(kind, TensorDataset(x, y), bad, ("grad",), ("net.feature.weight", "net.pool.p"), (),
-                           True, "power_pool", "net.pool", "PowBackward1", "backward")
+        return FailureCase(
+            kind,
+            TensorDataset(x, y),
+            bad,
+            ("grad",),
+            ("net.feature.weight", "net.pool.p"),
+            (),
+            True,
+            "power_pool",
+            "net.pool",
+            "PowBackward1",
+            "backward",
+        )
     if kind == "bn_overflow":
         corrupt = BN_CORRUPT_VALUE if value is None else value
         x = torch.randn(n, 6, generator=g)
         y = torch.randn(n, generator=g)
         x[idx, 2] = corrupt
-        return FailureCase(kind, TensorDataset(x, y), bad, ("bn_stats",), (), ("net.input_bn.running_var",), True,
-                           "bn_overflow", "net.input_bn", None, "forward", value=corrupt)
+        return FailureCase(
+            kind,
+            TensorDataset(x, y),
+            bad,
+            ("bn_stats",),
+            (),
+            ("net.input_bn.running_var",),
+            True,
+            "bn_overflow",
+            "net.input_bn",
+            None,
+            "forward",
+            value=corrupt,
+        )
     if kind == "masked_div":
         x = torch.randn(n, 5, generator=g)
         count = torch.randint(1, 5, (n,), generator=g).float()
         y = torch.randn(n, generator=g)
         count[idx] = 0.0
-        return FailureCase(kind, TensorDataset(x, count, y), bad, ("grad",), ("net.head.weight", "net.head.bias"),
-                           (), True, "masked_div", "net.ratio", "DivBackward0", "backward")
+        return FailureCase(
+            kind,
+            TensorDataset(x, count, y),
+            bad,
+            ("grad",),
+            ("net.head.weight", "net.head.bias"),
+            (),
+            True,
+            "masked_div",
+            "net.ratio",
+            "DivBackward0",
+            "backward",
+        )
     if kind == "acos":
         x1 = torch.randn(n, 6, generator=g)
         x2 = torch.randn(n, 6, generator=g)
@@ -458,23 +503,55 @@ def make_case(
             x1[i] = 0.0
             x1[i, i % 6] = 0.5 + 0.1 * (i % 5)
             x2[i] = x1[i]
-        return FailureCase(kind, TensorDataset(x1, x2, y), bad, ("grad",), ("net.angle.scale",), (), True,
-                           "acos", "net.angle", "AcosBackward0", "backward")
+        return FailureCase(
+            kind,
+            TensorDataset(x1, x2, y),
+            bad,
+            ("grad",),
+            ("net.angle.scale",),
+            (),
+            True,
+            "acos",
+            "net.angle",
+            "AcosBackward0",
+            "backward",
+        )
     if kind == "log_zero":
         x = torch.randn(n, 4, generator=g)
         y = torch.randint(0, 3, (n,), generator=g)
         x[idx] *= 1e4  # un-normalised samples: logit gaps in the thousands, softmax underflows to 0
-        return FailureCase(kind, TensorDataset(x, y), bad, ("loss", "grad"),
-                           ("net.classifier.weight", "net.classifier.bias"), (), False,
-                           "log_zero", "net.criterion", "LogBackward0", "forward")
+        return FailureCase(
+            kind,
+            TensorDataset(x, y),
+            bad,
+            ("loss", "grad"),
+            ("net.classifier.weight", "net.classifier.bias"),
+            (),
+            False,
+            "log_zero",
+            "net.criterion",
+            "LogBackward0",
+            "forward",
+        )
     if kind == "input_data":
         injected = math.nan if value is None else value
         x = torch.randn(n, 4, generator=g)
         y = torch.randn(n, generator=g)
         x[idx, 1] = injected
-        return FailureCase(kind, TensorDataset(x, y), bad, ("loss", "grad", "bn_stats"), _INPUT_DATA_GRADS,
-                           ("net.1.running_mean", "net.1.running_var"), False,
-                           "input_data", "net.0", "AddmmBackward0", "forward", value=injected)
+        return FailureCase(
+            kind,
+            TensorDataset(x, y),
+            bad,
+            ("loss", "grad", "bn_stats"),
+            _INPUT_DATA_GRADS,
+            ("net.1.running_mean", "net.1.running_var"),
+            False,
+            "input_data",
+            "net.0",
+            "AddmmBackward0",
+            "forward",
+            value=injected,
+        )
     if kind == "norm_overflow":  # healthy: no bad samples, whatever ``bad`` says
         x = torch.ones(n, 1)
         return FailureCase(kind, TensorDataset(x), (), (), (), (), True, "", "", None, "forward")

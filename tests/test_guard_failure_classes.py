@@ -35,7 +35,6 @@ def _backward(net: torch.nn.Module, batch: Any) -> tuple[Tensor, list[str], list
     return loss.detach(), bad_grads, bad_buffers
 
 
-
 def _all_cases() -> list[Any]:
     cases = [pytest.param(kind, None, id=kind) for kind in CLASS_KINDS]
     for value, name in ((math.nan, "nan"), (math.inf, "+inf"), (-math.inf, "-inf")):

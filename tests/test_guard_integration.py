@@ -493,8 +493,13 @@ def test_a_training_step_returning_none_is_no_step_and_leaves_nothing_behind(tmp
     x[27, 0] = math.nan  # batch 3, right after the skipped batch
     guard = NanGuard(verbose=False, save_repro=False)
     trainer = lightning.pytorch.Trainer(
-        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
-        callbacks=[guard], enable_model_summary=False,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+        callbacks=[guard],
+        enable_model_summary=False,
     )
     trainer.fit(SkipsBatchTwo(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8))
     assert trainer.global_step == 4  # Lightning counts the batch without a loss as a step

@@ -41,6 +41,8 @@ FUSED = pytest.mark.parametrize(
     ],
     ids=["Adam", "AdamW-amsgrad", "SGD-nesterov", "SGD", "Adagrad"],
 )
+
+
 def _net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 128), nn.Linear(128, 2))
