@@ -89,3 +89,33 @@ def test_counter_sees_host_reads() -> None:
         for g in grads:
             bool(torch.isfinite(g).all())
     assert sum(counter.reads.values()) == 5
+
+
+class GradVersions(pl.Callback):
+    """Records every gradient's ``_version`` (its in-place write count) at ``on_before_optimizer_step``."""
+
+    def __init__(self) -> None:
+        self.per_step: list[list[int]] = []
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self.per_step.append([p.grad._version for p in pl_module.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["default", "with-clip_grad-norm-every-step"])
+def test_a_healthy_check_writes_no_gradient(tmp_path: Any, clip: bool) -> None:
+    """The guard's check between two recorders (before and after it in the callback list) only reads."""
+    before, after = GradVersions(), GradVersions()
+    guard = NanGuard(verbose=False, remedies=["clip_grad"] if clip else [], check_params_every_n_steps=0)
+    trainer = pl.Trainer(
+        max_steps=6,
+        callbacks=[before, guard, after],
+        default_root_dir=tmp_path,
+        log_every_n_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(Net(), DataLoader(TensorDataset(torch.randn(48, 4), torch.randn(48)), batch_size=8))
+    assert guard.events == [] and len(before.per_step) == 6
+    assert after.per_step == before.per_step
