@@ -232,12 +232,17 @@ def _relative(path: str | os.PathLike[str]) -> str:
 
 
 def _tensorboard_command() -> str:
-    """How to start TensorBoard from here: ``tensorboard`` if it is on PATH, else this interpreter's."""
-    if shutil.which("tensorboard"):
-        return "tensorboard"
+    """How to start TensorBoard from the user's shell: this interpreter's script, else ``tensorboard`` on PATH.
+
+    The script beside the interpreter comes first: ``scripts/demo.sh`` puts ``.venv/bin`` on the
+    PATH of the demo only, so a bare ``tensorboard`` found there would not run in the user's shell.
+    """
     beside = Path(sys.executable).parent / "tensorboard"  # the venv's script, e.g. .venv/bin/tensorboard
     if beside.exists():
-        return os.path.relpath(beside) if not os.path.relpath(beside).startswith("..") else str(beside)
+        relative = os.path.relpath(beside)
+        return relative if not relative.startswith("..") else str(beside)
+    if shutil.which("tensorboard"):
+        return "tensorboard"
     return f"{sys.executable} -m tensorboard.main"
 
 
