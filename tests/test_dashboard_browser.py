@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from dashboard_runs import (
     BLANK,
+    SPIKE_EVENT,
     TensorBoardServer,
     guarded_image_run,
     origin_line,
@@ -47,8 +48,12 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TensorBoardServer]:
-    logdir = tmp_path_factory.mktemp("logs")
+def logdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="module")
+def server(logdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TensorBoardServer]:
     for ns in ("lightning", "pytorch_lightning"):
         guarded_image_run(ns, logdir)
     write_mixed_run(logdir / MIXED)
@@ -101,13 +106,7 @@ def ready(driver: WebDriver, view: str) -> bool:
 @pytest.fixture
 def tab(server: TensorBoardServer, browser: WebDriver) -> WebDriver:
     """TensorBoard opened on the NanGuard tab, the driver switched into the tab's iframe."""
-    browser.switch_to.default_content()
-    browser.get("about:blank")  # a fresh page: the same URL with a hash would not reload the tab
-    browser.get(f"{server.url}/#nanguard")
-    frame = wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "iframe"))[0]
-    browser.switch_to.frame(frame)
-    wait(browser, lambda d: ready(d, "timeline"))
-    return browser
+    return open_tab(server, browser)
 
 
 def texts(driver: WebDriver, selector: str) -> list[str]:
@@ -229,6 +228,43 @@ def test_older_events_and_spikes_are_shown(tab: WebDriver) -> None:
     assert rows == {"threshold": "40", "baseline": "2.1"}
     assert "loss_spike" in spike.find_element(By.CSS_SELECTOR, ".chip-spike").text
     assert not tab.find_elements(By.CSS_SELECTOR, ".error")
+
+
+def open_tab(server: TensorBoardServer, browser: WebDriver) -> WebDriver:
+    """TensorBoard opened on the NanGuard tab, the driver switched into the tab's iframe."""
+    browser.switch_to.default_content()
+    browser.get("about:blank")  # a fresh page: the same URL with a hash would not reload the tab
+    browser.get(f"{server.url}/#nanguard")
+    frame = wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "iframe"))[0]
+    browser.switch_to.frame(frame)
+    wait(browser, lambda d: ready(d, "timeline"))
+    return browser
+
+
+def run_count(driver: WebDriver, run: str) -> str:
+    label = driver.find_element(By.CSS_SELECTOR, f".run-list label[title='{run}']")
+    return label.find_element(By.CSS_SELECTOR, ".count").text
+
+
+def test_a_live_run_shows_new_incidents_by_itself(server: TensorBoardServer, logdir: Path, tab: WebDriver) -> None:
+    """A run still training: an incident appended to its events.jsonl appears without a reload."""
+    events = logdir / MIXED / "nanguard" / "events.jsonl"
+    original = events.read_text(encoding="utf-8")
+    tab.execute_script("window.localStorage.setItem('nanguard.pollSeconds', '1');")
+    try:
+        tab = open_tab(server, tab)  # the interval is read when the tab loads
+        assert run_count(tab, MIXED) == "2"
+        card = tab.find_element(By.CSS_SELECTOR, f".timeline-card[data-run='{MIXED}']")
+        assert "99" not in [m.get_attribute("data-step") for m in card.find_elements(By.CSS_SELECTOR, "g.marker")]
+        with events.open("a", encoding="utf-8") as stream:
+            stream.write(json.dumps(dict(SPIKE_EVENT, global_step=99, batch_idx=99)) + "\n")
+        wait(tab, lambda d: ready(d, "timeline") and run_count(d, MIXED) == "3", timeout=30)
+        card = tab.find_element(By.CSS_SELECTOR, f".timeline-card[data-run='{MIXED}']")
+        assert "99" in [m.get_attribute("data-step") for m in card.find_elements(By.CSS_SELECTOR, "g.marker")]
+        assert run_count(tab, RUNS[0]) == "4"  # the other runs are untouched
+    finally:
+        events.write_text(original, encoding="utf-8")
+        tab.execute_script("window.localStorage.removeItem('nanguard.pollSeconds');")
 
 
 def test_no_errors_in_the_browser_console(tab: WebDriver) -> None:

@@ -9,6 +9,20 @@ import {timelineCard} from './timeline.js';
 
 const PAGE = 50;
 const MAX_SELECTED = 6;
+// How often the tab looks for new incidents of a live run: TensorBoard's default reload interval,
+// or localStorage['nanguard.pollSeconds'] (at least 1; 0 turns it off).
+const POLL_SECONDS = pollSeconds();
+
+function pollSeconds() {
+  try {
+    const stored = window.localStorage.getItem('nanguard.pollSeconds');
+    if (stored !== null && stored.trim() !== '' && Number.isFinite(Number(stored))) {
+      const seconds = Number(stored);
+      return seconds <= 0 ? 0 : Math.max(1, seconds);
+    }
+  } catch (ignored) {} // storage unavailable (a sandboxed frame): the default
+  return 30;
+}
 
 const state = {
   runs: [],
@@ -180,7 +194,8 @@ export async function render() {
       .map(([view, label]) => h('button', {dataset: {view}, class: view === state.view ? 'active' : '', onclick: () => setView(view)}, label)));
   root = h('div', {class: 'nanguard', id: 'nanguard'},
       h('header', {class: 'top'}, h('span', {class: 'brand'}, 'NanGuard'), tabs,
-          h('button', {class: 'reload', title: 'reload', onclick: () => load()}, '⟳')),
+          h('button', {class: 'reload', onclick: () => load(),
+            title: POLL_SECONDS ? `reload (new incidents also show by themselves: checked every ${POLL_SECONDS} s)` : 'reload'}, '⟳')),
       h('div', {class: 'body'}, sidebar, main));
   document.body.appendChild(root);
   let resizeTimer = null;
@@ -189,11 +204,33 @@ export async function render() {
     resizeTimer = setTimeout(() => state.view === 'timeline' && refresh(), 200);
   });
   await load();
+  if (POLL_SECONDS) setInterval(poll, POLL_SECONDS * 1000);
 }
 
-async function load() {
+/** What the run list shows: a change (a new run, a new incident) redraws the tab. */
+function runsSignature(runs) {
+  return runs.map((r) => `${r.run}:${r.incidents}`).join('|');
+}
+
+let polling = false;
+
+/** Redraw when a run gained incidents (or a run appeared) since the tab last loaded; otherwise leave it. */
+async function poll() {
+  if (polling || document.visibilityState === 'hidden') return;
+  polling = true;
   try {
-    state.runs = await api.runs();
+    const runs = await api.runs();
+    if (runsSignature(runs) !== runsSignature(state.runs)) await load(runs);
+  } catch (ignored) {
+    // a TensorBoard restarting or busy: keep what is shown, the next poll tries again
+  } finally {
+    polling = false;
+  }
+}
+
+async function load(runs) {
+  try {
+    state.runs = runs || await api.runs();
   } catch (error) {
     clear(main);
     showError(main, error);
