@@ -39,7 +39,15 @@ from torch import nn
 
 from lightning_nanguard.events import NanEvent
 
-__all__ = ["BundleMissingError", "ReproBundle", "import_class", "load_bundle", "prune_bundles", "save_bundle"]
+__all__ = [
+    "BundleMissingError",
+    "ReproBundle",
+    "import_class",
+    "load_bundle",
+    "prune_bundles",
+    "save_bundle",
+    "update_bundle_event",
+]
 
 BUNDLE_PREFIX = "step-"
 BUNDLE_FILES = ("event.json", "module.json", "batch.pt", "module_state.pt")
@@ -119,6 +127,25 @@ def save_bundle(
     full = {**saved["details"], **dict(full_details or {})}
     (path / "details_full.json").write_text(json.dumps(full, indent=2, default=str), encoding="utf-8")
     return path
+
+
+def update_bundle_event(event: NanEvent) -> bool:
+    """Rewrite the ``event.json`` of ``event``'s bundle with ``event`` as recorded; ``False`` if it has none.
+
+    A bundle is saved while the step is diagnosed, before the step's decision: the action taken,
+    the remedies applied and the cause shared by the ranks are only known afterwards.
+
+    Example:
+        >>> update_bundle_event(NanEvent(3, 0, 3, 0, ("loss",), "skipped"))  # no bundle saved
+        False
+    """
+    if not event.repro_path:
+        return False
+    path = Path(event.repro_path) / "event.json"
+    if not path.is_file():  # pruned or moved since
+        return False
+    path.write_text(json.dumps(event.to_dict(), indent=2), encoding="utf-8")
+    return True
 
 
 def prune_bundles(directory: str | os.PathLike[str], keep: int) -> list[Path]:

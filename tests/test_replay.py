@@ -287,3 +287,22 @@ def test_save_bundle_writes_the_full_lists(trained: dict[str, NanEvent], tmp_pat
     saved = json.loads((path / "details_full.json").read_text())
     assert saved["bn_channels"] == full["bn_channels"] and saved["bn_channels_summary"] == {"layers": 9}
     assert json.loads((path / "event.json").read_text())["details"]["bn_channels"] == {"bn": [0]}
+
+
+@pytest.mark.parametrize("name", ["cosine_norm", "bn_overflow", "interaction"])
+def test_the_bundle_holds_the_event_as_recorded(name: str, trained: dict[str, NanEvent]) -> None:
+    """The bundle is saved during the diagnosis, before the decision: its event.json gets the decision too."""
+    event = trained[name]
+    saved = json.loads((Path(event.repro_path) / "event.json").read_text(encoding="utf-8"))
+    assert saved["action"] == "skipped" and saved == event.to_dict()
+
+
+def test_the_bundle_holds_the_remedies_applied(tmp_path: Path) -> None:
+    guard = NanGuard(verbose=False, remedies=["lr_backoff"])
+    build_trainer("lightning", tmp_path, callbacks=[guard]).fit(fm.InteractionModule(), interaction_loader())
+    [event] = guard.events
+    assert event.cause == "interaction" and "lr_backoff" in " ".join(event.remedies)
+    saved = json.loads((Path(event.repro_path) / "event.json").read_text(encoding="utf-8"))
+    assert saved["remedies"] == list(event.remedies) and saved["action"] == "skipped"
+    lines = (Path(event.repro_path).parent / "events.jsonl").read_text(encoding="utf-8").splitlines()
+    assert json.loads(lines[-1]) == saved

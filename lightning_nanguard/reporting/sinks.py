@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -13,11 +14,14 @@ from lightning_nanguard.events import NanEvent
 from lightning_nanguard.reporting.jsonl import EVENTS_FILENAME, JsonlEventLog
 from lightning_nanguard.reporting.tensorboard import TensorBoardReporter
 from lightning_nanguard.reporting.terminal import TerminalReporter
+from lightning_nanguard.repro import update_bundle_event
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
 __all__ = ["EventSinks"]
+
+log = logging.getLogger(__name__)
 
 
 def _terminal(rank: int, trainer: Trainer | None) -> TerminalReporter:
@@ -67,9 +71,13 @@ class EventSinks:
                     self.tensorboard.append(reporter)
 
     def event(self, event: NanEvent, rank: int, trainer: Trainer | None = None) -> None:
-        """Send one event everywhere."""
+        """Send one event everywhere, its repro bundle included (saved before the step's decision)."""
         if self.jsonl is not None:
             self.jsonl.append(event)
+        try:
+            update_bundle_event(event)
+        except OSError as error:  # a bundle must never kill training
+            log.warning("NanGuard: could not update the repro bundle of step %d: %r", event.global_step, error)
         if self.verbose:
             _terminal(rank, trainer).report(event)
         for reporter in self.tensorboard:
