@@ -20,11 +20,13 @@ It needs no Trainer, so ``replay`` uses it too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from lightning_nanguard.batching import BatchField, BatchSlicer
@@ -99,6 +101,30 @@ class Diagnosis:
         return full
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager() -> contextlib.AbstractContextManager[Any]:
+    """Run ``torch.compile``d code eagerly inside the block (``torch.compiler.set_stance("force_eager")``).
+
+    A diagnosis re-runs the step on sub-batches of new sizes and hooks the modules: compiled, each
+    size would recompile (seconds each, until the recompile limit), dynamo would trace the hooks,
+    and the ops would be named ``CompiledFunctionBackward`` instead of the op at fault.
+    """
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
+def _eagerly(function: _F) -> _F:
+    @functools.wraps(function)
+    def run_eagerly(*args: Any, **kwargs: Any) -> Any:
+        with eager():
+            return function(*args, **kwargs)
+
+    return run_eagerly  # type: ignore[return-value]
+
+
+@_eagerly
 def diagnose(
     module: nn.Module,
     batch: Any,
@@ -138,6 +164,8 @@ def diagnose(
             directory at ``fit`` start); default: the current working directory.
         state_check: decide whether the model state is at fault (off for a batch already known to
             be a subset of the samples at fault, e.g. a repro bundle's).
+
+    Compiled code (``torch.compile``) runs eagerly throughout (see :func:`eager`).
 
     Example:
         >>> import torch

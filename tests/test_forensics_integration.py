@@ -330,6 +330,47 @@ def test_origin_inside_training_step(tmp_path: Path) -> None:
     assert_skipped(recorder, 1)
 
 
+class _CosineNorm(torch.nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x / x.pow(2).sum(1, keepdim=True).sqrt()  # ORIGIN: compiled_div
+
+
+def test_a_compiled_model_is_diagnosed_eagerly(tmp_path: Path) -> None:
+    """``torch.compile``d layers: the diagnosis runs them eagerly, so the op at fault is named.
+
+    Compiled, every sub-batch size would recompile, dynamo would trace the guard's hooks, and the
+    op would read ``CompiledFunctionBackward``. ``aot_eager``: compiled graphs without a C compiler.
+    """
+    import lightning.pytorch as pl
+
+    class Compiled(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            layers = torch.nn.Sequential(torch.nn.Linear(4, 16, bias=False), _CosineNorm(), torch.nn.Linear(16, 1))
+            self.net = torch.compile(layers, backend="aot_eager")
+
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 4, generator=g), torch.randn(32, generator=g)
+    x[11] = 0.0  # a blank sample: 0 / 0
+    guard, trainer, recorder = fit(Compiled(), DataLoader(TensorDataset(x, y), batch_size=8), tmp_path)
+    event = only_event(guard)
+    assert (event.dataset_indices, event.cause, event.action) == ((11,), "data", "skipped")
+    assert (event.culprit_module, event.culprit_op, event.phase) == ("net._orig_mod.1", "DivBackward0", "forward")
+    assert event.details.get("function") == "torch.div" and "division by zero" in event.details["hint"]
+    source_of(event, "test_forensics_integration.py", origin_line("compiled_div", Path(__file__)))
+    assert_skipped(recorder, 1)
+    assert trainer.global_step == 4
+    torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------------------ dataset indices
 
 
