@@ -187,12 +187,16 @@ class StepController:
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
         if isinstance(inner, torch.optim.LBFGS) and self.state.reported_step == trainer.global_step:
             return  # LBFGS evaluates its closure (and this hook) many times per step: one event per step
-        grads = [g for p in self.params if (g := p.grad) is not None]
+        # manual optimisation steps optimizers one by one: the gradients this step applies are its own
+        params = self.params if pl_module.automatic_optimization else _optimizer_params(inner)
+        grads = [g for p in params if (g := p.grad) is not None]
         vector = self._agreed_vector(trainer, pl_module, grads, optimizer)
         sync_free = self.sync_free and pl_module.automatic_optimization and not self.state.failing
         if sync_free and self._defer(trainer, pl_module, optimizer, grads, vector):
             return  # skipped on the device if bad; resolved before the next step's forward
         self._resolve(trainer, pl_module, optimizer, grads, vector.tolist())  # the one host read of a step
+        if not pl_module.automatic_optimization:  # the next optimizer's check: only the losses backpropagated after
+            self.window.losses = []
 
     def _resolve(
         self,
@@ -498,6 +502,7 @@ class StepController:
     def manual_check(self, trainer: Trainer | None, module: nn.Module, loss: Tensor | None) -> NanEvent | None:
         """``NanGuard.check``: gradients, BatchNorm statistics, weights and ``loss`` of ``module``, now."""
         event = check_module(trainer, module, loss, self.window.batch_idx)
+        self.window.losses = []  # checked: an optimizer step hooked after this sees only the losses to come
         if event is not None:
             self.state.counters = self.state.counters.replace(bad_steps_total=self.state.counters.bad_steps_total + 1)
             self.recorder.events.append(event)
@@ -527,6 +532,11 @@ class StepController:
         """Every rank saw some rank's failure in the same reduce: all stop guarding (and joining collectives) now."""
         self.state.disabled = True
         self.state.failing = False
+
+
+def _optimizer_params(optimizer: Optimizer) -> list[Tensor]:
+    """The parameters ``optimizer`` updates, in its order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _loss_scale(trainer: Trainer) -> Tensor | None:

@@ -154,8 +154,11 @@ class IncidentInspector:
     # ------------------------------------------------------------------ the event
 
     def _nonfinite_event(self, trainer: Trainer, grads: list[Tensor], grad_norm: float) -> NanEvent | None:
-        """Confirm element-wise and name the tensors; ``None`` when everything is finite after all."""
-        bad_grads = nonfinite_names((n, p.grad) for n, p in self.named_params if p.grad is not None)
+        """Confirm element-wise and name the tensors of ``grads``; ``None`` when everything is finite after all."""
+        checked = {id(g) for g in grads}  # the optimizer's own under manual optimisation
+        bad_grads = nonfinite_names(
+            (n, grad) for n, p in self.named_params if (grad := p.grad) is not None and id(grad) in checked
+        )
         bn_buffers = self.window.batchnorm_buffers
         bad_buffers = bad_batchnorm_names(bn_buffers)
         losses = [float(loss.float().sum()) for loss in self.window.losses]

@@ -603,6 +603,51 @@ def test_manual_optimisation_user_skip_leaves_no_stale_event(tmp_path: Path, cap
     assert guard.events == [module.checks[1], module.checks[5]]
 
 
+class TwoOptimizers(pl.LightningModule):
+    """A GAN-like manual loop: the critic's step is asked about and skipped, the generator's is not."""
+
+    def __init__(self, guard: NanGuard) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.guard = guard
+        torch.manual_seed(0)
+        self.generator = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 4))
+        self.critic = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        self.critic_checks: list[NanEvent | None] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x = batch[0]
+        generator_opt, critic_opt = self.optimizers()
+        z = torch.randn(x.shape[0], 2)
+        critic_loss = nn.functional.softplus(-self.critic(x)).mean()  # NaN for a batch holding NaN
+        critic_loss = critic_loss + nn.functional.softplus(self.critic(self.generator(z).detach())).mean()
+        critic_opt.zero_grad()
+        self.manual_backward(critic_loss)
+        self.critic_checks.append(self.guard.check(self.critic, critic_loss))
+        if self.critic_checks[-1] is None:
+            critic_opt.step()
+        generator_loss = nn.functional.softplus(-self.critic(self.generator(z))).mean()  # finite: the critic is
+        generator_opt.zero_grad()
+        self.manual_backward(generator_loss)
+        generator_opt.step()  # the critic's NaN gradients are still there, but this optimizer does not apply them
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.generator.parameters()), torch.optim.Adam(self.critic.parameters())
+
+
+def test_manual_optimisation_checks_each_optimizer_on_its_own(tmp_path: Path) -> None:
+    """The hook at ``generator_opt.step()`` looks at that optimizer's gradients and the losses since its check."""
+    guard = _quiet()
+    module = TwoOptimizers(guard)
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    x[11, 0] = float("inf")
+    build_trainer("lightning", tmp_path, callbacks=[guard]).fit(module, DataLoader(TensorDataset(x), batch_size=8))
+    assert [i for i, e in enumerate(module.critic_checks) if e is not None] == [1]
+    assert guard.events == [module.critic_checks[1]]  # one report of the critic's step, none of the generator's
+    assert guard.events[0].nonfinite_grads == ("0.weight", "0.bias", "2.weight", "2.bias")  # of the critic
+    assert _finite(module)
+
+
 def test_manual_optimisation_is_not_skipped_automatically(tmp_path: Path) -> None:
     guard = _quiet()
     module = ManualRegressor(guard, skip_bad=False)
