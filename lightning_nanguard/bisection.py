@@ -25,7 +25,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["BisectionResult", "find_offending"]
+__all__ = ["NOT_REPRODUCED", "BisectionResult", "find_offending"]
+
+NOT_REPRODUCED = (
+    "re-running the batch on the same weights gave finite values (non-deterministic ops, or the "
+    "values depend on state the re-run does not reproduce)"
+)
+"""Why a batch is not attributable when its re-run (unscaled, on the same weights) is finite."""
 
 Predicate = Callable[[Sequence[int]], bool]
 
@@ -48,6 +54,7 @@ class BisectionResult:
         smallest_bad: the smallest bad group seen (for localisation), possibly the whole batch.
         complete: False when ``max_passes`` stopped the search early (``offending`` is then partial).
         interacting: bad groups holding no sample that is bad on its own (they fail only together).
+        reproduced: False when the whole batch re-ran finite (see :data:`NOT_REPRODUCED`).
     """
 
     offending: list[int] | None
@@ -56,6 +63,7 @@ class BisectionResult:
     smallest_bad: list[int] = field(default_factory=list)
     complete: bool = True
     interacting: list[list[int]] = field(default_factory=list)
+    reproduced: bool = True
 
 
 def find_offending(
@@ -112,13 +120,7 @@ def find_offending(
         return BisectionResult(None, 0, "the batch is empty", [])
     try:
         if confirm_whole and not test(whole):
-            return BisectionResult(
-                None,
-                passes,
-                "re-running the batch on the same weights gave finite values (non-deterministic ops, or the "
-                "values depend on state the re-run does not reproduce)",
-                [],
-            )
+            return BisectionResult(None, passes, NOT_REPRODUCED, [], reproduced=False)
     except _PassBudgetExhausted:
         return BisectionResult(None, passes, f"max_bisect_passes={max_passes} reached", whole, complete=False)
 

@@ -73,6 +73,7 @@ def diagnose_step(
     bundle_dir: str | None,
     reference_batch: Any = None,
     loss_threshold: float | None = None,
+    loss_scaled: bool = False,
 ) -> tuple[NanEvent, Diagnosis | None]:
     """Fill the event's forensic fields, save a repro bundle and the dashboard's context; never raises.
 
@@ -88,6 +89,9 @@ def diagnose_step(
         bundle_dir: ``<log_dir>/nanguard`` (``None``: nothing is written).
         reference_batch: a small known-good sub-batch of a recent healthy step (tells a state fault).
         loss_threshold: for a loss spike, the loss above which a (sub-)batch counts as bad.
+        loss_scaled: a GradScaler scaled the step's loss. When the (unscaled) re-run of the batch is
+            finite, the NaN/Inf came from the scaling: nothing is written, and the caller reads
+            ``diagnosis.reproduced``.
     """
     if not micro_batches:
         return event, None
@@ -115,6 +119,8 @@ def diagnose_step(
                 diagnosis, chosen = found, micro
             if found.offending is not None or _localized(found) or found.error:
                 break
+    if loss_scaled and loss_threshold is None and diagnosis is not None and not diagnosis.reproduced:
+        return event, diagnosis  # the GradScaler's overflow, not an incident: no bundle, no context
     if diagnosis is not None:
         event = event_with_diagnosis(event, diagnosis, dataset_indices=chosen.dataset_indices)
         event = event.replace(batch_idx=chosen.batch_idx)

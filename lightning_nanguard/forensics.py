@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lightning_nanguard.batching import BatchField, BatchSlicer
-from lightning_nanguard.bisection import BisectionResult, find_offending
+from lightning_nanguard.bisection import NOT_REPRODUCED, BisectionResult, find_offending
 from lightning_nanguard.compact import compact_channels
 from lightning_nanguard.detection import nonfinite_names
 from lightning_nanguard.events import EventCause, NanEvent
@@ -43,12 +43,6 @@ from lightning_nanguard.verdict import InputCheck, StateCheck, check_input, chec
 __all__ = ["Diagnosis", "SubBatchRunner", "diagnose", "event_with_diagnosis", "loss_from_output"]
 
 log = logging.getLogger("lightning_nanguard")
-
-_NOT_REPRODUCED = (
-    "re-running the batch on the same weights gave finite values (non-deterministic ops, or the "
-    "values depend on state the re-run does not reproduce)"
-)
-
 
 @dataclass(frozen=True)
 class Diagnosis:
@@ -71,6 +65,8 @@ class Diagnosis:
         input_fields: batch fields holding NaN/Inf (cause ``"input"``, or noted next to another cause).
         source_root: the directory source paths are shown relative to (``None``: the working directory).
         loss_threshold: the loss above which a (sub-)batch counted as bad (loss-spike mode).
+        reproduced: ``False`` when the whole batch re-ran finite on the same weights. The re-run
+            does not scale the loss: under a GradScaler that says the NaN/Inf came from the scaling.
     """
 
     batch_size: int | None
@@ -86,6 +82,7 @@ class Diagnosis:
     input_fields: tuple[BatchField, ...] = ()
     source_root: str | None = None
     loss_threshold: float | None = None
+    reproduced: bool = True
 
     @property
     def full_details(self) -> dict[str, Any]:
@@ -289,7 +286,14 @@ def _state_diagnosis(
     passes = runner.passes + (reference.passes if reference is not None else 0)
     if not state.state:
         return Diagnosis(
-            runner.size, None, _NOT_REPRODUCED, passes, state_passes=state.passes, input_fields=inputs.fields, **common
+            runner.size,
+            None,
+            NOT_REPRODUCED,
+            passes,
+            state_passes=state.passes,
+            input_fields=inputs.fields,
+            reproduced=False,
+            **common,
         )
     nonfinite = runner.saw_nonfinite or (reference is not None and reference.saw_nonfinite)
     localization, error = _localized(
@@ -351,6 +355,7 @@ def _search_diagnosis(
         cause=cause,
         state_passes=state.passes,
         input_fields=inputs.fields,
+        reproduced=result.reproduced,
         **common,
     )
 

@@ -139,7 +139,13 @@ class IncidentInspector:
             spiked = event is not None
         threshold = self.spikes.loss_threshold() if spiked and self.spikes is not None else None
         if event is not None and self._may_diagnose(trainer, pl_module) and (threshold is not None or not spiked):
-            event = self._diagnose(trainer, pl_module, event, loss_threshold=threshold)
+            scaler = grad_scaler(trainer)
+            scaled = scaler is not None and scaler.is_enabled() and not spiked and not health.others_bad
+            event, reproduced = self._diagnose(trainer, pl_module, event, loss_threshold=threshold, scaled=scaled)
+            if scaled and not reproduced:
+                # NaN-only gradients (Inf * 0 and Inf - Inf inside a scaled backward) that the unscaled
+                # re-run of the same batch does not give: the GradScaler's overflow after all
+                event, overflow = None, True
         report = RankReport(
             rank,
             incident=event is not None and not spiked,
@@ -221,9 +227,17 @@ class IncidentInspector:
         return True
 
     def _diagnose(
-        self, trainer: Trainer, pl_module: LightningModule, event: NanEvent, loss_threshold: float | None = None
-    ) -> NanEvent:
-        """Bisect, localise and save a bundle from the BatchNorm state before the step; the step's state after."""
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        event: NanEvent,
+        loss_threshold: float | None = None,
+        scaled: bool = False,
+    ) -> tuple[NanEvent, bool]:
+        """Bisect, localise and save a bundle from the BatchNorm state before the step; the step's state after.
+
+        Returns the event and whether the batch's re-run reproduced it (``True`` when not re-run).
+        """
         with self.window.before_step_batchnorm(keep_after=True):
             event, diagnosis = diagnose_step(
                 trainer,
@@ -234,10 +248,11 @@ class IncidentInspector:
                 self.recorder.sinks.nanguard_dir,
                 reference_batch=self.window.reference,
                 loss_threshold=loss_threshold,
+                loss_scaled=scaled,
             )
         if diagnosis is not None and diagnosis.error:
             self.recorder.notices.warn(
                 "diagnosis",
                 f"NanGuard: diagnosis failed ({diagnosis.error}); bad steps are still detected and skipped.",
             )
-        return event
+        return event, diagnosis is None or diagnosis.reproduced

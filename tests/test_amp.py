@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from conftest import StepRecorder, build_trainer, read_tensorboard
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -161,6 +162,27 @@ def test_nan_only_gradients_under_grad_scaler_are_an_incident(tmp_path: Path) ->
 
     assert [(e.global_step, e.kinds, e.dataset_indices) for e in guard.events] == [(1, ("grad",), (11,))]
     assert guard.amp_overflow_total == 0
+
+
+@pytest.mark.parametrize("kind", ["cosine_norm", "masked_div", "log_zero"])
+def test_nan_only_gradients_from_the_scaling_are_an_overflow(kind: str, tmp_path: Path) -> None:
+    """A scale of 2^24 makes fp16 backward values Inf, and Inf - Inf or Inf * 0 turn them all into NaN.
+
+    Clean data: the (unscaled) re-run of each batch is finite, so these are the GradScaler's
+    overflows, which it skips while it lowers the scale, not incidents (no event, no remedy, no bundle).
+    """
+    from models import make_case, make_loader, make_module
+
+    case = make_case(kind, bad=())
+    plugin, scaler = _fp16(init_scale=2.0**24)
+    guard = NanGuard(verbose=False, remedies=["lr_backoff"])
+    recorder = StepRecorder()
+    trainer = build_trainer("lightning", tmp_path, plugins=[plugin], callbacks=[guard, recorder])
+    trainer.fit(make_module("lightning", kind), make_loader(case.dataset))
+    assert guard.events == [] and guard.bad_steps_total == 0
+    assert guard.amp_overflow_total == 4 and _unchanged_steps(recorder) == [0, 1, 2, 3]  # the scaler skipped them
+    assert scaler.get_scale() == 2.0**20
+    assert not (Path(guard.log_dir) / "nanguard").exists()  # no event, bundle or incident context written
 
 
 def test_under_a_grad_scaler_the_gradients_are_not_read_twice(tmp_path: Path, monkeypatch: Any) -> None:
