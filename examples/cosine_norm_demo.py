@@ -231,7 +231,7 @@ def _relative(path: str | os.PathLike[str]) -> str:
         return str(absolute)
 
 
-def _tensorboard_command() -> str:
+def tensorboard_command() -> str:
     """How to start TensorBoard from the user's shell: this interpreter's script, else ``tensorboard`` on PATH.
 
     The script beside the interpreter comes first: ``scripts/demo.sh`` puts ``.venv/bin`` on the
@@ -258,7 +258,7 @@ def summarize(trainer: Trainer, model: nn.Module) -> str:
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
             lines.append(f"TensorBoard logs:  {_relative(logger.log_dir)}")
-            lines.append(f"  view them with:  {_tensorboard_command()} --logdir {_relative(logger.log_dir)}")
+            lines.append(f"  view them with:  {tensorboard_command()} --logdir {_relative(logger.log_dir)}")
         elif logger.log_dir is not None:
             lines.append(f"{type(logger).__name__ + ' logs:':<19}{_relative(logger.log_dir)}")
     guards = [callback for callback in getattr(trainer, "callbacks", []) if isinstance(callback, NanGuard)]

@@ -33,7 +33,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cosine_norm_demo import CosineNormClassifier, ShapesDataModule
+from cosine_norm_demo import CosineNormClassifier, ShapesDataModule, tensorboard_command
 
 from lightning_nanguard import NanGuard
 
@@ -86,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> Trainer:
     kinds = sorted({kind for event in guard.events for kind in event.kinds})
     actions = sorted({event.action for event in guard.events})
     print(f"\n{len(guard.events)} incidents ({', '.join(kinds)}; {', '.join(actions)}) in {trainer.log_dir}")
-    print(f"view them with:  tensorboard --logdir {args.save_dir}  (then the NanGuard tab)")
+    command = f"{tensorboard_command()} --logdir {args.save_dir} --samples_per_plugin=text=0"
+    print(f"view them with:  {command}  (then the NanGuard tab)")
     return trainer
 
 
