@@ -69,6 +69,23 @@ def show(driver: webdriver.Chrome, view: str) -> None:
     time.sleep(0.5)  # let the thumbnails and the highlighted source finish painting
 
 
+def open_an_incident(driver: webdriver.Chrome, run: str) -> None:
+    """Open an incident of ``run`` with samples, a user's source line and a bundle (cause data, most samples)."""
+    picker = driver.find_element(By.CSS_SELECTOR, "select.run-picker")
+    picker.find_element(By.CSS_SELECTOR, f"option[value='{run}']").click()
+    wait_for(
+        lambda: (
+            ready(driver, "incidents")
+            and driver.find_element(By.CSS_SELECTOR, ".incident").get_attribute("data-run") == run
+        )
+    )
+    rows = driver.find_elements(By.CSS_SELECTOR, "tr.incident-row")
+    data_rows = [row for row in rows if " data " in f" {row.text} "] or rows
+    max(reversed(data_rows), key=lambda row: row.text.count(",")).click()
+    wait_for(lambda: ready(driver, "incidents"))
+    time.sleep(1.0)  # the thumbnails
+
+
 def main() -> None:
     """Run the demos, start TensorBoard, photograph the three views."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -84,7 +101,6 @@ def main() -> None:
         with tensorboard_server(logdir.relative_to(scratch), Path(scratch)) as server:
             driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
             try:
-                set_viewport(driver, 1440, 1107)
                 driver.get(f"{server.url}/#nanguard")
                 frame = wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, "iframe"))[0]
                 driver.switch_to.frame(frame)
@@ -93,36 +109,15 @@ def main() -> None:
                         ready(driver, "timeline") and len(driver.find_elements(By.CSS_SELECTOR, ".timeline-card")) == 2
                     )
                 )
-                time.sleep(1.0)
-                driver.switch_to.default_content()
-                driver.save_screenshot(str(args.out / "dashboard-timeline.png"))
-
-                set_viewport(driver, 1440, 1257)
-                driver.switch_to.frame(frame)
-                show(driver, "incidents")
-                picker = driver.find_element(By.CSS_SELECTOR, "select.run-picker")
-                picker.find_element(By.CSS_SELECTOR, "option[value='dashboard_demo/version_0']").click()
-                wait_for(
-                    lambda: (
-                        ready(driver, "incidents")
-                        and "dashboard_demo"
-                        in driver.find_element(By.CSS_SELECTOR, ".incident").get_attribute("data-run")
-                    )
-                )
-                rows = driver.find_elements(By.CSS_SELECTOR, "tr.incident-row")
-                # an incident with samples, an origin in the user's code and a bundle: the most samples of cause data
-                data_rows = [row for row in rows if " data " in f" {row.text} "] or rows
-                max(reversed(data_rows), key=lambda row: row.text.count(",")).click()
-                wait_for(lambda: ready(driver, "incidents"))
-                time.sleep(1.0)
-                driver.switch_to.default_content()
-                driver.save_screenshot(str(args.out / "dashboard-incidents.png"))
-
-                set_viewport(driver, 1440, 1107)
-                driver.switch_to.frame(frame)
-                show(driver, "summary")
-                driver.switch_to.default_content()
-                driver.save_screenshot(str(args.out / "dashboard-summary.png"))
+                for view, height in (("timeline", 1107), ("incidents", 1257), ("summary", 1107)):
+                    driver.switch_to.default_content()  # the page's size, not the tab's frame
+                    set_viewport(driver, 1440, height)
+                    driver.switch_to.frame(frame)
+                    show(driver, view)
+                    if view == "incidents":
+                        open_an_incident(driver, "dashboard_demo/version_0")
+                    driver.switch_to.default_content()
+                    driver.save_screenshot(str(args.out / f"dashboard-{view}.png"))
             finally:
                 driver.quit()
     print(f"wrote {args.out}/dashboard-timeline.png, dashboard-incidents.png, dashboard-summary.png")
