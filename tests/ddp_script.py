@@ -7,7 +7,9 @@ rate, whether its guard is still active, and the error it stopped with, if any.
 
 Scenarios (``SCENARIOS``): ``skip`` (a NaN sample in batch 1 and a label typo in batch 20 of rank 1), ``max_events`` and
 ``consecutive`` (rank-local faults that escalate), ``lr_backoff`` (a remedy decided on rank 1's
-incident), ``failure`` (an internal error of rank 1's guard), ``sync_free`` (rank 1's NaN skipped on the device).
+incident), ``failure`` (an internal error of rank 1's guard), ``sync_free`` (rank 1's NaN skipped on the device),
+``spawn`` (``strategy="ddp_spawn"``: the workers write ``rank<N>.json`` when training ends, the process that
+called ``fit`` writes ``main.json`` with what its own guard object saw).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Scenario:
     fail_at_step: int | None = None  # rank 1's guard raises an internal error at this step
     batches: int = 4
     fused: bool = False  # torch's fused Adam (which can skip a step on the device: sync_free)
+    spawn: bool = False  # strategy="ddp_spawn": fit runs in two fresh worker processes
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -48,6 +51,7 @@ SCENARIOS: dict[str, Scenario] = {
     "lr_backoff": Scenario(nan_indices=(11,), guard={"remedies": ["lr_backoff"], "bisect": False}),
     "failure": Scenario(fail_at_step=1),
     "sync_free": Scenario(nan_indices=(11,), guard={"sync_free": True}, fused=True),
+    "spawn": Scenario(nan_indices=(11,), spawn=True),
 }
 
 
@@ -121,34 +125,29 @@ def _inject_failure(guard: NanGuard, rank: int, step: int) -> None:
     controller._local_vector = failing  # type: ignore[method-assign]
 
 
-def main(name: str, out_dir: str) -> None:
-    scenario = SCENARIOS[name]
-    guard = NanGuard(verbose=False, save_repro=False, **scenario.guard)
-    skips, active = SkipLog(), ActiveLog(guard)
-    trainer = pl.Trainer(
-        strategy="ddp",
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        default_root_dir=out_dir,
-        callbacks=[guard, skips, active],
-    )
-    if scenario.fail_at_step is not None:
-        _inject_failure(guard, BAD_RANK, scenario.fail_at_step)
-    module = Regression(scenario)
-    error: dict[str, Any] | None = None
-    try:
-        trainer.fit(module)
-    except NonFiniteTrainingError as caught:
-        error = {"type": type(caught).__name__, "message": str(caught), "step": trainer.global_step}
+class SpawnedResult(pl.Callback):
+    """Under ``ddp_spawn``: each worker writes its ``rank<N>.json`` when training ends (the workers' guards)."""
+
+    def __init__(self, guard: NanGuard, skips: SkipLog, active: ActiveLog, out_dir: str) -> None:
+        self.guard, self.skips, self.active, self.out_dir = guard, skips, active, out_dir
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _write(trainer, pl_module, self.guard, self.skips, self.active, None, self.out_dir)
+
+
+def _write(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    guard: NanGuard,
+    skips: SkipLog,
+    active: ActiveLog,
+    error: dict[str, Any] | None,
+    out_dir: str,
+) -> None:
     weights = b"".join(p.detach().cpu().numpy().tobytes() for p in module.parameters())
     result = {
         "rank": trainer.global_rank,
+        "out_dir": out_dir,
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
         "strategy_class_during_fit": skips.strategy_class,
@@ -171,6 +170,47 @@ def main(name: str, out_dir: str) -> None:
     }
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(result, handle)
+
+
+def main(name: str, out_dir: str) -> None:
+    scenario = SCENARIOS[name]
+    guard = NanGuard(verbose=False, save_repro=False, **scenario.guard)
+    skips, active = SkipLog(), ActiveLog(guard)
+    callbacks: list[pl.Callback] = [guard, skips, active]
+    if scenario.spawn:
+        callbacks.append(SpawnedResult(guard, skips, active, out_dir))
+    trainer = pl.Trainer(
+        strategy="ddp_spawn" if scenario.spawn else "ddp",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=out_dir,
+        callbacks=callbacks,
+    )
+    if scenario.fail_at_step is not None:
+        _inject_failure(guard, BAD_RANK, scenario.fail_at_step)
+    module = Regression(scenario)
+    error: dict[str, Any] | None = None
+    try:
+        trainer.fit(module)
+    except NonFiniteTrainingError as caught:
+        error = {"type": type(caught).__name__, "message": str(caught), "step": trainer.global_step}
+    if not scenario.spawn:
+        _write(trainer, module, guard, skips, active, error, out_dir)
+        return
+    weights = b"".join(p.detach().cpu().numpy().tobytes() for p in module.parameters())  # sent back by rank 0
+    main_result = {
+        "events": [event.to_dict() for event in guard.events],
+        "bad_steps_total": guard.bad_steps_total,
+        "weights_sha256": hashlib.sha256(weights).hexdigest(),
+    }
+    with open(os.path.join(out_dir, "main.json"), "w", encoding="utf-8") as handle:
+        json.dump(main_result, handle)
 
 
 if __name__ == "__main__":

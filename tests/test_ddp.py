@@ -165,3 +165,26 @@ def test_sync_free_skips_on_every_rank_and_reports_one_step_later(run: Any) -> N
     _same_on_every_rank(ranks, "weights_sha256", "counters")
     (event,) = ranks[1]["events"]
     assert (event["global_step"], event["action"], event["dataset_indices"]) == (1, "skipped", [11])
+
+
+# ------------------------------------------------------------------------------------ ddp_spawn
+
+
+def test_ddp_spawn_workers_decide_together_and_the_file_keeps_the_events(run: Any) -> None:
+    """``strategy="ddp_spawn"``: the guard is pickled into two fresh workers, which decide together.
+
+    The ``NanGuard`` of the process that called ``fit`` never ran (documented): the run is in ``events.jsonl``.
+    """
+    ranks = run("spawn")
+    for data in ranks.values():
+        assert data["strategy_class_during_fit"] == "NanGuardDDPStrategy"
+        assert (data["global_step"], data["finite"], data["skipped_steps"]) == (4, True, [1])
+    _same_on_every_rank(ranks, "weights_sha256", "counters")
+    (event,) = ranks[1]["events"]
+    assert (event["global_step"], event["rank"], event["dataset_indices"]) == (1, 1, [11])
+    out = Path(ranks[0]["out_dir"])
+    main = json.loads((out / "main.json").read_text(encoding="utf-8"))
+    assert main["events"] == [] and main["bad_steps_total"] == 0
+    assert main["weights_sha256"] == ranks[0]["weights_sha256"]  # Lightning sent the weights back
+    saved = [json.loads(line) for line in (out / "nanguard" / "events.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [(e["global_step"], e["rank"], e["dataset_indices"]) for e in saved] == [(1, 1, [11])]
