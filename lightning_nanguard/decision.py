@@ -40,6 +40,8 @@ __all__ = [
     "Outcome",
     "Policy",
     "RankReport",
+    "SpikeAction",
+    "StepAction",
     "StepDecision",
     "StepHealth",
     "decide",
@@ -50,6 +52,7 @@ __all__ = [
 
 Outcome = Literal["healthy", "incident", "overflow", "loss_scale", "spike"]
 StepAction = Literal["skip", "raise", "warn", "rollback"]
+SpikeAction = Literal["skip", "warn", "off"]
 
 LOCAL_FIELDS: tuple[str, ...] = ("bad", "grad_norm", "others_bad", "spike", "failed", "loss")
 """This rank's values, in the order of :func:`local_vector`."""
@@ -201,7 +204,7 @@ class Policy:
     rollback_after_consecutive: int = 3
     min_loss_scale: float = 1.0
     max_consecutive_overflows: int = 20
-    spike_action: Literal["skip", "warn", "off"] = "skip"
+    spike_action: SpikeAction = "skip"
     spike_rebaseline_after: int = 5
     can_skip: bool = True
 

@@ -44,6 +44,7 @@ __all__ = ["Diagnosis", "SubBatchRunner", "diagnose", "event_with_diagnosis", "l
 
 log = logging.getLogger("lightning_nanguard")
 
+
 @dataclass(frozen=True)
 class Diagnosis:
     """What :func:`diagnose` found.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 from typing_extensions import override
@@ -21,7 +21,7 @@ from typing_extensions import override
 from lightning_nanguard._compat import CALLBACK_BASES
 from lightning_nanguard.config import validate_arguments
 from lightning_nanguard.controller import StepController
-from lightning_nanguard.decision import Counters, Policy
+from lightning_nanguard.decision import Counters, Policy, SpikeAction, StepAction
 from lightning_nanguard.diagnosis import DiagnosisSettings
 from lightning_nanguard.events import NanEvent, NonFiniteTrainingError
 from lightning_nanguard.failsafe import CounterView, failsafe
@@ -44,8 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Action", "NanGuard", "SpikeAction"]
 
-Action = Literal["skip", "raise", "warn", "rollback"]
-SpikeAction = Literal["skip", "warn", "off"]
+Action = StepAction  # the `action` argument: what is done with a bad step
 
 
 class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]

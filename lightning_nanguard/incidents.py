@@ -119,19 +119,14 @@ class IncidentInspector:
         # DDP averages gradients: NaN/Inf born in another rank's loss or BatchNorm statistics reaches this
         # rank's gradients through the all-reduce. That incident is the other rank's.
         someone_elses = trainer.world_size > 1 and health.ranks_others_bad > 0 and not health.others_bad
+        # An fp16 overflow gives Inf (and, through Inf * 0 or Inf - Inf, NaN) gradients with a finite loss and
+        # finite BatchNorm statistics: the GradScaler's to skip. With some Inf that is decided here; NaN alone
+        # only when the unscaled re-run of the batch (the diagnosis) is finite.
+        scaler = grad_scaler(trainer)
+        scaled = scaler is not None and scaler.is_enabled() and not health.others_bad
         if health.bad and not someone_elses:
             event = self._nonfinite_event(trainer, grads, grad_norm)
-            # An fp16 overflow gives Inf (and, through Inf * 0 or Inf - Inf, NaN) gradients with a finite loss
-            # and finite BatchNorm statistics: the GradScaler's to skip. NaN without any Inf is no overflow.
-            scaler = grad_scaler(trainer)
-            if (
-                event is not None
-                and scaler is not None
-                and scaler.is_enabled()
-                and not health.others_bad
-                and not math.isfinite(grad_norm)
-                and _any_inf(grads)
-            ):
+            if event is not None and scaled and not math.isfinite(grad_norm) and _any_inf(grads):
                 event, overflow = None, True
         spiked = False
         if event is None and not overflow and health.spike and self.spikes is not None:
@@ -139,12 +134,9 @@ class IncidentInspector:
             spiked = event is not None
         threshold = self.spikes.loss_threshold() if spiked and self.spikes is not None else None
         if event is not None and self._may_diagnose(trainer, pl_module) and (threshold is not None or not spiked):
-            scaler = grad_scaler(trainer)
-            scaled = scaler is not None and scaler.is_enabled() and not spiked and not health.others_bad
+            scaled = scaled and not spiked
             event, reproduced = self._diagnose(trainer, pl_module, event, loss_threshold=threshold, scaled=scaled)
-            if scaled and not reproduced:
-                # NaN-only gradients (Inf * 0 and Inf - Inf inside a scaled backward) that the unscaled
-                # re-run of the same batch does not give: the GradScaler's overflow after all
+            if scaled and not reproduced:  # NaN-only gradients the unscaled re-run does not give
                 event, overflow = None, True
         report = RankReport(
             rank,
