@@ -18,9 +18,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -233,3 +235,20 @@ def make(name: str, seed: int = 0, batches: int = 8) -> tuple[LightningModule, D
     torch.manual_seed(seed)
     data = spec.build_data(spec.batch_size * batches)
     return spec.wrapper(spec.build_net()), DataLoader(data, batch_size=spec.batch_size, shuffle=False)
+
+
+def benchmark_trainer(root: str, max_steps: int, callbacks: list[Callback], **kwargs: Any) -> Trainer:
+    """The Trainer every benchmark run uses: CPU, one device, a real ``CSVLogger`` (so NanGuard logs
+    every ``log_every_n_steps``, Lightning's default 50), nothing else that costs time per step."""
+    return Trainer(
+        max_steps=max_steps,
+        callbacks=callbacks,
+        logger=CSVLogger(root),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        **kwargs,
+    )

@@ -50,11 +50,10 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import MODELS, make
+from models import MODELS, benchmark_trainer, make
 
 from lightning_nanguard import NanGuard
 from lightning_nanguard.detection import GradientCheck, fused_health_check
@@ -133,18 +132,8 @@ def fit_once(model_name: str, variant: str, steps: int, root: str) -> Run:
     callbacks, trainer_kwargs = VARIANTS[variant]()
     guard = next((c for c in callbacks if isinstance(c, NanGuard)), None)
     window = StepWindow(WARMUP, guard)
-    trainer = Trainer(
-        max_steps=WARMUP + steps,
-        callbacks=[window, *callbacks],  # the window first: its clock reset precedes the guard's hooks
-        logger=CSVLogger(root),  # a real logger: NanGuard logs every log_every_n_steps (Lightning's default, 50)
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        accelerator="cpu",
-        devices=1,
-        **trainer_kwargs,
-    )
+    # the window first: its clock reset precedes the guard's hooks
+    trainer = benchmark_trainer(root, WARMUP + steps, [window, *callbacks], **trainer_kwargs)
     trainer.fit(module, loader)
     if window.steps != steps:
         raise RuntimeError(f"{model_name} / {variant}: measured {window.steps} steps, expected {steps}")
@@ -373,16 +362,7 @@ def diagnosis_cost() -> dict[str, float]:
             )
             times = _BatchTimes()
             guard = NanGuard(verbose=False, bisect=bisect, localize=bisect, save_repro=bisect)
-            trainer = Trainer(
-                max_steps=6,
-                callbacks=[times, guard],
-                logger=CSVLogger(root),
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                enable_checkpointing=False,
-                accelerator="cpu",
-                devices=1,
-            )
+            trainer = benchmark_trainer(root, 6, [times, guard])
             trainer.fit(module, bad_loader)
             healthy = statistics.median(times.seconds[1:3] + times.seconds[4:])
             key = "bad step, full diagnosis" if bisect else "bad step, detect + skip only"

@@ -21,11 +21,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from lightning.pytorch import Trainer
-from lightning.pytorch.loggers import CSVLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import MODELS, make
+from models import MODELS, benchmark_trainer, make
 
 from lightning_nanguard import NanGuard
 
@@ -35,17 +33,7 @@ def run(model_name: str, steps: int, profile: bool) -> tuple[NanGuard, cProfile.
     guard = NanGuard(verbose=False)
     guard.clock.enabled = True
     with tempfile.TemporaryDirectory() as root:
-        trainer = Trainer(
-            max_steps=steps,
-            callbacks=[guard],
-            logger=CSVLogger(root),
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            accelerator="cpu",
-            devices=1,
-        )
+        trainer = benchmark_trainer(root, steps, [guard])  # as benchmarks/overhead.py runs it
         profiler = cProfile.Profile() if profile else None
         if profiler is not None:
             profiler.enable()
