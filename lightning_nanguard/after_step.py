@@ -104,7 +104,7 @@ class AfterStep:
         elif action == "raise" and event is not None:
             event = event.replace(action="raised")
         if event is not None:
-            self.recorder.record(trainer, pl_module, event)
+            self.recorder.record(trainer, event)
         self.recorder.scalars(trainer, self.values(self.state.counters), previous=self.values(before))
         if action == "raise":
             shown = event.nonfinite_params[:3] if event is not None else "on another rank"

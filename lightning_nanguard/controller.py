@@ -429,7 +429,7 @@ class StepController:
             event = event.replace(action=action, cause=decision.cause or event.cause)
             if remedies:
                 event = event.replace(remedies=(*event.remedies, *remedies))
-            self.recorder.record(trainer, pl_module, event)
+            self.recorder.record(trainer, event)
         self.recorder.scalars(trainer, self.metrics(self.state.counters), previous=self.metrics(before))
         self.recorder.progress(trainer, self.state.counters.skipped_total)
         if decision.action == "raise":
@@ -505,9 +505,7 @@ class StepController:
         self.window.losses = []  # checked: an optimizer step hooked after this sees only the losses to come
         if event is not None:
             self.state.counters = self.state.counters.replace(bad_steps_total=self.state.counters.bad_steps_total + 1)
-            self.recorder.events.append(event)
-            if trainer is not None:
-                self.recorder.sinks.event(event, trainer.global_rank, trainer)
+            self.recorder.record(trainer, event)
         return event
 
     # ------------------------------------------------------------------ failure of the guard itself

@@ -17,7 +17,7 @@ from lightning_nanguard.reporting.scalars import ScalarLog, scalar_tags
 from lightning_nanguard.reporting.sinks import EventSinks
 
 if TYPE_CHECKING:
-    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch import Trainer
 
 __all__ = ["Count", "IncidentRecorder", "show_in_progress_bar"]
 
@@ -78,10 +78,11 @@ class IncidentRecorder:
         """Whether the Trainer logs metrics at this step."""
         return self.sinks.logging_due(trainer)
 
-    def record(self, trainer: Trainer, pl_module: LightningModule, event: NanEvent) -> None:
-        """Keep ``event`` and send it everywhere."""
+    def record(self, trainer: Trainer | None, event: NanEvent) -> None:
+        """Keep ``event`` and send it everywhere (only kept when checked outside a Trainer: ``guard.check``)."""
         self.events.append(event)
-        self.sinks.event(event, trainer.global_rank, trainer)
+        if trainer is not None:
+            self.sinks.event(event, trainer.global_rank, trainer)
 
     def scalars(
         self,
