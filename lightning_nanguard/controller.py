@@ -265,7 +265,6 @@ class StepController:
             losses=self.window.losses,
             optimizer=optimizer,
             logging_due=self.recorder.logging_due(trainer),
-            skipped_on_device=True,
             grads=grads,
         )
         self.window.forget_batches()

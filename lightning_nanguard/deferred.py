@@ -67,7 +67,6 @@ class DeferredStep:
     losses: list[Tensor]
     optimizer: Any
     logging_due: bool
-    skipped_on_device: bool
     grads: list[Tensor] = field(default_factory=list)
 
 
