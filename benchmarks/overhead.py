@@ -13,7 +13,7 @@ Threads are pinned to 2, shapes, batch and input sizes to ``benchmarks/models.py
 What is measured:
 
 1. **Time inside the guard** (the steady figure): every callable NanGuard installs runs under its
-   ``guard.clock`` (:class:`lightning_nanguard.timing.GuardClock`): callback hooks, gradient
+   ``guard.clock`` (:class:`lightning_nanguard.core.timing.GuardClock`): callback hooks, gradient
    hooks, the strategy's after-step work, the sampler wrapper. Its total over a window of
    ``--steps`` training steps, divided by the wall time of the same window. A ``CSVLogger`` is
    on and ``log_every_n_steps`` is Lightning's default (50), so the window holds one logging step
@@ -56,7 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import MODELS, benchmark_trainer, make
 
 from lightning_nanguard import NanGuard
-from lightning_nanguard.detection import GradientCheck, fused_health_check
+from lightning_nanguard.detect.check import fused_health_check
+from lightning_nanguard.detect.streaming import GradientCheck
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 THREADS = 2

@@ -1,4 +1,4 @@
-"""False alarms, margins, detection and cost of NanGuard's loss-spike detector (``lightning_nanguard.spikes``).
+"""False alarms, margins, detection and cost of NanGuard's loss-spike detector (``lightning_nanguard.detect.spikes``).
 
 Run from the repository root::
 
@@ -58,7 +58,7 @@ logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
 
 from models import KINDS as FAILURE_KINDS  # noqa: E402  (tests/models.py)
 
-from lightning_nanguard.spikes import SpikeDetector  # noqa: E402
+from lightning_nanguard.detect.spikes import SpikeDetector  # noqa: E402
 
 
 def _benchmark_models() -> ModuleType:

@@ -6,13 +6,15 @@ Example:
     >>> trainer = Trainer(callbacks=[NanGuard()], logger=False)  # doctest: +SKIP
 """
 
-from lightning_nanguard.batchnorm_buffers import BatchNormSnapshot
-from lightning_nanguard.decision import Counters
-from lightning_nanguard.detection import fused_health_check, nonfinite_names
-from lightning_nanguard.events import NanEvent, NonFiniteTrainingError
-from lightning_nanguard.guard import NanGuard
+from lightning_nanguard import _moved
+from lightning_nanguard.adapter.guard import NanGuard
+from lightning_nanguard.core.events import NanEvent, NonFiniteTrainingError
+from lightning_nanguard.decide.policy import Counters
+from lightning_nanguard.detect.check import fused_health_check
+from lightning_nanguard.detect.confirm import nonfinite_names
+from lightning_nanguard.detect.spikes import SpikeDetector, SpikeStats
+from lightning_nanguard.recover.batchnorm import BatchNormSnapshot
 from lightning_nanguard.reporting import read_events
-from lightning_nanguard.spikes import SpikeDetector, SpikeStats
 
 __all__ = [
     "BatchNormSnapshot",
@@ -27,4 +29,6 @@ __all__ = [
     "read_events",
 ]
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
+
+_moved.install()  # the module paths of 0.2.0 keep working, with a DeprecationWarning

@@ -15,9 +15,9 @@ import json
 import sys
 from collections.abc import Sequence
 
-from lightning_nanguard.forensics import diagnose, event_with_diagnosis
+from lightning_nanguard.diagnose.diagnosis import diagnose, event_with_diagnosis
 from lightning_nanguard.reporting import TerminalReporter
-from lightning_nanguard.repro import BundleMissingError, load_bundle
+from lightning_nanguard.reporting.repro import BundleMissingError, load_bundle
 
 __all__ = ["main"]
 

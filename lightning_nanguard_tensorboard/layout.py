@@ -45,7 +45,7 @@ incident directories ``step-N``, ``step-N-2``, ...; this bounds the search."""
 
 
 def bundle_dirname(global_step: int, rank: int) -> str:
-    """Name of the repro bundle directory of an event (as ``lightning_nanguard.repro`` writes it)."""
+    """Name of the repro bundle directory of an event (as ``lightning_nanguard.reporting.repro`` writes it)."""
     return f"step-{int(global_step)}" + (f"-rank{int(rank)}" if rank else "")
 
 

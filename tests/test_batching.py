@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_nanguard.batching import UnsliceableBatchError, batch_size, nonfinite_fields, slice_batch
+from lightning_nanguard.diagnose.batching import UnsliceableBatchError, batch_size, nonfinite_fields, slice_batch
 
 N = 5
 POSITIONS = [4, 1, 3]  # not sorted: order must be kept

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_nanguard import BatchNormSnapshot
-from lightning_nanguard.batchnorm_buffers import batchnorm_buffers, batchnorm_running_vars
+from lightning_nanguard.detect.batchnorm import batchnorm_buffers, batchnorm_running_vars
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from lightning_nanguard.bisection import BisectionResult, find_offending
+from lightning_nanguard.diagnose.bisection import BisectionResult, find_offending
 
 SIZES = (1, 2, 3, 5, 7, 8, 9, 12, 16, 17, 31, 32, 33, 64, 100, 128)
 
@@ -204,7 +204,7 @@ class CountingRunner(Oracle):
 
 def diagnosis_passes(n: int, bad: Sequence[int]) -> int | None:
     """Passes of a diagnosis without a reference: the state check, then the search; ``None`` for a state verdict."""
-    from lightning_nanguard.verdict import check_state
+    from lightning_nanguard.diagnose.cause import check_state
 
     runner = CountingRunner(n, bad)
     state = check_state(runner, None, 10_000)  # type: ignore[arg-type]

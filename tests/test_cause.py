@@ -25,8 +25,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NanEvent, NanGuard
-from lightning_nanguard.forensics import diagnose, event_with_diagnosis
-from lightning_nanguard.verdict import MAX_STATE_PASSES, probe_positions
+from lightning_nanguard.diagnose.cause import MAX_STATE_PASSES, probe_positions
+from lightning_nanguard.diagnose.diagnosis import diagnose, event_with_diagnosis
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

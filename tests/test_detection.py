@@ -1,4 +1,4 @@
-"""``lightning_nanguard.detection`` without a Trainer: the fused check and the element-wise confirmation."""
+"""``lightning_nanguard.detect.check`` without a Trainer: the fused check and the element-wise confirmation."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from lightning_nanguard import fused_health_check, nonfinite_names
-from lightning_nanguard.detection import GradientCheck, grouped_norms, negative_names, nonfinite_candidate
-from lightning_nanguard.timing import GuardClock
+from lightning_nanguard.core.timing import GuardClock
+from lightning_nanguard.detect.check import grouped_norms, nonfinite_candidate
+from lightning_nanguard.detect.confirm import negative_names
+from lightning_nanguard.detect.streaming import GradientCheck
 
 NONFINITE = pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "+inf", "-inf"])
 FLOAT_DTYPES = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
@@ -292,7 +294,7 @@ def test_fast_path_flags_negative_values_where_none_are_allowed(numel: int) -> N
 
 def test_staging_follows_changing_shapes() -> None:
     """The stateless path caches its staging buffers by shapes: lists of the same length alternate freely."""
-    from lightning_nanguard.detection import _STAGING
+    from lightning_nanguard.detect.check import _STAGING
 
     first = [torch.ones(4), torch.ones(1)]
     assert nonfinite_candidate(first).item() == 0.0

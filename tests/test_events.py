@@ -10,7 +10,7 @@ import pickle
 import pytest
 
 from lightning_nanguard import NanEvent, NonFiniteTrainingError
-from lightning_nanguard.events import EVENT_KINDS
+from lightning_nanguard.core.events import EVENT_KINDS
 
 # The to_dict() keys are a public contract (events.jsonl): fields may be added, never renamed or removed.
 CONTRACT_KEYS = [

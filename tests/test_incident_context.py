@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_nanguard.events import NanEvent
+from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.reporting.context import read_source_window, save_incident_context
 from lightning_nanguard.reporting.thumbnails import INF_RGB, NAN_RGB, encode_png, find_image_tensor, thumbnail
 from lightning_nanguard_tensorboard.layout import CONTEXT_FILENAME, INCIDENTS_DIRNAME

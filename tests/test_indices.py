@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler
 
-from lightning_nanguard.indices import indices_from_batch, record_batch_indices
+from lightning_nanguard.adapter.indices import indices_from_batch, record_batch_indices
 
 
 class IndexDataset(Dataset):

@@ -26,7 +26,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NanGuard
-from lightning_nanguard.isolation import RngState, isolated, muted_logging
+from lightning_nanguard.core.rng import RngState
+from lightning_nanguard.diagnose.isolation import isolated, muted_logging
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -21,9 +21,9 @@ from forensics_models import EXPECTED, FUNCTIONS, one_thread  # noqa: F401 (fixt
 from models import BATCH_SIZE, KINDS, make_case, make_module, origin_line
 from torch import Tensor, nn
 
-from lightning_nanguard.forensics import diagnose
-from lightning_nanguard.hints import hint_for
-from lightning_nanguard.localization import Localization, localize, user_frame
+from lightning_nanguard.diagnose.diagnosis import diagnose
+from lightning_nanguard.diagnose.hints import hint_for
+from lightning_nanguard.diagnose.localization import Localization, localize, user_frame
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -356,7 +356,7 @@ class Deep(nn.Module):
 
 
 def test_graph_tagging_visits_each_node_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_nanguard import localization
+    from lightning_nanguard.diagnose import tracing as localization
 
     original = localization._nodes
     visits = 0
@@ -377,7 +377,7 @@ def test_graph_tagging_visits_each_node_once(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_a_failing_localisation_keeps_the_samples(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_nanguard import forensics
+    from lightning_nanguard.diagnose import diagnosis as forensics
 
     def broken(*args: Any) -> Any:
         raise RuntimeError("instrumentation broke")
@@ -443,7 +443,7 @@ def test_the_first_of_two_backward_origins_is_reported() -> None:
 
 
 def localization_nodes(loss: Tensor) -> list[Any]:
-    from lightning_nanguard import localization
+    from lightning_nanguard.diagnose import tracing as localization
 
     return list(localization._nodes(loss.grad_fn))
 
@@ -511,7 +511,7 @@ def test_source_paths_are_relative_to_the_source_root_when_under_it(tmp_path: Pa
 
 def test_a_module_class_file_is_user_code_wherever_it_is_installed() -> None:
     """A module whose class lives in a library directory: its file is user code for ops that run in it."""
-    from lightning_nanguard.frames import UserCode, class_files
+    from lightning_nanguard.diagnose.frames import UserCode, class_files
 
     net = PureAcos()
     here = str(Path(__file__).resolve())

@@ -22,9 +22,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_nanguard import NanEvent, NanGuard, NonFiniteTrainingError
-from lightning_nanguard._compat import CALLBACK_BASES
-from lightning_nanguard.recovery import Recovery
-from lightning_nanguard.remedies import ZERO_EPS_START
+from lightning_nanguard.adapter._compat import CALLBACK_BASES
+from lightning_nanguard.recover.recovery import Recovery
+from lightning_nanguard.recover.remedies import ZERO_EPS_START
 
 # ------------------------------------------------------------------------------------ models and data
 

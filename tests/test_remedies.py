@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_nanguard.remedies import (
+from lightning_nanguard.recover.remedies import (
     REMEDIES,
     ZERO_EPS_START,
     RemedyBook,
@@ -232,7 +232,7 @@ def test_remedy_book_loads_an_empty_state_with_defaults() -> None:
 
 def test_raised_module_eps_survives_a_checkpoint_round_trip(tmp_path) -> None:
     """A module's eps is an attribute, not state: the book keeps it and re-applies it on resume."""
-    from lightning_nanguard.recovery import Recovery, apply_module_eps
+    from lightning_nanguard.recover.recovery import Recovery, apply_module_eps
 
     class _Trainer:
         def __init__(self) -> None:

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NanEvent, NanGuard
 from lightning_nanguard.__main__ import main
-from lightning_nanguard.repro import load_bundle, prune_bundles
+from lightning_nanguard.reporting.repro import load_bundle, prune_bundles
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -225,7 +225,7 @@ def test_prune_bundles_keeps_the_newest(tmp_path: Path) -> None:
 
 def test_a_new_bundle_replaces_a_stale_one(trained: dict[str, NanEvent], tmp_path: Path) -> None:
     """Same step in the same directory (a second run without logger): no file of the old bundle survives."""
-    from lightning_nanguard.repro import save_bundle
+    from lightning_nanguard.reporting.repro import save_bundle
 
     event = trained["cosine_norm"]
     first = save_bundle(tmp_path, event, fm.ReplayModule("cosine_norm"), (torch.zeros(2, 8), torch.zeros(2)), 1, [1, 6])
@@ -277,7 +277,7 @@ def test_bundle_details_full_holds_the_event_details(trained: dict[str, NanEvent
 
 
 def test_save_bundle_writes_the_full_lists(trained: dict[str, NanEvent], tmp_path: Path) -> None:
-    from lightning_nanguard.repro import save_bundle
+    from lightning_nanguard.reporting.repro import save_bundle
 
     event = trained["cosine_norm"].replace(details={"bn_channels": {"bn": [0]}, "bn_channels_summary": {"layers": 9}})
     full = {"bn_channels": {f"bn{i}": list(range(64)) for i in range(9)}}

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from test_host_syncs import HostReadCounter
 from torch import nn
 
-from lightning_nanguard.spikes import SpikeDetector, SpikeStats
+from lightning_nanguard.detect.spikes import SpikeDetector, SpikeStats
 
 
 def feed(detector: SpikeDetector, values: Iterable[float], dtype: torch.dtype = torch.float32) -> list[int]:

@@ -1,4 +1,4 @@
-"""``lightning_nanguard.syncfree``: skipping on the device, restoring by select, reading later.
+"""``lightning_nanguard.detect.syncfree``: skipping on the device, restoring by select, reading later.
 
 CPU tests use torch's real fused optimizers (their CPU kernels honour ``found_inf`` like the CUDA
 ones) and a real GradScaler; the pinned-memory, event and multi-device paths need CUDA.
@@ -19,9 +19,10 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_nanguard.batchnorm_buffers import batchnorm_buffers, batchnorm_running_vars
-from lightning_nanguard.detection import GradientCheck, fused_health_check
-from lightning_nanguard.syncfree import (
+from lightning_nanguard.detect.batchnorm import batchnorm_buffers, batchnorm_running_vars
+from lightning_nanguard.detect.check import fused_health_check
+from lightning_nanguard.detect.streaming import GradientCheck
+from lightning_nanguard.detect.syncfree import (
     DeferredRead,
     DeviceSkip,
     SelectRestore,

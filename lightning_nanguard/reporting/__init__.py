@@ -1,13 +1,15 @@
-"""Where events go: ``events.jsonl``, TensorBoard and the terminal. Each sink works without a Trainer."""
+"""Where events go: ``events.jsonl``, TensorBoard and the terminal. Each sink works without a Trainer.
+
+Trainer-free: the Lightning side (where a run's events go, its scalars) is
+:mod:`lightning_nanguard.adapter.reporting`. Repro bundles (:mod:`.repro`) are written and read here too.
+"""
 
 from lightning_nanguard.reporting.jsonl import JsonlEventLog, read_events
-from lightning_nanguard.reporting.sinks import EventSinks
 from lightning_nanguard.reporting.tensorboard import TensorBoardReporter
 from lightning_nanguard.reporting.terminal import TerminalReporter
 from lightning_nanguard.reporting.text import event_markdown, event_text
 
 __all__ = [
-    "EventSinks",
     "JsonlEventLog",
     "TensorBoardReporter",
     "TerminalReporter",

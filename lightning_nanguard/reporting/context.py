@@ -27,7 +27,7 @@ copied here while training, so the tab works on a log directory copied to anothe
 Example:
     >>> import tempfile
     >>> import torch
-    >>> from lightning_nanguard.events import NanEvent
+    >>> from lightning_nanguard.core.events import NanEvent
     >>> event = NanEvent(3, 0, 3, 0, ("loss",), "skipped", offending_samples=(1,), dataset_indices=(41,))
     >>> images = torch.rand(4, 3, 16, 16)
     >>> path = save_incident_context(tempfile.mkdtemp(), event, None, (images, torch.zeros(4)), [1])
@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_nanguard.events import NanEvent
+from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.reporting.thumbnails import find_image_tensor, thumbnail
 from lightning_nanguard_tensorboard.layout import (
     CONTEXT_FILENAME,

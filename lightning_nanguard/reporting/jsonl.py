@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from lightning_nanguard.events import NanEvent
+from lightning_nanguard.core.events import NanEvent
 
 __all__ = ["EVENTS_FILENAME", "JsonlEventLog", "read_events"]
 

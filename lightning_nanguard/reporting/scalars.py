@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from lightning_nanguard.decision import Counters
+from lightning_nanguard.decide.policy import Counters
 
 __all__ = ["ScalarLog", "scalar_tags", "scalar_values"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lightning_nanguard.events import NanEvent
+from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.reporting.text import event_markdown
 
 __all__ = ["CHARTS", "EVENT_TEXT_TAG", "SCALAR_TAGS", "TensorBoardReporter", "custom_scalars_layout"]

@@ -13,7 +13,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from lightning_nanguard.events import NanEvent
+from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.reporting.text import event_lines, event_text
 
 __all__ = ["TerminalReporter"]

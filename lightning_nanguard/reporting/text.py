@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_nanguard.compact import channels_text
-from lightning_nanguard.events import NanEvent
-from lightning_nanguard.explain import cause_text, origin_text, stack_text
+from lightning_nanguard.core.events import NanEvent
+from lightning_nanguard.diagnose.compact import channels_text
+from lightning_nanguard.reporting.explain import cause_text, origin_text, stack_text
 
 __all__ = ["event_lines", "event_markdown", "event_text"]
 

@@ -1,0 +1,138 @@
+"""The module paths of 0.2.0, still importable: each forwards to where its names live now.
+
+0.3.0 laid the package out by stage (``detect/``, ``decide/``, ``diagnose/``, ``recover/``,
+``reporting/``, ``adapter/``). Scripts that import an old path, e.g.
+``from lightning_nanguard.forensics import diagnose``, keep working and get one
+``DeprecationWarning`` naming the new path. The old paths will be removed in 0.4.
+
+Example:
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     from lightning_nanguard.spikes import SpikeDetector
+    >>> SpikeDetector.__module__, str(caught[0].message)[:63]
+    ('lightning_nanguard.detect.spikes', '`lightning_nanguard.spikes` moved to `lightning_nanguard.detect')
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["MOVED", "install"]
+
+_P = "lightning_nanguard."
+
+MOVED: dict[str, tuple[str, ...]] = {
+    _P + old: tuple(_P + new for new in news)
+    for old, news in {
+        "events": ("core.events",),
+        "timing": ("core.timing",),
+        "detection": ("detect.check", "detect.confirm", "detect.streaming"),
+        "spikes": ("detect.spikes",),
+        "syncfree": ("detect.syncfree",),
+        "batchnorm_buffers": ("detect.batchnorm", "recover.batchnorm"),
+        "decision": ("decide.policy",),
+        "agreement": ("decide.agreement",),
+        "messages": ("decide.messages",),
+        "batching": ("diagnose.batching",),
+        "bisection": ("diagnose.bisection",),
+        "verdict": ("diagnose.cause",),
+        "forensics": ("diagnose.diagnosis",),
+        "runner": ("diagnose.runner",),
+        "isolation": ("diagnose.isolation", "core.rng"),
+        "localization": ("diagnose.localization", "diagnose.tracing"),
+        "frames": ("diagnose.frames",),
+        "hints": ("diagnose.hints",),
+        "compact": ("diagnose.compact",),
+        "rollback": ("recover.snapshot",),
+        "remedies": ("recover.remedies",),
+        "recovery": ("recover.recovery", "adapter.recovery"),
+        "explain": ("reporting.explain",),
+        "repro": ("reporting.repro",),
+        "guard": ("adapter.guard",),
+        "controller": ("adapter.controller",),
+        "strategy": ("adapter.strategy",),
+        "indices": ("adapter.indices",),
+        "window": ("adapter.window",),
+        "after_step": ("adapter.after_step",),
+        "incidents": ("adapter.incidents",),
+        "diagnosis": ("adapter.diagnosis",),
+        "spike_watch": ("adapter.spikes",),
+        "deferred": ("adapter.syncfree",),
+        "config": ("adapter.config",),
+        "settings": ("adapter.config",),
+        "state": ("adapter.state",),
+        "failsafe": ("adapter.failsafe",),
+        "reporting.recorder": ("adapter.reporting",),
+        "reporting.sinks": ("adapter.reporting",),
+    }.items()
+}
+"""Old module path -> the modules that hold its names now (looked up in this order)."""
+
+
+class _ForwardingModule(types.ModuleType):
+    """An old module path: attribute lookups go to the new modules."""
+
+    def __init__(self, name: str, targets: Sequence[str]) -> None:
+        super().__init__(name, f"Moved: see {', '.join(targets)}.")
+        self._targets = tuple(targets)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        for target in self._targets:
+            module = importlib.import_module(target)
+            if hasattr(module, name):
+                return getattr(module, name)
+        moved = ", ".join(self._targets)
+        raise AttributeError(f"module {self.__name__!r} (moved to {moved}) has no attribute {name!r}")
+
+    def __dir__(self) -> list[str]:
+        names: set[str] = set()
+        for target in self._targets:
+            names.update(getattr(importlib.import_module(target), "__all__", ()))
+        return sorted(names)
+
+
+def _importer_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside the import machinery and this module."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and ("importlib" in frame.f_code.co_filename or frame.f_code.co_filename == __file__):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds the old module paths of :data:`MOVED` (and nothing else)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        targets = MOVED[spec.name]
+        warnings.warn(
+            f"`{spec.name}` moved to `{targets[0]}`"
+            + (f" (and {', '.join(f'`{t}`' for t in targets[1:])})" if len(targets) > 1 else "")
+            + "; the old path will be removed in lightning_nanguard 0.4.",
+            DeprecationWarning,
+            stacklevel=_importer_stacklevel(),
+        )
+        return _ForwardingModule(spec.name, targets)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+def install() -> None:
+    """Make the old module paths importable (idempotent; done by ``import lightning_nanguard``)."""
+    if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
+        sys.meta_path.append(_MovedModuleFinder())

@@ -1,0 +1,161 @@
+"""Work after the optimizer step, on every rank: a due rollback, the check of the weights, the last good snapshot.
+
+It runs from the strategy wrapper once ``optimizer.step`` returned (the GradScaler has updated by
+then), next to the snapshot it restores and refreshes (:class:`~lightning_nanguard.recover.recovery.Recovery`):
+
+- a rollback decided at this step (``rollback_after_consecutive`` bad steps) is carried out;
+- every ``check_params_every_n_steps`` steps, and before every snapshot, the weights and buffers
+  are checked; under DDP the verdict is reduced, so every rank rolls back, warns or raises together;
+- with ``action="rollback"``, every ``snapshot_every_n_steps`` healthy steps the snapshot is refreshed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from lightning_nanguard.adapter.reporting import IncidentRecorder
+from lightning_nanguard.adapter.state import GuardState
+from lightning_nanguard.adapter.window import StepWindow
+from lightning_nanguard.core.events import NanEvent, NonFiniteTrainingError
+from lightning_nanguard.decide.agreement import RankAgreement
+from lightning_nanguard.decide.policy import Counters, decide_weights
+from lightning_nanguard.detect.batchnorm import batchnorm_buffers
+from lightning_nanguard.detect.confirm import all_finite, nonfinite_names
+from lightning_nanguard.recover.recovery import Recovery
+from lightning_nanguard.reporting.scalars import scalar_values
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+
+__all__ = ["AfterStep", "ParamCheckSettings"]
+
+log = logging.getLogger("lightning_nanguard")
+
+
+@dataclass(frozen=True)
+class ParamCheckSettings:
+    """When the weights are checked and snapshots taken (mirrors the ``NanGuard`` arguments)."""
+
+    check_params_every_n_steps: int = 50
+    snapshot_every_n_steps: int = 100
+    action: str = "skip"
+
+
+class AfterStep:
+    """The after-step work of one rank (see module docs).
+
+    Args:
+        state: the guard's shared state (counters, the pending rollback).
+        recovery: the snapshot, rollback and remedies.
+        recorder: events and scalars.
+        window: the step's window (for the batch index of an event).
+    """
+
+    def __init__(self, state: GuardState, recovery: Recovery, recorder: IncidentRecorder, window: StepWindow) -> None:
+        self.state = state
+        self.recovery = recovery
+        self.recorder = recorder
+        self.window = window
+        self.settings = ParamCheckSettings()
+        self.agreement = RankAgreement(None, 1)
+        self.named_params: Sequence[tuple[str, nn.Parameter]] = ()
+
+    def run(self, trainer: Trainer, pl_module: LightningModule, collective: bool) -> None:
+        """Roll back when due; check the weights and refresh the snapshot every few steps (every rank)."""
+        state = self.state
+        if state.pending_rollback and not state.failing:
+            state.pending_rollback = False
+            self.rollback(trainer, pl_module, reason="consecutive bad steps")
+            return
+        step = trainer.global_step + 1  # global_step increments after this call
+        every = self.settings.check_params_every_n_steps
+        check_params = bool(every) and step % every == 0
+        snapshot_due = (
+            self.settings.action == "rollback"
+            and not state.step_was_bad
+            and step % self.settings.snapshot_every_n_steps == 0
+        )
+        if not (check_params or snapshot_due):
+            return
+        finite_here = True if state.failing else all_finite(list(pl_module.state_dict().values()))
+        nonfinite_anywhere = self.agreement.any(not finite_here) if collective else not finite_here
+        if state.failing:
+            return
+        if not nonfinite_anywhere:
+            if snapshot_due:
+                self.capture(trainer, pl_module)
+            return
+        self._nonfinite_weights(trainer, pl_module, finite_here)
+
+    def _nonfinite_weights(self, trainer: Trainer, pl_module: LightningModule, finite_here: bool) -> None:
+        before = self.state.counters
+        action, self.state.counters = decide_weights(before, self.settings.action, self.recovery.snapshot.available)
+        event = None if finite_here else self._event(trainer, pl_module)
+        if action == "rollback":
+            description = self.rollback(trainer, pl_module, reason="non-finite weights")
+            remedies = self.recovery.apply(trainer, pl_module, cause="state", rolled_back=True)
+            if event is not None:
+                event = event.replace(action="rolled_back", remedies=(description, *remedies))
+        elif action == "raise" and event is not None:
+            event = event.replace(action="raised")
+        if event is not None:
+            self.recorder.record(trainer, event)
+        self.recorder.scalars(trainer, self.values(self.state.counters), previous=self.values(before))
+        if action == "raise":
+            shown = event.nonfinite_params[:3] if event is not None else "on another rank"
+            raise NonFiniteTrainingError(
+                f"NanGuard: NaN/Inf reached the weights ({shown}) at step {trainer.global_step}; skipping steps "
+                "cannot undo that. Use action='rollback' (keeps a last good snapshot) or restart from the last "
+                "checkpoint with a lower learning rate.",
+                [event] if event is not None else [],
+            )
+
+    def _event(self, trainer: Trainer, pl_module: LightningModule) -> NanEvent:
+        names = tuple(nonfinite_names(self.named_params) + nonfinite_names(batchnorm_buffers(pl_module)))
+        return NanEvent.at_step(
+            trainer,
+            self.window.batch_idx,
+            ("param",),
+            nonfinite_params=names,
+            cause="state",
+            details={"hint": "NaN/Inf reached the weights through an update with finite gradients (overflow)"},
+        )
+
+    def rollback(self, trainer: Trainer, pl_module: LightningModule, reason: str) -> str:
+        """Restore the last good snapshot (every rank at the same step); raise when there is none."""
+        description = self.recovery.rollback(trainer, pl_module)
+        if description is None:
+            raise NonFiniteTrainingError(
+                f"NanGuard: a rollback is due ({reason}) but no last good snapshot exists yet.", self.recorder.events
+            )
+        self.state.counters = self.state.counters.replace(consecutive_bad_steps=0)
+        log.warning("[rank %d] NanGuard: %s (%s)", trainer.global_rank, description, reason)
+        self.recorder.scalars(trainer, self.values(self.state.counters), force=True)
+        return description
+
+    def capture(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Take a last good snapshot (the weights were checked finite on every rank)."""
+        first = not self.recovery.snapshot.available
+        self.recovery.capture(trainer, pl_module, extra={})
+        if first:
+            snapshot = self.recovery.snapshot
+            log.info(
+                "NanGuard: rollback snapshot of %.1f MiB on the host, %.1f ms to take",
+                snapshot.nbytes / 2**20,
+                snapshot.seconds * 1e3,
+            )
+
+    def initial_snapshot(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The first last-good snapshot, at the start of training, when the weights are finite."""
+        if all_finite(list(pl_module.state_dict().values())):
+            self.capture(trainer, pl_module)
+
+    def values(self, counters: Counters) -> dict[str, float | None]:
+        """The ``nanguard/`` scalar values for ``counters``."""
+        recovery = self.recovery
+        return scalar_values(counters, self.state.last_grad_norm, recovery.rollbacks_total, recovery.book.total)

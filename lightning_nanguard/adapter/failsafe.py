@@ -1,0 +1,54 @@
+"""The guard's promise: its own failure never kills training, and every rank gives up together.
+
+:func:`failsafe` wraps every hook ``NanGuard`` installs: it times the hook with the guard's
+:class:`~lightning_nanguard.core.timing.GuardClock` and turns an internal error into
+``StepController.fail`` (one process: the guard disables itself; DDP: it keeps joining the per-step
+reduce, which disables every rank at the same step). A ``NonFiniteTrainingError`` is the guard's
+decision, not a failure, and passes through.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from lightning_nanguard.core.events import NonFiniteTrainingError
+
+if TYPE_CHECKING:
+    from lightning_nanguard.adapter.guard import NanGuard
+
+__all__ = ["CounterView", "failsafe"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def failsafe(hook: _F) -> _F:
+    """Run a hook, timed, so that the guard's own failure never kills training (see ``StepController.fail``)."""
+
+    @functools.wraps(hook)
+    def wrapper(self: NanGuard, *args: Any, **kwargs: Any) -> Any:
+        if not self.active and not self.controller.state.failing:
+            return None
+        try:
+            with self.clock.measure(hook.__name__):
+                return hook(self, *args, **kwargs)
+        except NonFiniteTrainingError:
+            raise
+        except Exception as error:
+            self.controller.fail(error, hook.__name__)
+            return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class CounterView:
+    """A read-only attribute of ``NanGuard`` showing one of ``guard.counters`` (the same on every rank)."""
+
+    def __init__(self, name: str, doc: str) -> None:
+        self.name, self.__doc__ = name, doc
+
+    def __get__(self, guard: NanGuard | None, owner: type) -> int:
+        if guard is None:
+            return self  # type: ignore[return-value]  # on the class: for help() and documentation tools
+        return int(getattr(guard.counters, self.name))

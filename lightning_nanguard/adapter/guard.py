@@ -1,0 +1,385 @@
+"""``NanGuard``: the Lightning callback. Configuration, and hooks that hand each moment of a step on.
+
+What happens at a step is decided in :mod:`~lightning_nanguard.decide.policy` (Trainer-free) and
+carried out by :class:`~lightning_nanguard.adapter.controller.StepController`; this module only maps
+Lightning's hooks onto them.
+
+Example:
+    >>> from lightning.pytorch import Trainer
+    >>> trainer = Trainer(callbacks=[NanGuard()], logger=False, enable_checkpointing=False)
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_nanguard.adapter._compat import CALLBACK_BASES
+from lightning_nanguard.adapter.config import GuardSettings, validate_arguments
+from lightning_nanguard.adapter.controller import StepController
+from lightning_nanguard.adapter.diagnosis import DiagnosisSettings
+from lightning_nanguard.adapter.failsafe import CounterView, failsafe
+from lightning_nanguard.adapter.indices import indices_from_batch, next_recorded_indices
+from lightning_nanguard.adapter.reporting import IncidentRecorder
+from lightning_nanguard.adapter.strategy import (
+    StrategyHooks,
+    apply_nanguard_strategy,
+    remove_nanguard_strategy,
+    supported_strategy_kind,
+)
+from lightning_nanguard.core.events import NanEvent, NonFiniteTrainingError
+from lightning_nanguard.core.timing import GuardClock
+from lightning_nanguard.decide.policy import Counters, Policy, SpikeAction, StepAction
+from lightning_nanguard.recover.recovery import Recovery, apply_module_eps
+from lightning_nanguard.recover.remedies import Remedy
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+    from torch.optim import Optimizer
+
+__all__ = ["Action", "NanGuard", "SpikeAction"]
+
+Action = StepAction  # the `action` argument: what is done with a bad step
+
+
+class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
+    """Stops NaN/Inf from reaching the weights and reports where it came from.
+
+    After every backward pass (in ``on_before_optimizer_step``, where gradients are complete and
+    unscaled) the loss, every gradient and every BatchNorm running statistic are checked in one
+    fused pass on the device, with a single host read. On a bad step the optimizer update is made
+    a true no-op, the BatchNorm buffers the bad forward touched are restored, the offending
+    samples, module, op and source line are found, and an event is recorded in ``guard.events``,
+    ``<log_dir>/nanguard/events.jsonl``, TensorBoard (through the Trainer's own
+    ``TensorBoardLogger``) and the terminal. Under DDP every decision is made once for all ranks.
+
+    Args:
+        action: what to do on a bad step: ``"skip"`` the update (default), ``"raise"``
+            :class:`~lightning_nanguard.NonFiniteTrainingError`, ``"warn"`` (report only) or
+            ``"rollback"`` (skip, and restore the last good snapshot when NaN/Inf reached the
+            weights or after ``rollback_after_consecutive`` bad steps).
+        check_every_n_steps: check one optimizer step in ``n`` (1 = every step).
+        max_consecutive_bad_steps: raise, whatever ``action`` is, after this many bad steps in a row.
+        max_events: raise with the full history after this many incidents in total (``None``: never).
+        check_bn_stats: include BatchNorm ``running_mean``/``running_var`` in the check.
+        check_params_every_n_steps: check the weights after the update every ``n`` steps (0: never;
+            also checked before every snapshot and checkpoint).
+        bisect: on a bad step, re-run ``training_step`` on sub-batches to find the offending samples.
+        localize: on a bad step, name the module, autograd op and source line of the first NaN/Inf.
+        max_bisect_passes: cap on the forward/backward passes one diagnosis may use.
+        save_repro: save a repro bundle (``<log_dir>/nanguard/step-<N>/``) for each bad step.
+        max_repro_bundles: keep at most this many bundles on disk (oldest deleted first).
+        index_key: batch field (dict key, attribute or tuple position) holding dataset indices, used
+            when the loader's sampler cannot be recorded (e.g. an ``IterableDataset``).
+        batch_slicer: ``slicer(batch, positions) -> sub_batch`` for batches the built-in slicer cannot
+            cut (a LightningModule method ``nanguard_slice_batch`` is used too when present).
+        snapshot_every_n_steps: with ``action="rollback"``, refresh the last good snapshot every ``n`` steps.
+        rollback_after_consecutive: with ``action="rollback"``, roll back after this many bad steps in a row.
+        remedies: remedies to apply after incidents: ``"clip_grad"``, ``"raise_eps"``, ``"lr_backoff"``,
+            ``"quarantine"`` (see the README's decision guide).
+        max_remedy_applications: cap per remedy.
+        lr_backoff_factor: learning-rate multiplier of one ``lr_backoff`` (between 0 and 1).
+        eps_factor: multiplier of one ``raise_eps`` (above 1).
+        max_eps: ``raise_eps`` never sets ``eps`` above this.
+        min_loss_scale: with a GradScaler, a loss scale falling below this is an incident.
+        max_consecutive_overflows: with a GradScaler, this many overflow skips in a row is an incident.
+        verbose: print a report of each event to the terminal.
+        spike_action: on a finite loss spike (the step loss far above its recent healthy values):
+            ``"skip"`` the update (default), ``"warn"`` (report only) or ``"off"`` (no spike check).
+            A spike never raises, is never rolled back and does not count toward escalation.
+        spike_sigmas: a spike lies this many robust standard deviations of the step-to-step change
+            of ``log(loss)`` above the median of the recent healthy losses...
+        spike_min_ratio: ...and at least this many times that median.
+        spike_window: healthy losses kept for the statistic.
+        spike_warmup_steps: healthy steps before spikes are flagged (and again after a re-baseline).
+        spike_rebaseline_after: after this many spikes in a row the statistic starts over (a level
+            shift, e.g. a curriculum change, is not an endless skip), with a warning.
+        sync_free: no host read on healthy steps: a bad step's update is skipped inside torch's fused
+            Adam/AdamW/SGD/Adagrad (``found_inf``) and its BatchNorm statistics restored by a
+            device-side select; the verdict is read one step later, before the next forward, and
+            the incident handled then. Other optimizers keep the one host read per step (one warning).
+
+    Example:
+        >>> guard = NanGuard(action="skip", max_consecutive_bad_steps=5)
+        >>> guard.events
+        []
+        >>> NanGuard(action="skp")
+        Traceback (most recent call last):
+        ...
+        ValueError: NanGuard: `action` must be one of ['skip', 'raise', 'warn', 'rollback'], got 'skp'.
+    """
+
+    def __init__(
+        self,
+        action: Action = "skip",
+        check_every_n_steps: int = 1,
+        max_consecutive_bad_steps: int = 10,
+        max_events: int | None = None,
+        check_bn_stats: bool = True,
+        check_params_every_n_steps: int = 50,
+        bisect: bool = True,
+        localize: bool = True,
+        max_bisect_passes: int = 128,
+        save_repro: bool = True,
+        max_repro_bundles: int = 5,
+        index_key: int | str | None = None,
+        batch_slicer: Callable[[Any, Sequence[int]], Any] | None = None,
+        snapshot_every_n_steps: int = 100,
+        rollback_after_consecutive: int = 3,
+        remedies: list[Remedy] | None = None,
+        max_remedy_applications: int = 3,
+        lr_backoff_factor: float = 0.5,
+        eps_factor: float = 10.0,
+        max_eps: float = 0.01,
+        min_loss_scale: float = 1.0,
+        max_consecutive_overflows: int = 20,
+        verbose: bool = True,
+        spike_action: SpikeAction = "skip",
+        spike_sigmas: float = 6.0,
+        spike_min_ratio: float = 3.0,
+        spike_window: int = 128,
+        spike_warmup_steps: int = 16,
+        spike_rebaseline_after: int = 5,
+        sync_free: bool = False,
+    ) -> None:
+        arguments = dict(locals())
+        arguments.pop("self")
+        validate_arguments(arguments)
+        self.action: Action = action
+        self.check_every_n_steps = check_every_n_steps
+        self.max_consecutive_bad_steps = max_consecutive_bad_steps
+        self.max_events = max_events
+        self.check_bn_stats = check_bn_stats
+        self.check_params_every_n_steps = check_params_every_n_steps
+        self.bisect = bisect
+        self.localize = localize
+        self.max_bisect_passes = max_bisect_passes
+        self.save_repro = save_repro
+        self.max_repro_bundles = max_repro_bundles
+        self.index_key = index_key
+        self.batch_slicer = batch_slicer
+        self.snapshot_every_n_steps = snapshot_every_n_steps
+        self.rollback_after_consecutive = rollback_after_consecutive
+        self.remedies: list[Remedy] = list(remedies or [])
+        self.max_remedy_applications = max_remedy_applications
+        self.lr_backoff_factor = lr_backoff_factor
+        self.eps_factor = eps_factor
+        self.max_eps = max_eps
+        self.min_loss_scale = min_loss_scale
+        self.max_consecutive_overflows = max_consecutive_overflows
+        self.verbose = verbose
+        self.spike_action: SpikeAction = spike_action
+        self.spike_sigmas = spike_sigmas
+        self.spike_min_ratio = spike_min_ratio
+        self.spike_window = spike_window
+        self.spike_warmup_steps = spike_warmup_steps
+        self.spike_rebaseline_after = spike_rebaseline_after
+        self.sync_free = sync_free
+
+        self.clock = GuardClock()  # `guard.clock.enabled = True` measures the time spent in the guard
+        self.recorder = IncidentRecorder(verbose)
+        self.recovery = Recovery(tuple(self.remedies), max_remedy_applications, lr_backoff_factor, eps_factor, max_eps)
+        self.controller = StepController(Policy(), DiagnosisSettings(), self.recovery, self.recorder)
+        self._trainer: Trainer | None = None
+        self._hooks: StrategyHooks | None = None
+
+    # ------------------------------------------------------------------ state, read-only
+
+    @property
+    def active(self) -> bool:
+        """False once the guard disabled itself after an internal error (on every rank together).
+
+        Setting it to False turns the guard off (every hook and the strategy wrapper pass through).
+        """
+        return not self.controller.state.disabled
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self.controller.state.disabled = not value
+
+    @property
+    def events(self) -> list[NanEvent]:
+        """This rank's events, oldest first."""
+        return self.recorder.events
+
+    @property
+    def counters(self) -> Counters:
+        """Counts over the run; identical on every rank (a bad step is a step bad on any rank)."""
+        return self.controller.state.counters
+
+    bad_steps_total = CounterView("bad_steps_total", "Steps with NaN/Inf on some rank, and non-finite weights found.")
+    skipped_total = CounterView("skipped_total", "Updates dropped (NaN/Inf or loss spikes).")
+    consecutive_bad_steps = CounterView("consecutive_bad_steps", "Bad steps in a row up to now.")
+    amp_overflow_total = CounterView("amp_overflow_total", "Overflow steps a GradScaler skipped by itself.")
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The gradient norm of the last step where it was computed."""
+        return self.controller.state.last_grad_norm
+
+    @property
+    def log_dir(self) -> str | None:
+        """The run's log directory (the TensorBoardLogger's, else the first logger's, else ``default_root_dir``)."""
+        return self.recorder.sinks.log_dir
+
+    @property
+    def remedy_book(self) -> Any:
+        """Remedy counts and state (clip threshold, quarantined dataset indices)."""
+        return self.recovery.book
+
+    @property
+    def records_indices(self) -> bool:
+        """Whether training loaders should record dataset indices."""
+        return self.index_key is None and (self.bisect or "quarantine" in self.remedies)
+
+    # ------------------------------------------------------------------ configuration
+
+    def _arguments(self) -> dict[str, Any]:
+        """The current value of every ``__init__`` argument (public attributes: they may change after ``__init__``)."""
+        return {name: getattr(self, name) for name in inspect.signature(NanGuard.__init__).parameters if name != "self"}
+
+    # ------------------------------------------------------------------ fit
+
+    @override
+    @failsafe
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Wrap the strategy (every process, before ``strategy.setup``) and refuse what cannot be guarded."""
+        if stage != "fit":
+            return
+        kind = supported_strategy_kind(trainer.strategy)
+        self.controller.configure(GuardSettings.from_arguments(self._arguments(), strategy_kind=kind))
+        self.recorder.sinks.verbose = self.verbose
+        self._hooks = StrategyHooks(
+            self._after_optimizer_step,
+            self._strategy_active,
+            self.records_indices,
+            self.recovery.book.quarantined,
+            self.clock,
+        )
+        apply_nanguard_strategy(trainer.strategy, self._hooks)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Give the Trainer its own strategy class (and the loaders their samplers) back."""
+        remove_nanguard_strategy(trainer.strategy)
+
+    @override
+    @failsafe
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Resolve the log directory (a collective: every rank calls it) and the writers."""
+        self._trainer = trainer
+        self.recorder.attach(trainer, self.controller.scalar_tags(trainer))
+        self.controller.warn_what_cannot_be_skipped(trainer, pl_module)
+
+    @override
+    @failsafe
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Find parameters and BatchNorm buffers once the model sits on its device; first snapshot."""
+        self.controller.attach(trainer, pl_module)
+        apply_module_eps(pl_module, self.recovery.book.module_eps)  # after a resume
+        if self.action == "rollback" and pl_module.automatic_optimization:
+            self.controller.after_step.initial_snapshot(trainer, pl_module)
+
+    @override
+    @failsafe
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Resolve the last step when it was checked sync-free (its verdict is read one step late)."""
+        self.controller.resolve_pending(trainer, pl_module)
+
+    @override
+    @failsafe
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Make this epoch's training loader record its dataset indices (if the strategy did not already)."""
+        if self._hooks is not None:
+            self._hooks.record(trainer.train_dataloader)
+
+    # ------------------------------------------------------------------ per batch
+
+    @override
+    @failsafe
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """Open the step's window at its first micro-batch (every batch in manual optimisation)."""
+        window = self.controller.window
+        if self.index_key is not None:
+            indices = indices_from_batch(batch, self.index_key)
+        else:
+            indices = next_recorded_indices(self._hooks.samplers if self._hooks is not None else [])
+        # a new optimizer step: the first micro-batch, or a window left open by a step Lightning never took
+        # (training_step returned None); every batch in manual optimisation
+        first = batch_idx % max(1, getattr(trainer, "accumulate_grad_batches", 1)) == 0
+        if not window.open or first or not pl_module.automatic_optimization:
+            self.controller.begin_step(trainer, pl_module, self.check_every_n_steps)
+        window.add_batch(batch, batch_idx, indices, keep=self.controller.diagnosis.diagnoses)
+
+    @override
+    @failsafe
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
+        """Keep the loss of each (micro-)batch for the check; no host read here."""
+        self.controller.window.add_loss(loss)
+
+    @override
+    @failsafe
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
+        """Check loss, gradients and BatchNorm statistics; make the one decision of the step on every rank."""
+        self.controller.window.close()
+        if self.controller.checking(trainer, self.check_every_n_steps):
+            self.controller.check_step(trainer, pl_module, optimizer)
+
+    @failsafe
+    def _after_optimizer_step(self, optimizer: Optimizer) -> None:
+        """Called by the strategy wrapper on every rank after the update: rollback, weight check, snapshot."""
+        pl_module = getattr(self._trainer, "lightning_module", None)
+        if self._trainer is not None and pl_module is not None and pl_module.automatic_optimization:
+            self.controller.after_optimizer_step(self._trainer, pl_module)
+
+    def _strategy_active(self) -> bool:
+        return self.active or self.controller.state.failing
+
+    # ------------------------------------------------------------------ manual loops
+
+    def check(self, module: nn.Module, loss: Tensor | None = None) -> NanEvent | None:
+        """Check ``module``'s gradients, BatchNorm statistics and weights (and ``loss``) now.
+
+        For manual optimisation and custom loops: call it after ``manual_backward`` and before
+        ``optimizer.step()``; skip the step yourself when it returns an event.
+
+        Example:
+            >>> import torch
+            >>> net = nn.Linear(2, 1)
+            >>> net(torch.tensor([[float("nan"), 1.0]])).sum().backward()
+            >>> NanGuard(verbose=False).check(net).nonfinite_grads
+            ('weight',)
+        """
+        return self.controller.manual_check(self._trainer, module, loss)
+
+    # ------------------------------------------------------------------ checkpoint
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Never save non-finite weights: save the last good snapshot instead, or refuse."""
+        try:
+            substituted = self.recovery.make_checkpoint_finite_(checkpoint)
+        except NonFiniteTrainingError as error:
+            raise NonFiniteTrainingError(str(error), self.events[-1:]) from None
+        if substituted is not None:
+            key = f"checkpoint-{checkpoint.get('nanguard_substituted_step')}"
+            self.recorder.notices.warn(key, f"NanGuard: {substituted}.")
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, remedy state and the last 100 events, as primitives (``weights_only``-safe)."""
+        return self.controller.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore counters, remedies and events; keys added in later versions default sensibly."""
+        self.controller.load_state_dict(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_trainer"] = None  # never pickle the Trainer with the callback
+        return state

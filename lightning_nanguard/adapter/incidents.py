@@ -1,0 +1,251 @@
+"""What one rank found on a step that was not healthy: the event, the diagnosis, the report to share.
+
+:class:`IncidentInspector` runs on every rank when some rank's check flagged the step. It confirms
+this rank's own NaN/Inf element by element (a finite tensor can overflow a norm), tells an AMP
+overflow (the GradScaler's business) from an incident, diagnoses its own incident (bisection,
+localisation, repro bundle) from the BatchNorm state before the step, and returns a
+:class:`~lightning_nanguard.decide.policy.RankReport` for the shared decision plus its own event.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_nanguard.adapter.diagnosis import DiagnosisSettings, diagnose_step
+from lightning_nanguard.adapter.reporting import IncidentRecorder
+from lightning_nanguard.adapter.spikes import SpikeWatch
+from lightning_nanguard.adapter.window import StepWindow
+from lightning_nanguard.core.events import EventKind, NanEvent
+from lightning_nanguard.decide.policy import RankReport, StepHealth
+from lightning_nanguard.detect.batchnorm import batchnorm_buffers
+from lightning_nanguard.detect.check import grouped_norms
+from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_names
+from lightning_nanguard.recover.recovery import grad_scaler
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+
+__all__ = ["IncidentInspector", "check_module"]
+
+
+def _any_inf(tensors: Sequence[Tensor]) -> bool:
+    """Whether some element is +/-Inf (bad path only: one host read)."""
+    flags = [torch.isinf(t).any() for t in tensors]
+    return bool(torch.stack(flags).any()) if flags else False
+
+
+def _cause(event: NanEvent | None) -> str | None:
+    """The event's verdict; samples named without a verdict (an older diagnosis) count as ``"data"``."""
+    if event is None:
+        return None
+    if event.cause is not None:
+        return event.cause
+    return "data" if event.offending_samples is not None else None
+
+
+def check_module(trainer: Any, module: nn.Module, loss: Tensor | None, batch_idx: int) -> NanEvent | None:
+    """The event of ``module``'s NaN/Inf gradients, BatchNorm statistics, weights or ``loss`` now (``None``: none).
+
+    For manual optimisation and custom loops (``NanGuard.check``); one host read per device.
+
+    Example:
+        >>> net = nn.Linear(2, 1)
+        >>> net(torch.tensor([[float("nan"), 1.0]])).sum().backward()
+        >>> check_module(None, net, None, 0).kinds
+        ('grad',)
+    """
+    named = list(module.named_parameters())
+    bad_grads = tuple(nonfinite_names((n, p.grad) for n, p in named if p.grad is not None))
+    bad_buffers = tuple(bad_batchnorm_names(batchnorm_buffers(module)))
+    bad_params = tuple(nonfinite_names(named))
+    loss_bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
+    flags = (("loss", loss_bad), ("grad", bad_grads), ("bn_stats", bad_buffers), ("param", bad_params))
+    kinds = tuple(kind for kind, bad in flags if bad)
+    if not kinds:
+        return None
+    return NanEvent.at_step(
+        trainer,
+        batch_idx,
+        kinds,  # type: ignore[arg-type]
+        nonfinite_grads=bad_grads,
+        nonfinite_buffers=bad_buffers,
+        nonfinite_params=bad_params,
+        loss=float(loss.detach().float().sum()) if loss is not None else None,
+    )
+
+
+class IncidentInspector:
+    """This rank's side of a step that some rank flagged (see module docs).
+
+    Args:
+        settings: what to diagnose.
+        window: the step's micro-batches, losses and BatchNorm state.
+        named_params: the model's named parameters.
+        recorder: for warnings and the bundle directory.
+    """
+
+    def __init__(
+        self,
+        settings: DiagnosisSettings,
+        window: StepWindow,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        recorder: IncidentRecorder,
+        spikes: SpikeWatch | None = None,
+    ) -> None:
+        self.settings = settings
+        self.window = window
+        self.named_params = named_params
+        self.recorder = recorder
+        self.spikes = spikes
+
+    def inspect(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        health: StepHealth,
+        grads: list[Tensor],
+    ) -> tuple[RankReport, NanEvent | None]:
+        """This rank's report and its own event (``None`` when the NaN/Inf is not its own)."""
+        rank = trainer.global_rank
+        grad_norm = health.grad_norm
+        if health.bad and grad_norm < 0:  # not computed on this step: the norm tells NaN (nan) from overflow (inf)
+            grad_norm = float(torch.linalg.vector_norm(grouped_norms(grads))) if grads else 0.0
+        event: NanEvent | None = None
+        overflow = False
+        # DDP averages gradients: NaN/Inf born in another rank's loss or BatchNorm statistics reaches this
+        # rank's gradients through the all-reduce. That incident is the other rank's.
+        someone_elses = trainer.world_size > 1 and health.ranks_others_bad > 0 and not health.others_bad
+        # An fp16 overflow gives Inf (and, through Inf * 0 or Inf - Inf, NaN) gradients with a finite loss and
+        # finite BatchNorm statistics: the GradScaler's to skip. With some Inf that is decided here; NaN alone
+        # only when the unscaled re-run of the batch (the diagnosis) is finite.
+        scaler = grad_scaler(trainer)
+        scaled = scaler is not None and scaler.is_enabled() and not health.others_bad
+        if health.bad and not someone_elses:
+            event = self._nonfinite_event(trainer, grads, grad_norm)
+            if event is not None and scaled and not math.isfinite(grad_norm) and _any_inf(grads):
+                event, overflow = None, True
+        spiked = False
+        if event is None and not overflow and health.spike and self.spikes is not None:
+            event = self._spike_event(trainer, grad_norm)
+            spiked = event is not None
+        threshold = self.spikes.loss_threshold() if spiked and self.spikes is not None else None
+        if event is not None and self._may_diagnose(trainer, pl_module) and (threshold is not None or not spiked):
+            scaled = scaled and not spiked
+            event, reproduced = self._diagnose(trainer, pl_module, event, loss_threshold=threshold, scaled=scaled)
+            if scaled and not reproduced:  # NaN-only gradients the unscaled re-run does not give
+                event, overflow = None, True
+        report = RankReport(
+            rank,
+            incident=event is not None and not spiked,
+            overflow=overflow,
+            spike=spiked,
+            cause=_cause(event),
+            quarantine=tuple(event.dataset_indices or ()) if event is not None else (),
+            culprit_module=event.culprit_module if event is not None and event.phase is not None else None,
+        )
+        return report, event
+
+    # ------------------------------------------------------------------ the event
+
+    def _nonfinite_event(self, trainer: Trainer, grads: list[Tensor], grad_norm: float) -> NanEvent | None:
+        """Confirm element-wise and name the tensors of ``grads``; ``None`` when everything is finite after all."""
+        checked = {id(g) for g in grads}  # the optimizer's own under manual optimisation
+        bad_grads = nonfinite_names(
+            (n, grad) for n, p in self.named_params if (grad := p.grad) is not None and id(grad) in checked
+        )
+        bn_buffers = self.window.batchnorm_buffers
+        bad_buffers = bad_batchnorm_names(bn_buffers)
+        losses = [float(loss.float().sum()) for loss in self.window.losses]
+        kinds: list[EventKind] = []
+        if any(not math.isfinite(v) for v in losses):
+            kinds.append("loss")
+        if bad_grads:
+            kinds.append("grad")
+        if bad_buffers:
+            kinds.append("bn_stats")
+        if not kinds:
+            return None
+        scaler = grad_scaler(trainer)
+        scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
+        loss = next((v for v in losses if not math.isfinite(v)), losses[-1] if losses else None)
+        if loss is not None and scale is not None and math.isfinite(loss):
+            loss /= scale  # on_before_backward saw the scaled loss
+        return NanEvent.at_step(
+            trainer,
+            self.window.batch_idx,
+            tuple(kinds),
+            nonfinite_grads=tuple(bad_grads),
+            nonfinite_buffers=tuple(bad_buffers),
+            loss=loss,
+            grad_norm=grad_norm,
+            details={
+                "grads_checked": len(grads),
+                "buffers_checked": sum(t.is_floating_point() for _, t in bn_buffers),
+            },
+        )
+
+    def _spike_event(self, trainer: Trainer, grad_norm: float) -> NanEvent | None:
+        """The event of a finite loss (or gradient-norm) spike; ``None`` when the flag does not hold up."""
+        assert self.spikes is not None
+        kinds = self.spikes.spike_kinds()
+        if not kinds:
+            return None
+        details = self.spikes.details()
+        return NanEvent.at_step(
+            trainer,
+            self.window.batch_idx,
+            kinds,
+            loss=details.get("value"),
+            grad_norm=grad_norm if grad_norm >= 0 else None,
+            details=details,
+        )
+
+    # ------------------------------------------------------------------ the diagnosis
+
+    def _may_diagnose(self, trainer: Trainer, pl_module: LightningModule) -> bool:
+        if not (pl_module.automatic_optimization and self.settings.diagnose_here and self.settings.diagnoses):
+            return False
+        if trainer.world_size > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in pl_module.modules()):
+            self.recorder.notices.warn(
+                "syncbn",
+                "NanGuard: SyncBatchNorm synchronises every forward across ranks, so the offending rank cannot "
+                "re-run sub-batches alone; bisection and localisation are off.",
+            )
+            return False
+        return True
+
+    def _diagnose(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        event: NanEvent,
+        loss_threshold: float | None = None,
+        scaled: bool = False,
+    ) -> tuple[NanEvent, bool]:
+        """Bisect, localise and save a bundle from the BatchNorm state before the step; the step's state after.
+
+        Returns the event and whether the batch's re-run reproduced it (``True`` when not re-run).
+        """
+        with self.window.before_step_batchnorm(keep_after=True):
+            event, diagnosis = diagnose_step(
+                trainer,
+                pl_module,
+                event,
+                self.window.micro_batches,
+                self.settings,
+                self.recorder.sinks.nanguard_dir,
+                reference_batch=self.window.reference,
+                loss_threshold=loss_threshold,
+                loss_scaled=scaled,
+            )
+        if diagnosis is not None and diagnosis.error:
+            self.recorder.notices.warn(
+                "diagnosis",
+                f"NanGuard: diagnosis failed ({diagnosis.error}); bad steps are still detected and skipped.",
+            )
+        return event, diagnosis is None or diagnosis.reproduced

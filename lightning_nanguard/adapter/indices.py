@@ -1,0 +1,171 @@
+"""Recover the dataset indices of each training batch.
+
+Lightning does not track which dataset items form a batch. :func:`record_batch_indices` swaps the
+class of a ``DataLoader``'s ``batch_sampler`` for a subclass that also appends every index list
+it yields to a FIFO. The batch sampler runs in the main process even with worker processes, but
+several batches ahead of training (prefetching), so the FIFO is popped once per training batch,
+in order, rather than read as "the last list yielded".
+
+Not available for an ``IterableDataset`` or ``batch_size=None`` (no batch sampler); name an index
+field of the batch instead (``NanGuard(index_key=...)``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_nanguard.core.timing import GuardClock
+
+__all__ = [
+    "RecordingBatchSampler",
+    "indices_from_batch",
+    "next_recorded_indices",
+    "record_batch_indices",
+    "stop_recording",
+]
+
+_RECORDING_CLASSES: dict[type, type] = {}
+_IDLE_CLOCK = GuardClock()
+
+
+class RecordingBatchSampler(Protocol):
+    """A batch sampler whose class :func:`record_batch_indices` swapped: it records what it yields.
+
+    ``nanguard_exclude`` (a set of dataset indices, shared with the guard's quarantine) is dropped
+    from every batch it yields from then on.
+    """
+
+    nanguard_fifo: deque[list[int] | None]
+    nanguard_exclude: set[int]
+    nanguard_clock: GuardClock
+
+    def __iter__(self) -> Iterator[list[int]]: ...
+
+
+def _as_ints(indices: Any) -> list[int] | None:
+    """The indices as ints, or ``None`` when they are not integers (e.g. a sampler of keys or ``None``)."""
+    try:
+        return [int(i) for i in indices]
+    except (TypeError, ValueError):
+        return None
+
+
+def _recording_iter(self: Any) -> Iterator[list[int]]:
+    fifo = self.nanguard_fifo
+    fifo.clear()  # a new pass over the data starts a new record
+    exclude: set[int] = getattr(self, "nanguard_exclude", set())
+    clock: GuardClock = getattr(self, "nanguard_clock", None) or _IDLE_CLOCK
+    for indices in self._nanguard_base_iter():
+        with clock.measure("batch_sampler"):
+            as_ints = _as_ints(indices)
+            if exclude and as_ints is not None:  # quarantined samples are never yielded again
+                kept = [k for k, i in enumerate(as_ints) if i not in exclude]
+                if not kept:
+                    continue
+                indices, as_ints = [indices[k] for k in kept], [as_ints[k] for k in kept]
+            fifo.append(as_ints)  # one entry per batch (None: unknown) keeps the FIFO aligned
+        yield indices
+
+
+def _recording_class(cls: type) -> type:
+    """A direct subclass of ``cls`` (same layout, so ``__class__`` can be swapped) that records."""
+    if cls not in _RECORDING_CLASSES:
+        _RECORDING_CLASSES[cls] = type(
+            f"NanGuardRecording{cls.__name__}",
+            (cls,),
+            {
+                "__iter__": _recording_iter,
+                "_nanguard_base_iter": cls.__iter__,  # type: ignore[attr-defined]
+                "__module__": __name__,
+            },
+        )
+    return _RECORDING_CLASSES[cls]
+
+
+def record_batch_indices(
+    loader: Any, exclude: set[int] | None = None, clock: GuardClock | None = None
+) -> RecordingBatchSampler | None:
+    """Make ``loader`` record the dataset indices of its batches; return the recording sampler.
+
+    Args:
+        loader: a ``DataLoader`` (anything else is left alone).
+        exclude: dataset indices the sampler must drop from every batch from now on (the set is
+            shared: items added later are dropped too).
+        clock: measures the time the recording adds.
+
+    Returns ``None`` when the loader has no batch sampler to record from.
+
+    Example:
+        >>> from torch.utils.data import TensorDataset
+        >>> loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=4, shuffle=True)
+        >>> sampler = record_batch_indices(loader)
+        >>> first = next(iter(loader))[0].tolist()
+        >>> sampler.nanguard_fifo.popleft() == first
+        True
+    """
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return None  # an IterableDataset's batch sampler yields placeholders, not dataset indices
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is None:
+        return None
+    if type(batch_sampler) not in _RECORDING_CLASSES.values():
+        try:
+            batch_sampler.__class__ = _recording_class(type(batch_sampler))
+        except TypeError:  # a sampler whose layout cannot be swapped: indices stay unknown
+            return None
+    if not hasattr(batch_sampler, "nanguard_fifo"):
+        batch_sampler.nanguard_fifo = deque()  # type: ignore[attr-defined]
+    if exclude is not None:
+        batch_sampler.nanguard_exclude = exclude  # type: ignore[attr-defined]
+    if clock is not None:
+        batch_sampler.nanguard_clock = clock  # type: ignore[attr-defined]
+    return batch_sampler  # type: ignore[return-value]
+
+
+def next_recorded_indices(samplers: Sequence[RecordingBatchSampler]) -> list[int] | None:
+    """The dataset indices of the training batch that starts now: the oldest recorded list, ``None`` if unknown."""
+    for sampler in samplers:
+        if sampler.nanguard_fifo:
+            return sampler.nanguard_fifo.popleft()
+    return None
+
+
+def stop_recording(sampler: Any) -> None:
+    """Give a sampler made to record by :func:`record_batch_indices` its own class back.
+
+    Example:
+        >>> from torch.utils.data import TensorDataset
+        >>> loader = DataLoader(TensorDataset(torch.arange(4)), batch_size=2)
+        >>> sampler = record_batch_indices(loader)
+        >>> stop_recording(sampler)
+        >>> type(loader.batch_sampler).__name__, hasattr(loader.batch_sampler, "nanguard_fifo")
+        ('BatchSampler', False)
+    """
+    original = next((base for base, recording in _RECORDING_CLASSES.items() if type(sampler) is recording), None)
+    if original is not None:
+        sampler.__class__ = original
+    for attr in ("nanguard_fifo", "nanguard_exclude", "nanguard_clock"):
+        vars(sampler).pop(attr, None)
+
+
+def indices_from_batch(batch: Any, key: str | int) -> list[int] | None:
+    """Read dataset indices stored in the batch itself (a dict key or a tuple position).
+
+    Example:
+        >>> indices_from_batch({"x": torch.zeros(2), "idx": torch.tensor([7, 9])}, "idx")
+        [7, 9]
+    """
+    try:
+        value = batch[key] if isinstance(batch, Mapping) or isinstance(key, int) else getattr(batch, key)
+    except (KeyError, IndexError, AttributeError, TypeError):
+        return None
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.flatten().tolist()]
+    if isinstance(value, list | tuple):
+        return [int(v) for v in value]
+    return None

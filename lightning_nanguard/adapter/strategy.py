@@ -1,0 +1,198 @@
+"""``NanGuardStrategy``: the guard's hold on the Trainer's strategy, applied by class swap.
+
+Lightning checks ``isinstance(strategy, Strategy / ParallelStrategy / DDPStrategy)`` in many
+places, so a proxy object would break it. Instead :func:`apply_nanguard_strategy` swaps the class
+of the strategy instance the Trainer built for a generated subclass ``NanGuard<Original>`` that
+adds :class:`NanGuardStrategyMixin` in front; :func:`remove_nanguard_strategy` swaps it back. A
+wrapped strategy pickles as "the original class, wrapped again on load", so it unpickles in a
+fresh process (``ddp_spawn``) where the generated class does not exist yet, and the equally named
+strategies of ``lightning.pytorch`` and ``pytorch_lightning`` never collide.
+
+The mixin owns what happens around the optimizer step on every rank:
+
+- ``optimizer_step``: refuses what the guard cannot make safe (DeepSpeed's engine owns the step),
+  lets the Trainer's precision plugin run the closure, unscale and call
+  ``on_before_optimizer_step``, where the guard makes the one distributed skip decision per step
+  (one ``reduce`` of the bad flag, every rank, any rank bad means all ranks skip), then runs the
+  guard's after-step work (parameter check, snapshot, rollback) on every rank;
+- ``process_dataloader``: makes each *training* loader record the dataset indices of its batches
+  (and drop quarantined items) before Lightning first iterates it; validation, test and predict
+  loaders are left alone, and every swap is undone at teardown.
+
+The wrapper touches nothing of the guard's: it is given a :class:`StrategyHooks` with what it needs.
+"""
+
+from __future__ import annotations
+
+import abc
+import copyreg
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, SupportsIndex
+
+from lightning_nanguard.adapter.indices import RecordingBatchSampler, record_batch_indices, stop_recording
+from lightning_nanguard.core.events import NonFiniteTrainingError
+from lightning_nanguard.core.timing import GuardClock
+
+__all__ = [
+    "NanGuardStrategyMixin",
+    "StrategyHooks",
+    "apply_nanguard_strategy",
+    "remove_nanguard_strategy",
+    "strategy_kind",
+    "supported_strategy_kind",
+]
+
+
+@dataclass
+class StrategyHooks:
+    """What the strategy wrapper needs from the guard, passed in.
+
+    Attributes:
+        after_optimizer_step: called on every rank after each optimizer step (rollback, weight check).
+        active: whether the guard still acts (``False``: the wrapper passes everything through).
+        record_indices: whether training loaders record the dataset indices of their batches.
+        exclude: dataset indices never to yield again (quarantine), shared with the guard.
+        clock: measures the time spent in the wrapper's work.
+        samplers: the batch samplers made to record (undone by :func:`remove_nanguard_strategy`).
+    """
+
+    after_optimizer_step: Callable[[Any], None]
+    active: Callable[[], bool]
+    record_indices: bool = True
+    exclude: set[int] = field(default_factory=set)
+    clock: GuardClock = field(default_factory=GuardClock)
+    samplers: list[RecordingBatchSampler] = field(default_factory=list)
+
+    def record(self, loader: Any) -> None:
+        """Make a training ``loader`` record its dataset indices and drop the excluded ones (idempotent)."""
+        if not self.record_indices:
+            return
+        sampler = record_batch_indices(loader, exclude=self.exclude, clock=self.clock)
+        if sampler is not None and sampler not in self.samplers:
+            self.samplers.append(sampler)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["samplers"] = []  # loaders belong to the process that iterates them
+        return state
+
+
+_GENERATED: dict[type, type] = {}
+_NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # how objects of plain classes pickle
+
+
+class NanGuardStrategyMixin(abc.ABC):  # ABC: same metaclass and layout as Lightning strategies
+    """Put in front of a Lightning strategy class; see the module docs."""
+
+    _nanguard: StrategyHooks | None
+    _nanguard_original_class: type
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        hooks = getattr(self, "_nanguard", None)
+        if hooks is not None and hooks.active():
+            hooks.after_optimizer_step(optimizer)
+        return output
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        """Pickle as the original class, wrapped again on load (see module docs)."""
+        reduced = super().__reduce_ex__(protocol)
+        original = type(self).__dict__.get("_nanguard_wraps")
+        if original is None or not isinstance(reduced, tuple) or reduced[0] is not _NEWOBJ:
+            return reduced
+        return (_rewrapped, (original, *reduced[1][1:]), *reduced[2:])
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        hooks = getattr(self, "_nanguard", None)
+        trainer = getattr(getattr(self, "lightning_module", None), "_trainer", None)
+        training = bool(getattr(trainer, "training", False))  # Lightning also processes val/test/predict loaders
+        if hooks is not None and training:
+            hooks.record(dataloader)
+        return dataloader
+
+
+def supported_strategy_kind(strategy: Any) -> str:
+    """:func:`strategy_kind`, refusing DeepSpeed with a clear error (its engine owns the optimizer step).
+
+    Raises:
+        NonFiniteTrainingError: under DeepSpeed.
+    """
+    kind = strategy_kind(strategy)
+    if kind == "deepspeed":
+        raise NonFiniteTrainingError(
+            "NanGuard does not support DeepSpeed: its engine owns the optimizer step, so a bad step cannot be "
+            "skipped from Lightning. Remove NanGuard, or use DDP/FSDP.",
+            [],
+        )
+    return kind
+
+
+def strategy_kind(strategy: Any) -> str:
+    """``"deepspeed"``, ``"fsdp"``, ``"ddp"`` or ``"single"`` from the strategy's class hierarchy.
+
+    Example:
+        >>> from lightning.pytorch.strategies import SingleDeviceStrategy
+        >>> strategy_kind(SingleDeviceStrategy("cpu"))
+        'single'
+    """
+    names = {cls.__name__ for cls in type(strategy).__mro__}
+    if "DeepSpeedStrategy" in names:
+        return "deepspeed"
+    if names & {"FSDPStrategy", "ModelParallelStrategy"}:
+        return "fsdp"
+    if names & {"DDPStrategy", "ParallelStrategy"}:
+        return "ddp"
+    return "single"
+
+
+def _wrapped_class(cls: type) -> type:
+    """The ``NanGuard<Original>`` subclass of ``cls``, generated once per class.
+
+    It is also registered in this module under a unique qualified name, so the class object itself
+    pickles by reference in this process (``lightning.pytorch`` and ``pytorch_lightning`` both have
+    a ``DDPStrategy``: the second gets a suffix).
+    """
+    if cls not in _GENERATED:
+        name = f"NanGuard{cls.__name__}"
+        generated = type(name, (NanGuardStrategyMixin, cls), {"__module__": __name__, "_nanguard_wraps": cls})
+        module = sys.modules[__name__]
+        qualname = name
+        while hasattr(module, qualname):
+            qualname += "_"
+        generated.__qualname__ = qualname
+        setattr(module, qualname, generated)
+        _GENERATED[cls] = generated
+    return _GENERATED[cls]
+
+
+def _rewrapped(original: type, *args: Any) -> Any:
+    """Unpickle a wrapped strategy: a bare instance of ``original``, its class swapped again."""
+    instance = original.__new__(original, *args)
+    instance.__class__ = _wrapped_class(original)
+    return instance
+
+
+def apply_nanguard_strategy(strategy: Any, hooks: StrategyHooks) -> None:
+    """Swap ``strategy``'s class for its ``NanGuard<Original>`` subclass and attach ``hooks``."""
+    cls = type(strategy)
+    if not issubclass(cls, NanGuardStrategyMixin):
+        strategy._nanguard_original_class = cls
+        strategy.__class__ = _wrapped_class(cls)
+    strategy._nanguard = hooks
+
+
+def remove_nanguard_strategy(strategy: Any) -> None:
+    """Undo :func:`apply_nanguard_strategy`: the strategy and the recorded samplers get their own classes back."""
+    hooks = getattr(strategy, "_nanguard", None)
+    if isinstance(hooks, StrategyHooks):
+        for sampler in hooks.samplers:
+            stop_recording(sampler)
+        hooks.samplers.clear()
+    original = getattr(strategy, "_nanguard_original_class", None)
+    if original is not None and isinstance(strategy, NanGuardStrategyMixin):
+        strategy.__class__ = original
+    for attr in ("_nanguard", "_nanguard_original_class"):
+        vars(strategy).pop(attr, None)

@@ -1,0 +1,156 @@
+"""Sync-free steps (``NanGuard(sync_free=True)``): skip on the device now, read the verdict one step later.
+
+In the default mode the guard reads one small tensor to the host per step; on a GPU that read
+stalls the CPU until the step's kernels have run. In the sync-free mode the decision to drop the
+update stays on the device:
+
+- the step's flags (reduced over ranks, still on the device) become a skip flag, handed to torch's
+  *fused* optimizer as ``found_inf`` (:class:`~lightning_nanguard.detect.syncfree.DeviceSkip`; combined
+  with a GradScaler's own), so the update is skipped inside the optimizer kernel;
+- BatchNorm buffers are put back with a device-side select
+  (:class:`~lightning_nanguard.detect.syncfree.SelectRestore`);
+- the loss-spike history is fed on the device;
+- the flags are copied to pinned host memory without waiting
+  (:class:`~lightning_nanguard.detect.syncfree.DeferredRead`), and the guard reads them before the next
+  step's forward (or at the end of training), when they have long arrived. A bad step is then
+  diagnosed and reported exactly as in the default mode: its update was skipped, so the weights
+  are still those of the bad step.
+
+This module keeps the pending step; the controller resolves it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_nanguard.adapter.window import MicroBatch
+from lightning_nanguard.detect.syncfree import DeferredRead, DeviceSkip, SelectRestore, device_skip_unsupported
+
+__all__ = ["DeferredStep", "StepView", "SyncFreeSteps"]
+
+
+class StepView:
+    """The Trainer as seen from an earlier step: ``global_step`` and ``current_epoch`` of that step.
+
+    Everything else is the Trainer's. Events, scalars and messages of a step resolved one step
+    late name the step they belong to.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> view = StepView(SimpleNamespace(global_step=8, current_epoch=1, global_rank=0), 7, 1)
+        >>> view.global_step, view.global_rank
+        (7, 0)
+    """
+
+    def __init__(self, trainer: Any, global_step: int, current_epoch: int) -> None:
+        self._trainer = trainer
+        self.global_step = global_step
+        self.current_epoch = current_epoch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._trainer, name)
+
+
+@dataclass
+class DeferredStep:
+    """A step whose flags are on their way to the host."""
+
+    global_step: int
+    epoch: int
+    batch_idx: int
+    micro_batches: list[MicroBatch]
+    losses: list[Tensor]
+    optimizer: Any
+    logging_due: bool
+    grads: list[Tensor] = field(default_factory=list)
+
+
+class SyncFreeSteps:
+    """The device-side skip, BatchNorm select, deferred read and the one pending step (see module docs)."""
+
+    def __init__(self) -> None:
+        self.reader = DeferredRead()
+        self.pending: DeferredStep | None = None
+        self._skips: dict[int, DeviceSkip] = {}
+        self._batchnorm: SelectRestore | None = None  # the buffers before the step's forward
+        self._stepped: SelectRestore | None = None  # the buffers as the step left them (for its diagnosis)
+
+    def attach(self, batchnorm_buffers: Sequence[Tensor]) -> None:
+        """Track these BatchNorm buffers (at ``on_train_start``)."""
+        buffers = list(batchnorm_buffers)
+        self._batchnorm = SelectRestore(buffers) if buffers else None
+        self._stepped = SelectRestore(buffers) if buffers else None
+        self.pending = None
+        self.reader.clear()
+
+    @staticmethod
+    def unsupported(optimizer: Any, scaler: Any) -> str | None:
+        """Why this optimizer cannot skip on the device (a warning), or ``None``."""
+        return device_skip_unsupported(optimizer, scaler)
+
+    def capture(self) -> None:
+        """BatchNorm buffers before the step's first forward."""
+        if self._batchnorm is not None:
+            self._batchnorm.capture()
+
+    def skip_on_device(self, optimizer: Any, scaler: Any, flag: Tensor) -> bool:
+        """Arm the optimizer to skip its coming update iff ``flag``; BatchNorm restored where set.
+
+        Returns ``False`` when this optimizer cannot skip on the device at this step (then nothing
+        changed and the caller decides on the host).
+        """
+        key = id(getattr(optimizer, "_optimizer", optimizer))
+        skip = self._skips.get(key)
+        if skip is None:
+            skip = self._skips[key] = DeviceSkip(optimizer, scaler)
+        if not skip.arm(flag):
+            return False
+        if self._batchnorm is not None and self._stepped is not None:
+            self._stepped.capture()  # kept so that the step is diagnosed as it was
+            self._batchnorm.restore_where_(flag)
+        return True
+
+    def show_step_batchnorm(self) -> None:
+        """Put the BatchNorm buffers back as the pending step left them (before it is diagnosed)."""
+        if self._stepped is not None:
+            self._stepped.restore_where_(torch.ones(1))
+
+    def defer(self, step: DeferredStep, values: Tensor) -> None:
+        """Start copying ``values`` to the host; resolve ``step`` later with :meth:`take`."""
+        self.reader.start(values)
+        self.pending = step
+
+    def take(self) -> tuple[DeferredStep, list[float]] | None:
+        """The pending step and its values (waits for the copy if it has not arrived); ``None`` if none."""
+        if self.pending is None:
+            return None
+        step, self.pending = self.pending, None
+        return step, self.reader.result()
+
+    def remove(self) -> None:
+        """Remove the optimizer hooks."""
+        for skip in self._skips.values():
+            skip.remove()
+        self._skips.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"reader": DeferredRead(), "pending": None, "_skips": {}, "_batchnorm": None, "_stepped": None}
+
+
+def clip_on_device_(grads: list[Tensor], grad_norm: Tensor, threshold: float) -> None:
+    """Scale ``grads`` so their norm is at most ``threshold``, with the norm left on the device (no read).
+
+    Example:
+        >>> g = [torch.tensor([3.0, 4.0])]
+        >>> clip_on_device_(g, torch.tensor(5.0), 1.0)
+        >>> [round(v, 4) for v in g[0].tolist()]
+        [0.6, 0.8]
+    """
+    if grads:
+        coefficient = (threshold / (grad_norm.float() + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coefficient.to(grads[0].device))

@@ -1,0 +1,173 @@
+"""The optimizer step being accumulated: its micro-batches, losses and BatchNorm state.
+
+A step's window opens at the first micro-batch of an optimizer step (``on_train_batch_start``)
+and closes at the check (``on_before_optimizer_step``). It owns everything the guard needs to
+keep, or to undo, about that step, and is the only place that touches the BatchNorm snapshot:
+
+- the micro-batches (for the diagnosis) and their dataset indices;
+- the losses (for the check and the loss-spike statistic);
+- the BatchNorm buffers as they were before the first forward: captured when the window opens,
+  restored when the step is discarded or diagnosed;
+- a small known-good reference sub-batch, refreshed rarely from a healthy step (a diagnosis runs
+  it to tell "the model state is at fault" from "these samples are").
+
+Example:
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    >>> window = StepWindow()
+    >>> window.attach(net, track_batchnorm=True)
+    >>> window.begin(checking=True)
+    >>> _ = net(torch.tensor([[float("nan"), 1.0], [2.0, 3.0]]))
+    >>> window.restore_batchnorm()
+    >>> net[1].running_mean.tolist()
+    [0.0, 0.0]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_nanguard.detect.batchnorm import batchnorm_running_vars
+from lightning_nanguard.diagnose.batching import slice_batch
+from lightning_nanguard.recover.batchnorm import BatchNormSnapshot
+
+__all__ = ["MicroBatch", "StepWindow"]
+
+Slicer = Callable[[Any, Sequence[int]], Any]
+REFERENCE_SIZE = 2  # BatchNorm in train mode refuses a single sample
+
+
+@dataclass
+class MicroBatch:
+    """A (micro-)batch of the current optimizer step, kept until the step is checked."""
+
+    batch: Any
+    batch_idx: int
+    dataset_indices: list[int] | None
+
+
+class StepWindow:
+    """Micro-batches, losses and BatchNorm state of the optimizer step in progress (see module docs)."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.checking = False
+        self.batch_idx = 0
+        self.losses: list[Tensor] = []
+        self.micro_batches: list[MicroBatch] = []
+        self.reference: Any = None
+        self.reference_step: int | None = None
+        self._bn: BatchNormSnapshot | None = None
+        self._track_batchnorm = True
+
+    def attach(self, module: nn.Module, track_batchnorm: bool) -> None:
+        """Find the BatchNorm buffers of ``module`` (once the model sits on its device)."""
+        self._bn = BatchNormSnapshot(module)
+        self._track_batchnorm = track_batchnorm
+        self.open = False
+
+    # ------------------------------------------------------------------ one optimizer step
+
+    def begin(self, checking: bool) -> None:
+        """Open the window of a new optimizer step; capture BatchNorm buffers if the step is checked."""
+        self.open = True
+        self.checking = checking
+        self.losses = []
+        self.micro_batches = []
+        if checking and self._bn is not None:
+            self._bn.capture()
+
+    def add_batch(self, batch: Any, batch_idx: int, dataset_indices: list[int] | None, keep: bool) -> None:
+        """Note a micro-batch (kept by reference for a diagnosis when ``keep``)."""
+        self.batch_idx = batch_idx
+        if keep and self.checking:
+            self.micro_batches.append(MicroBatch(batch, batch_idx, dataset_indices))
+
+    def add_loss(self, loss: Tensor) -> None:
+        """Keep a micro-batch's loss for the check (no host read)."""
+        if self.checking:
+            self.losses.append(loss.detach())
+
+    def close(self) -> None:
+        """The step is being checked: the next batch opens a new window."""
+        self.open = False
+
+    def forget_batches(self) -> None:
+        """Drop the references to the step's batches (a healthy step needs no diagnosis)."""
+        self.micro_batches = []
+
+    def step_loss(self, scale: Tensor | None = None) -> Tensor | None:
+        """The step's loss summed over micro-batches, divided by the loss scale, on the device."""
+        if not self.losses:
+            return None
+        total = (
+            self.losses[0].float().sum()
+            if len(self.losses) == 1
+            else torch.stack([loss.float().sum() for loss in self.losses]).sum()
+        )
+        return total / scale if scale is not None else total
+
+    # ------------------------------------------------------------------ BatchNorm
+
+    @property
+    def batchnorm_buffers(self) -> list[tuple[str, Tensor]]:
+        """The BatchNorm buffers the check covers (none when BatchNorm checks are off)."""
+        return self._bn.named_buffers if self._bn is not None and self._track_batchnorm else []
+
+    @property
+    def running_vars(self) -> list[Tensor]:
+        """The ``running_var`` buffers among :attr:`batchnorm_buffers`."""
+        return batchnorm_running_vars(self.batchnorm_buffers)
+
+    def restore_batchnorm(self) -> None:
+        """Put the BatchNorm buffers back as they were before the step's first forward."""
+        if self._bn is not None:
+            self._bn.restore()
+
+    @contextlib.contextmanager
+    def before_step_batchnorm(self, keep_after: bool) -> Iterator[None]:
+        """BatchNorm buffers as before the step inside the block; with ``keep_after`` the step's own after.
+
+        A diagnosis re-runs the step from the state before it; when the step is kept (``action="warn"``)
+        its BatchNorm updates are put back afterwards.
+        """
+        current = [t.detach().clone() for _, t in self._bn.named_buffers] if keep_after and self._bn else []
+        self.restore_batchnorm()
+        try:
+            yield
+        finally:
+            if current and self._bn is not None:
+                with torch.no_grad():
+                    torch._foreach_copy_([t for _, t in self._bn.named_buffers], current)
+
+    def discard_update(self, optimizer: Any) -> None:
+        """Make the coming ``optimizer.step`` a no-op and undo the step's BatchNorm updates."""
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None  # optimizers skip parameters without grad: no state change at all
+        self.restore_batchnorm()
+
+    # ------------------------------------------------------------------ reference sample
+
+    def refresh_reference(self, global_step: int, every_n_steps: int, slicer: Slicer | None) -> None:
+        """Keep the first samples of this healthy step as the reference, every ``every_n_steps`` steps.
+
+        A slice of :data:`REFERENCE_SIZE` samples (a small device copy, no host read) taken from the
+        step's first micro-batch, only when the last one is ``every_n_steps`` old or missing. A batch
+        that cannot be sliced leaves no reference (the diagnosis then does without).
+        """
+        if not self.micro_batches:
+            return
+        if self.reference_step is not None and global_step - self.reference_step < every_n_steps:
+            return
+        self.reference_step = global_step
+        try:
+            self.reference = (slicer or slice_batch)(self.micro_batches[0].batch, list(range(REFERENCE_SIZE)))
+        except Exception:  # unsliceable, or fewer than two samples: no reference
+            self.reference = None

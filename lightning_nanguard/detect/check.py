@@ -1,0 +1,306 @@
+"""The per-step check: NaN/Inf in many tensors at once, on the device, without writing to them.
+
+:func:`fused_health_check` gives a ``[flag, grad_norm, others_flag]`` tensor which the caller
+reads to the host once per step (or hands to a fused optimizer as ``found_inf``, see
+:mod:`lightning_nanguard.detect.syncfree`). Tensors are grouped by device and dtype; small
+tensors (fewer than :data:`SMALL_NUMEL` elements) are copied into one flat staging buffer per
+group (one ``torch.stack`` per repeated shape, one ``torch._foreach_copy_`` for the rest) and
+summed once; large ones are reduced by ``torch._foreach_norm``. Nothing is written to the tensors
+checked: ``tensor._version`` is unchanged. (:class:`~lightning_nanguard.detect.streaming.GradientCheck`
+is a stateful variant that sums large gradients during backward; the guard does not use it, see
+its module.)
+
+Why sums and norms: a sum or a norm is NaN if any element is NaN, and NaN or +/-Inf if any element
+is +/-Inf, so a non-finite reduction is necessary for a non-finite element. Finite values can also
+overflow a reduction (float32 values above ~1e19 in a norm, ~1e38 in a sum); the flag is therefore a
+*candidate*, and :func:`~lightning_nanguard.detect.confirm.nonfinite_names` confirms element-wise
+on the bad path only, so a step is reported bad iff some element is NaN or +/-Inf.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+__all__ = [
+    "SMALL_NUMEL",
+    "fused_health_check",
+    "grouped_norms",
+    "nonfinite_candidate",
+]
+
+SMALL_NUMEL = 4096
+"""Tensors with fewer elements are staged (copied into one flat buffer) and reduced together: on
+this scale a kernel launch or a Python hook costs more than reading the values."""
+
+_FLOAT32 = torch.float32
+_LOW = (torch.float16, torch.bfloat16)
+_STAGING_CACHE_SIZE = 32
+
+
+def _dense(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """Replace sparse tensors by their stored values (the only elements that can be non-finite)."""
+    return [t.coalesce().values() if t.is_sparse else t for t in tensors]
+
+
+def _foreach_norm(group: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """L2 norm of each tensor of one (device, dtype) group; fp16/bf16 accumulate in float32."""
+    norm_dtype = _FLOAT32 if dtype in _LOW else None
+    try:
+        return list(torch._foreach_norm(group, 2, dtype=norm_dtype))
+    except (NotImplementedError, RuntimeError):  # sparse gradients (rare): norms of their stored values
+        return list(torch._foreach_norm(_dense(group), 2, dtype=norm_dtype))
+
+
+def grouped_norms(tensors: Sequence[Tensor], device: torch.device | None = None) -> Tensor:
+    """Per-tensor L2 norms as one float32 vector, one ``_foreach_norm`` kernel per (device, dtype).
+
+    Order of the result follows the grouping, not the input: use it for reductions (any
+    non-finite, global norm), not to index back into ``tensors``.
+
+    Args:
+        tensors: floating-point (or complex) tensors on any devices and dtypes.
+        device: where to gather the result; defaults to the device of the first tensor.
+
+    Example:
+        >>> grouped_norms([torch.tensor([3.0, 4.0]), torch.tensor([1.0], dtype=torch.float64)]).sort().values
+        tensor([1., 5.])
+    """
+    if not tensors:
+        return torch.zeros(0, dtype=_FLOAT32, device=device)
+    target = device if device is not None else tensors[0].device
+    grouped = _group_tensors_by_device_and_dtype([list(tensors)])
+    parts: list[Tensor] = []
+    for (group_device, dtype), ([group], _) in grouped.items():
+        norms = _foreach_norm(group, dtype)  # type: ignore[arg-type]
+        stacked = torch.stack(norms).to(_FLOAT32)
+        if group_device != target:
+            stacked = stacked.to(target, non_blocking=True)
+        parts.append(stacked)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _sum(flat: Tensor) -> Tensor:
+    """0-dim sum of a buffer; fp16/bf16 accumulate in float32 (their own range would overflow)."""
+    return flat.sum(dtype=_FLOAT32) if flat.dtype in _LOW else flat.sum()
+
+
+class _Staging:
+    """A flat buffer of one device and dtype that many tensors are copied into, with a few kernels.
+
+    Built for a list of tensor shapes: tensors of a shape that occurs more than once are copied by
+    one ``torch.stack`` per shape (a plain copy per tensor, ~4x cheaper than ``_foreach_copy_`` on
+    a CPU), the others by one ``_foreach_copy_``. The sources are only read. :meth:`load` raises
+    ``RuntimeError`` for a list of other shapes.
+    """
+
+    def __init__(self, like: Sequence[Tensor]) -> None:
+        first = like[0]
+        self.flat = torch.empty(sum(t.numel() for t in like), dtype=first.dtype, device=first.device)
+        by_shape: dict[torch.Size, list[int]] = {}
+        for index, tensor in enumerate(like):
+            by_shape.setdefault(tensor.shape, []).append(index)
+        self.stacks: list[tuple[list[int], torch.Size, Tensor]] = []
+        self.single_indices: list[int] = []
+        self.single_views: list[Tensor] = []
+        offset = 0
+        for shape, indices in by_shape.items():
+            size = like[indices[0]].numel() * len(indices)
+            view = self.flat[offset : offset + size].view(len(indices), *shape)
+            offset += size
+            if len(indices) > 1:
+                self.stacks.append((indices, shape, view))
+            else:
+                self.single_indices.append(indices[0])
+                self.single_views.append(view[0])
+
+    def load(self, tensors: Sequence[Tensor]) -> Tensor:
+        for indices, shape, view in self.stacks:
+            if tensors[indices[0]].shape != shape:
+                raise RuntimeError("other shapes than the staging buffer was built for")
+            torch.stack([tensors[i] for i in indices], out=view)
+        if self.single_indices:
+            torch._foreach_copy_(self.single_views, [tensors[i] for i in self.single_indices])
+        return self.flat
+
+
+_STAGING: OrderedDict[tuple[torch.device, torch.dtype, tuple[int, ...]], _Staging] = OrderedDict()
+
+
+def _staged(tensors: list[Tensor], sizes: list[int]) -> Tensor:
+    """A flat copy of ``tensors`` (one device and dtype, dense; ``sizes`` their numels) through a cached buffer."""
+    key = (tensors[0].device, tensors[0].dtype, tuple(sizes))
+    staging = _STAGING.get(key)
+    if staging is not None:
+        _STAGING.move_to_end(key)
+        try:
+            return staging.load(tensors)
+        except RuntimeError:  # the same sizes in other shapes: rebuild
+            pass
+    staging = _STAGING[key] = _Staging(tensors)
+    while len(_STAGING) > _STAGING_CACHE_SIZE:
+        _STAGING.popitem(last=False)
+    return staging.load(tensors)
+
+
+def _group_total(group: list[Tensor], dtype: torch.dtype, sqrt: bool = False) -> Tensor | None:
+    """0-dim float32 that is non-finite if some element of ``group`` (one device and dtype) may be NaN/Inf.
+
+    With ``sqrt``, negative values count too (their square root is NaN). ``None``: nothing to check.
+    """
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return None  # integers are always finite
+    sizes = [t.numel() for t in group]
+    if max(sizes) < SMALL_NUMEL:
+        small, small_sizes, large = group, sizes, []
+    else:
+        small = [t for t, n in zip(group, sizes, strict=True) if n < SMALL_NUMEL]
+        small_sizes = [n for n in sizes if n < SMALL_NUMEL]
+        large = [t for t, n in zip(group, sizes, strict=True) if n >= SMALL_NUMEL]
+    total: Tensor | None = None
+    if small:
+        try:
+            flat = _staged(small, small_sizes)
+            if sqrt:
+                flat.sqrt_()  # of the staged copy: a negative value becomes NaN
+            total = _sum(flat)
+            if total.is_complex():
+                total = torch.view_as_real(total).sum()
+        except (RuntimeError, NotImplementedError):  # sparse tensors cannot be copied into a dense buffer
+            large = large + small
+    if large:
+        if sqrt:
+            large = list(torch._foreach_sqrt(_dense(large)))
+        norms = torch.stack(_foreach_norm(large, dtype)).sum()
+        total = norms if total is None else total + norms
+    return total.to(_FLOAT32) if total is not None and total.dtype != _FLOAT32 else total
+
+
+def _nonfinite_total(tensors: Sequence[Tensor], device: torch.device, sqrt: bool = False) -> Tensor | None:
+    """0-dim float32 on ``device``, non-finite if some element of ``tensors`` may be NaN/Inf; ``None`` if none."""
+    if not tensors:
+        return None
+    total: Tensor | None = None
+    for (group_device, dtype), ([group], _) in _group_tensors_by_device_and_dtype([list(tensors)]).items():
+        part = _group_total(group, dtype, sqrt)  # type: ignore[arg-type]
+        if part is None:
+            continue
+        if group_device != device:
+            part = part.to(device, non_blocking=True)
+        total = part if total is None else total + part
+    return total
+
+
+def nonfinite_candidate(tensors: Sequence[Tensor], device: torch.device | None = None, sqrt: bool = False) -> Tensor:
+    """1-element float32 tensor: 1.0 if some element of ``tensors`` *may* be NaN/Inf, else 0.0.
+
+    Read-only, on the device, a few kernels per (device, dtype) whatever the number of tensors. A
+    finite tensor can overflow a reduction: confirm a 1.0 with :func:`nonfinite_names`.
+
+    Args:
+        tensors: tensors of any devices, dtypes (integers are always finite) and layouts (sparse: their
+            stored values).
+        device: where the result lives; defaults to the device of the first tensor.
+        sqrt: also flag negative values (as ``sqrt`` would make them NaN); for ``running_var``.
+
+    Example:
+        >>> nonfinite_candidate([torch.ones(3), torch.tensor([1.0, float("-inf")])]).tolist()
+        [1.0]
+        >>> nonfinite_candidate([torch.tensor([4.0, -1.0])], sqrt=True).tolist()
+        [1.0]
+    """
+    target = device if device is not None else _first_device(tensors)
+    total = _nonfinite_total(tensors, target, sqrt)
+    if total is None:
+        return torch.zeros(1, dtype=_FLOAT32, device=target)
+    return (~torch.isfinite(total)).to(_FLOAT32).reshape(1)
+
+
+def _others_total(others: Sequence[Tensor], nonnegative: Sequence[Tensor], device: torch.device) -> Tensor | None:
+    """Non-finite if ``others`` may hold NaN/Inf, or ``nonnegative`` a negative value or NaN/Inf."""
+    total = _nonfinite_total(others, device)
+    nonempty = [t for t in nonnegative if t.numel()]
+    if nonempty:
+        negative = _nonfinite_total(nonempty, device, sqrt=True)
+        total = negative if total is None else (total if negative is None else total + negative)
+    return total
+
+
+_SUMMARY_BASE: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
+
+
+def _fast_summary(grads_total: Tensor | None, others_total: Tensor | None, device: torch.device) -> Tensor:
+    """``[flag, -1 (no norm), others_flag]`` from two totals (non-finite: bad; ``None``: nothing checked)."""
+    if device not in _SUMMARY_BASE:
+        _SUMMARY_BASE[device] = (
+            torch.zeros((), dtype=_FLOAT32, device=device),
+            torch.tensor([0.0, -1.0, 0.0], dtype=_FLOAT32, device=device),
+            torch.ones(3, dtype=_FLOAT32, device=device),
+        )
+    zero, healthy, bad = _SUMMARY_BASE[device]
+    if grads_total is None and others_total is None:
+        return healthy.clone()
+    grads_total = zero if grads_total is None else grads_total
+    others_total = zero if others_total is None else others_total
+    totals = torch.stack((grads_total + others_total, zero, others_total))  # the middle one is always finite
+    return torch.where(torch.isfinite(totals), healthy, bad)
+
+
+def _first_device(*groups: Sequence[Tensor]) -> torch.device:
+    first = next((t for group in groups for t in group), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def fused_health_check(
+    grads: Sequence[Tensor],
+    others: Sequence[Tensor] = (),
+    nonnegative: Sequence[Tensor] = (),
+    device: torch.device | None = None,
+    with_norm: bool = True,
+) -> Tensor:
+    """Check many tensors for NaN/Inf in one fused pass; return ``[flag, grad_norm, others_flag]``.
+
+    Nothing is read to the host and nothing is written to the tensors: the caller decides when to
+    pay the one synchronisation (``result.tolist()``), and may first reduce the tensor across
+    processes.
+
+    Args:
+        grads: gradients; their global L2 norm is the second element of the result.
+        others: further tensors to check (loss, BatchNorm running statistics).
+        nonnegative: tensors that must also have no negative element (``running_var``).
+        device: where the result lives; defaults to the device of the first tensor given.
+        with_norm: compute the global gradient norm with ``_foreach_norm``; otherwise ``grad_norm``
+            is -1 and the test uses the cheaper staged sums of :func:`nonfinite_candidate`.
+
+    Returns:
+        float32 tensor ``[flag, grad_norm, others_flag]``. ``flag`` is > 0 when some tensor *may*
+        hold a NaN/Inf (confirm with :func:`nonfinite_names`: a finite tensor can overflow its norm
+        or sum) or a negative value where none is allowed; ``others_flag`` is the same for
+        ``others`` and ``nonnegative`` alone.
+        ``grad_norm`` is NaN when a gradient holds a NaN, +Inf when one holds +/-Inf (and no NaN).
+
+    Example:
+        >>> fused_health_check([torch.ones(4)], others=[torch.tensor(0.5)]).tolist()
+        [0.0, 2.0, 0.0]
+        >>> fused_health_check([torch.tensor([1.0, float("nan")])]).tolist()[:2]
+        [1.0, nan]
+        >>> fused_health_check([torch.tensor([1.0, float("inf")])], with_norm=False).tolist()
+        [1.0, -1.0, 0.0]
+    """
+    if device is None:
+        device = _first_device(grads, others, nonnegative)
+    if not with_norm:  # the fast path: a handful of kernels whatever the number of tensors
+        return _fast_summary(_nonfinite_total(grads, device), _others_total(others, nonnegative, device), device)
+    grad_norms = grouped_norms(grads, device)
+    grads_bad = ~torch.isfinite(grad_norms).all()
+    grad_norm = torch.linalg.vector_norm(grad_norms) if grads else torch.zeros((), dtype=_FLOAT32, device=device)
+    others_bad = ~torch.isfinite(grouped_norms(others, device)).all()
+    nonempty = [t for t in nonnegative if t.numel()]
+    if nonempty:
+        negated_maxima = torch._foreach_max(torch._foreach_neg(nonempty))
+        others_bad = others_bad | (torch.stack(negated_maxima).to(device=device, dtype=_FLOAT32) > 0).any()
+    return torch.stack(((grads_bad | others_bad).to(_FLOAT32), grad_norm, others_bad.to(_FLOAT32)))

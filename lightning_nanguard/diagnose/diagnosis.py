@@ -1,0 +1,481 @@
+"""Diagnose a bad batch: what caused it (the data, the batch itself, the model state), which samples, where.
+
+:func:`diagnose` combines the pieces. It re-runs the LightningModule's ``training_step`` on
+sub-batches (:mod:`~lightning_nanguard.diagnose.runner`), each run fully isolated
+(:mod:`~lightning_nanguard.diagnose.isolation`), and decides the cause in this order:
+
+1. the weights are already non-finite: ``"state"`` (0 passes);
+2. the batch itself holds NaN/Inf: ``"input"`` (:func:`~lightning_nanguard.diagnose.cause.check_input`);
+3. a reference sub-batch of a recent healthy step fails too, or every sample tried fails on its
+   own: ``"state"`` (:func:`~lightning_nanguard.diagnose.cause.check_state`, at most 4 passes);
+4. otherwise the offending samples are searched by adaptive group testing
+   (:mod:`~lightning_nanguard.diagnose.bisection`): ``"data"`` when samples reproduce it, ``"interaction"``
+   when samples only fail together.
+
+The origin is then localised on the *full* batch, following the offending samples' rows
+(:mod:`~lightning_nanguard.diagnose.localization`), so the op named is one that happens in the real batch.
+It needs no Trainer, so ``replay`` uses it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from lightning_nanguard.core.events import EventCause, NanEvent
+from lightning_nanguard.detect.confirm import nonfinite_names
+from lightning_nanguard.diagnose.batching import BatchField, BatchSlicer
+from lightning_nanguard.diagnose.bisection import NOT_REPRODUCED, BisectionResult, find_offending
+from lightning_nanguard.diagnose.cause import InputCheck, StateCheck, check_input, check_state, describe_fields
+from lightning_nanguard.diagnose.compact import compact_channels
+from lightning_nanguard.diagnose.hints import hint_for
+from lightning_nanguard.diagnose.isolation import isolated
+from lightning_nanguard.diagnose.localization import Localization, localize
+from lightning_nanguard.diagnose.runner import StepFn, SubBatchRunner, finite_threshold, loss_from_output
+
+__all__ = ["Diagnosis", "SubBatchRunner", "diagnose", "event_with_diagnosis", "loss_from_output"]
+
+log = logging.getLogger("lightning_nanguard")
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What :func:`diagnose` found.
+
+    Attributes:
+        batch_size: samples in the batch.
+        offending: positions of offending samples (``None``: not attributable).
+        reason: why not attributable, or notes on partial results.
+        passes: forward/backward passes used in all (the state check's included, the localisation
+            pass not).
+        localization: origin of the first non-finite value (``None`` if not localised).
+        error: the exception text if a re-run failed (diagnosis then stops, training goes on).
+        smallest_bad: the smallest group of positions that re-ran bad.
+        known_good: positions that re-ran finite; with BatchNorm in train mode a single sample is
+            re-run next to the first of them, so a repro bundle saves it as a reference sample.
+        cause: ``"data"``, ``"input"``, ``"state"``, ``"interaction"``, or ``None`` (not investigated:
+            bisection off, or nothing reproduced).
+        state_passes: passes spent deciding whether the model state is at fault (at most 4).
+        input_fields: batch fields holding NaN/Inf (cause ``"input"``, or noted next to another cause).
+        source_root: the directory source paths are shown relative to (``None``: the working directory).
+        loss_threshold: the loss above which a (sub-)batch counted as bad (loss-spike mode).
+        reproduced: ``False`` when the whole batch re-ran finite on the same weights. The re-run
+            does not scale the loss: under a GradScaler that says the NaN/Inf came from the scaling.
+    """
+
+    batch_size: int | None
+    offending: list[int] | None
+    reason: str = ""
+    passes: int = 0
+    localization: Localization | None = None
+    error: str | None = None
+    smallest_bad: list[int] = field(default_factory=list)
+    known_good: list[int] = field(default_factory=list)
+    cause: EventCause | None = None
+    state_passes: int = 0
+    input_fields: tuple[BatchField, ...] = ()
+    source_root: str | None = None
+    loss_threshold: float | None = None
+    reproduced: bool = True
+
+    @property
+    def full_details(self) -> dict[str, Any]:
+        """Details too long for an event (every non-finite BatchNorm channel), for the repro bundle.
+
+        Example:
+            >>> Diagnosis(8, [1], localization=Localization(bn_channels={"bn": [0, 1]})).full_details
+            {'bn_channels': {'bn': [0, 1]}}
+        """
+        full: dict[str, Any] = {}
+        if self.localization is not None and self.localization.bn_channels:
+            full["bn_channels"] = {name: list(c) for name, c in self.localization.bn_channels.items()}
+        return full
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager() -> contextlib.AbstractContextManager[Any]:
+    """Run ``torch.compile``d code eagerly inside the block (``torch.compiler.set_stance("force_eager")``).
+
+    A diagnosis re-runs the step on sub-batches of new sizes and hooks the modules: compiled, each
+    size would recompile (seconds each, until the recompile limit), dynamo would trace the hooks,
+    and the ops would be named ``CompiledFunctionBackward`` instead of the op at fault.
+    """
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
+def _eagerly(function: _F) -> _F:
+    @functools.wraps(function)
+    def run_eagerly(*args: Any, **kwargs: Any) -> Any:
+        with eager():
+            return function(*args, **kwargs)
+
+    return run_eagerly  # type: ignore[return-value]
+
+
+@_eagerly
+def diagnose(
+    module: nn.Module,
+    batch: Any,
+    step_fn: StepFn | None = None,
+    batch_idx: int = 0,
+    slicer: BatchSlicer | None = None,
+    context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    bisect: bool = True,
+    localize_origin: bool = True,
+    max_passes: int = 64,
+    known_good: Sequence[int] = (),
+    reference_batch: Any | None = None,
+    loss_threshold: float | None = None,
+    source_root: str | None = None,
+    state_check: bool = True,
+) -> Diagnosis:
+    """Decide the cause of a bad ``batch``, find its offending samples and localise the origin, leaving no trace.
+
+    Args:
+        module: the model whose ``training_step`` (or ``step_fn``) produced NaN/Inf.
+        batch: the batch to examine.
+        step_fn: ``step_fn(batch, batch_idx)`` returning the loss or a dict with ``"loss"``.
+        batch_idx: passed to ``step_fn``.
+        slicer: custom batch slicer ``slicer(batch, positions)``.
+        context: context manager factory entered around each run (autocast).
+        bisect: decide the cause and search the offending samples (otherwise only localise on the
+            whole batch; the cause is then ``None``).
+        localize_origin: name module, op and source line.
+        max_passes: cap on forward/backward passes (state check and search together).
+        known_good: positions known to be finite (a repro bundle's reference sample): single
+            samples are re-run next to the first one when BatchNorm is in train mode.
+        reference_batch: a small sub-batch (>= 2 samples) of a recent healthy step, cut with the
+            same slicer: if it is bad with the current weights, the cause is ``"state"`` (1 pass).
+        loss_threshold: loss-spike mode: a (sub-)batch is also bad when its loss exceeds this value;
+            the origin is localised only if some run turned non-finite.
+        source_root: show source paths relative to this directory when under it (the working
+            directory at ``fit`` start); default: the current working directory.
+        state_check: decide whether the model state is at fault (off for a batch already known to
+            be a subset of the samples at fault, e.g. a repro bundle's).
+
+    Compiled code (``torch.compile``) runs eagerly throughout (see :func:`eager`).
+
+    Example:
+        >>> import torch
+        >>> class Net(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = nn.Parameter(torch.ones(3))
+        ...     def training_step(self, x, batch_idx):
+        ...         return (self.w * x).sum(dim=1).log().sum()
+        >>> x = torch.tensor([[1.0, 1, 1], [0, 0, 0], [2, 2, 2], [1, 2, 3]])
+        >>> found = diagnose(Net(), x)
+        >>> found.cause, found.offending, found.localization.op, found.localization.function
+        ('data', [1], 'LogBackward0', 'torch.log')
+    """
+    threshold = finite_threshold(loss_threshold)
+    if loss_threshold is not None and threshold is None:
+        log.warning("NanGuard: loss_threshold=%r is not a finite number; diagnosing NaN/Inf only", loss_threshold)
+    common: dict[str, Any] = {"source_root": source_root, "loss_threshold": threshold}
+    try:
+        runner = SubBatchRunner(module, batch, step_fn, batch_idx, slicer, context, threshold)
+    except Exception as error:  # an unsliceable batch or a failing user hook: report, never raise
+        return Diagnosis(None, None, reason=str(error), error=str(error) or repr(error), **common)
+    runner.known_good = [int(p) for p in known_good]
+    whole = list(range(runner.size))
+    if runner.size == 0:
+        return Diagnosis(0, None, reason="the batch is empty", **common)
+    bad_weights = nonfinite_names((n, p.detach()) for n, p in module.named_parameters())
+    if bad_weights or not bisect:
+        if bad_weights:  # every sample fails on such weights: the samples are not the cause
+            shown = ", ".join(bad_weights[:3]) + (f" (+{len(bad_weights) - 3} more)" if len(bad_weights) > 3 else "")
+            reason = f"the weights are already non-finite ({shown}): every sample fails, whatever the data"
+        else:
+            reason = "bisection disabled"
+        localization, failure = _localized(runner, None, localize_origin, source_root, scan_input=True)
+        cause: EventCause | None = "state" if bad_weights and bisect else None
+        return Diagnosis(runner.size, None, reason, 0, localization, failure, whole, cause=cause, **common)
+    reference: SubBatchRunner | None = None
+    try:
+        inputs = check_input(runner, reference_batch, max_passes)
+        if inputs.fields and inputs.confirmed:
+            return _input_diagnosis(runner, inputs, common)
+        reference = _reference_runner(runner, reference_batch)
+        what = "non-finite" if threshold is None else f"non-finite or above the loss threshold {threshold:.6g}"
+        state = check_state(runner, reference, max_passes - runner.passes, what) if state_check else StateCheck(False)
+        if state.state or state.reproduced is False:
+            return _state_diagnosis(runner, reference, state, inputs, localize_origin, common)
+        spent = runner.passes + (reference.passes if reference is not None else 0)
+        result = find_offending(runner.size, runner.is_bad, max_passes=max_passes, known=state.known, spent=spent)
+    except Exception as error:  # the guard must never kill training
+        log.warning("NanGuard: re-running training_step for diagnosis failed: %r", error, exc_info=True)
+        return Diagnosis(
+            runner.size,
+            None,
+            reason=f"re-running training_step failed: {error!r}",
+            passes=runner.passes + (reference.passes if reference is not None else 0),
+            error=repr(error),
+            **common,
+        )
+    return _search_diagnosis(runner, reference, state, inputs, result, localize_origin, common)
+
+
+def _reference_runner(runner: SubBatchRunner, reference_batch: Any) -> SubBatchRunner | None:
+    if reference_batch is None:
+        return None
+    try:
+        reference = SubBatchRunner(
+            runner.module,
+            reference_batch,
+            runner.step_fn,
+            runner.batch_idx,
+            runner.slicer if runner.custom_slicer else None,
+            runner.context,
+            runner.loss_threshold,
+        )
+    except Exception as error:  # an unreadable reference: decide without it
+        log.warning("NanGuard: the reference sub-batch cannot be used, deciding without it: %r", error)
+        return None
+    return reference if reference.size > 0 else None
+
+
+def _input_diagnosis(runner: SubBatchRunner, inputs: InputCheck, common: dict[str, Any]) -> Diagnosis:
+    """The batch holds NaN/Inf: its samples are named, the origin is the input before any op."""
+    offending = list(inputs.samples) if inputs.samples and not inputs.shared_fields else None
+    reason = ""
+    if offending is None:
+        reason = (
+            f"the batch field(s) {describe_fields(inputs.shared_fields)} hold NaN/Inf outside the sample "
+            "dimension: no sample is to blame"
+        )
+    localization = Localization(
+        phase="forward",
+        op="<input>",
+        hint=hint_for("<input>", "forward"),
+        input_nonfinite=True,
+        input_fields=inputs.fields,
+        loss_finite=False,
+    )
+    return Diagnosis(
+        runner.size,
+        offending,
+        reason,
+        runner.passes,
+        localization,
+        smallest_bad=list(inputs.samples),
+        known_good=list(runner.known_good),
+        cause="input",
+        input_fields=inputs.fields,
+        **common,
+    )
+
+
+def _state_diagnosis(
+    runner: SubBatchRunner,
+    reference: SubBatchRunner | None,
+    state: StateCheck,
+    inputs: InputCheck,
+    localize_origin: bool,
+    common: dict[str, Any],
+) -> Diagnosis:
+    """The model state is at fault (no sample named), or nothing reproduced (no verdict)."""
+    passes = runner.passes + (reference.passes if reference is not None else 0)
+    if not state.state:
+        return Diagnosis(
+            runner.size,
+            None,
+            NOT_REPRODUCED,
+            passes,
+            state_passes=state.passes,
+            input_fields=inputs.fields,
+            reproduced=False,
+            **common,
+        )
+    nonfinite = runner.saw_nonfinite or (reference is not None and reference.saw_nonfinite)
+    localization, error = _localized(
+        runner, None, localize_origin and _spike_localizes(runner, nonfinite), common["source_root"]
+    )
+    if localization is not None and localization.phase is not None:
+        # every sample fails: an op's own hint ("pow at 0", "check the input data") would mislead
+        localization = replace(localization, hint=hint_for("<state>", localization.phase))
+    return Diagnosis(
+        runner.size,
+        None,
+        state.reason,
+        passes,
+        localization,
+        error,
+        list(range(runner.size)),
+        list(runner.known_good),
+        cause="state",
+        state_passes=state.passes,
+        input_fields=inputs.fields,
+        **common,
+    )
+
+
+def _search_diagnosis(
+    runner: SubBatchRunner,
+    reference: SubBatchRunner | None,
+    state: StateCheck,
+    inputs: InputCheck,
+    result: BisectionResult,
+    localize_origin: bool,
+    common: dict[str, Any],
+) -> Diagnosis:
+    """The samples were searched: ``"data"`` when some reproduce it, ``"interaction"`` when only groups do."""
+    cause: EventCause | None = None
+    if result.offending:
+        cause = "data"
+    elif result.interacting:
+        cause = "interaction"
+    rows = result.offending if cause == "data" and not runner.custom_slicer else None
+    localization = error = None
+    if result.offending or result.smallest_bad:
+        localize_here = localize_origin and _spike_localizes(runner, runner.saw_nonfinite)
+        localization, error = _localized(runner, rows, localize_here, common["source_root"])
+    reason = result.reason
+    if inputs.fields:
+        note = f"the batch also holds NaN/Inf in {describe_fields(inputs.fields)}, but other samples fail too"
+        reason = f"{reason}; {note}" if reason else note
+    passes = runner.passes + (reference.passes if reference is not None else 0)
+    return Diagnosis(
+        runner.size,
+        result.offending,
+        reason,
+        passes,
+        localization,
+        error,
+        result.smallest_bad,
+        list(runner.known_good),
+        cause=cause,
+        state_passes=state.passes,
+        input_fields=inputs.fields,
+        reproduced=result.reproduced,
+        **common,
+    )
+
+
+def _spike_localizes(runner: SubBatchRunner, saw_nonfinite: bool) -> bool:
+    """In loss-spike mode the origin of a merely large loss is not localised, only that of a NaN/Inf."""
+    return runner.loss_threshold is None or saw_nonfinite
+
+
+def _localized(
+    runner: SubBatchRunner, rows: list[int] | None, wanted: bool, source_root: str | None, scan_input: bool = False
+) -> tuple[Localization | None, str | None]:
+    """Localise on the full batch (following ``rows``); a failure keeps the rest of the diagnosis.
+
+    ``scan_input``: report a batch holding NaN/Inf as the origin (when no input verdict was made).
+    """
+    if not wanted:
+        return None, None
+    try:
+        found = _localize_batch(runner, rows, source_root, scan_input)
+        if rows is not None and found.phase is None:  # nothing in those rows: the whole batch
+            found = _localize_batch(runner, None, source_root, scan_input)
+        return found, None
+    except Exception as error:  # keep the samples found: only the origin is unknown
+        log.warning("NanGuard: localising the origin failed: %r", error, exc_info=True)
+        return None, f"localisation failed: {error!r}"
+
+
+def _localize_batch(
+    runner: SubBatchRunner, rows: list[int] | None, source_root: str | None, scan_input: bool
+) -> Localization:
+    """One instrumented forward/backward of the full batch, isolated, as training ran it."""
+    with isolated(runner.module), runner.mode(False):
+        return localize(
+            runner.module,
+            lambda: loss_from_output(runner.step_fn(runner.batch, runner.batch_idx)),
+            batch=runner.batch,
+            params=runner.params,
+            rows=rows,
+            batch_size=runner.size,
+            source_root=source_root,
+            input_fields=None if scan_input else (),
+        )
+
+
+def event_with_diagnosis(
+    event: NanEvent,
+    diagnosis: Diagnosis,
+    positions: Sequence[int] | None = None,
+    dataset_indices: Sequence[int] | None = None,
+    batch_size: int | None = None,
+) -> NanEvent:
+    """Fill the forensic fields of ``event`` (and its ``cause``) from ``diagnosis``.
+
+    Per-channel details are kept short (:mod:`~lightning_nanguard.diagnose.compact`); the full lists are in
+    ``diagnosis.full_details``, for the repro bundle.
+
+    Args:
+        event: the event of the bad step.
+        diagnosis: what :func:`diagnose` found.
+        positions: maps the diagnosed batch's positions to positions of the original batch
+            (replay diagnoses a saved sub-batch); identity when ``None``.
+        dataset_indices: dataset index of every sample of the diagnosed batch, when known.
+        batch_size: size of the original batch (default: the diagnosed batch's size).
+
+    Example:
+        >>> event = NanEvent(3, 0, 3, 0, ("loss",), "skipped")
+        >>> filled = event_with_diagnosis(event, Diagnosis(8, [2], cause="data"), dataset_indices=range(10, 18))
+        >>> filled.cause, filled.offending_samples, filled.dataset_indices
+        ('data', (2,), (12,))
+    """
+    details = dict(event.details)
+    details["batch_size"] = batch_size if batch_size is not None else diagnosis.batch_size
+    details["bisect_passes"] = diagnosis.passes
+    if diagnosis.cause is not None or diagnosis.state_passes:
+        details["state_passes"] = diagnosis.state_passes
+    offending: tuple[int, ...] | None = None
+    indices: tuple[int, ...] | None = None
+    if diagnosis.offending is not None:
+        offending = tuple(positions[p] if positions is not None else p for p in diagnosis.offending)
+        if dataset_indices is not None and all(p < len(dataset_indices) for p in diagnosis.offending):
+            indices = tuple(int(dataset_indices[p]) for p in diagnosis.offending)
+    elif diagnosis.reason:
+        details["not_attributable"] = diagnosis.reason
+    if diagnosis.offending is not None and diagnosis.reason:
+        details["bisect_note"] = diagnosis.reason  # partial result or interacting groups next to the samples
+    if diagnosis.error:
+        details["diagnosis_error"] = diagnosis.error
+    if diagnosis.input_fields:
+        details["input_fields"] = list(diagnosis.input_fields)
+    if diagnosis.loss_threshold is not None:
+        details["loss_threshold"] = diagnosis.loss_threshold
+    changes: dict[str, Any] = {"offending_samples": offending, "dataset_indices": indices, "cause": diagnosis.cause}
+    loc = diagnosis.localization
+    if loc is not None and loc.phase is not None:
+        changes.update(culprit_module=loc.module, culprit_op=loc.op, source_line=loc.source_line, phase=loc.phase)
+        details.update(_origin_details(loc))
+    changes["details"] = details
+    return event.replace(**changes)
+
+
+def _origin_details(loc: Localization) -> dict[str, Any]:
+    details: dict[str, Any] = {}
+    for key, value in (
+        ("module_type", loc.module_type),
+        ("source_text", loc.source_text),
+        ("hint", loc.hint),
+        ("function", loc.function),
+        ("source_path", loc.source_path),
+    ):
+        if value:
+            details[key] = value
+    if loc.stack:
+        details["stack"] = [{"file": path, "line": line, "function": name} for path, line, name in loc.stack]
+    if loc.input_nonfinite:
+        details["input_nonfinite"] = True
+    if loc.bn_channels:
+        shown, summary = compact_channels(loc.bn_channels)
+        details["bn_channels"] = shown
+        if summary is not None:
+            details["bn_channels_summary"] = summary
+    return details

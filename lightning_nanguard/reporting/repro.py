@@ -1,0 +1,242 @@
+"""Repro bundles: everything needed to re-run a bad step in a fresh process.
+
+A bundle is a directory ``<log_dir>/nanguard/step-<N>/`` holding:
+
+- ``event.json``: the event (``NanEvent.to_dict()``);
+- ``batch.pt``: the offending samples (or the whole batch when not attributable), on the CPU; with
+  BatchNorm in train mode also one known-good reference sample (``reference_positions``), next to
+  which a single sample is re-run, as during training;
+- ``module_state.pt``: the module's ``state_dict`` before the step;
+- ``module.json``: how to rebuild the module (class path, the file defining it) and the context
+  (batch index, positions of the saved samples in the original batch, dataset indices, reference
+  samples), and the source of the origin: the path as displayed, the absolute path, and the
+  source root the displayed path is relative to (``replay`` displays paths relative to it too, so
+  it prints the same line as training did, from any working directory);
+- ``details_full.json``: the event's details with the lists an event keeps short in full (every
+  non-finite BatchNorm channel of every layer);
+- ``hparams.pt``: the module's saved hyperparameters (``save_hyperparameters()``), if any.
+
+``python -m lightning_nanguard replay <bundle>`` loads it with :func:`load_bundle`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+
+from lightning_nanguard.core.events import NanEvent
+
+__all__ = [
+    "BundleMissingError",
+    "ReproBundle",
+    "import_class",
+    "load_bundle",
+    "prune_bundles",
+    "save_bundle",
+    "update_bundle_event",
+]
+
+BUNDLE_PREFIX = "step-"
+BUNDLE_FILES = ("event.json", "module.json", "batch.pt", "module_state.pt")
+
+
+class BundleMissingError(FileNotFoundError):
+    """The bundle directory does not exist (pruned by ``max_repro_bundles``, or moved), or lacks its files."""
+
+
+def _to_cpu(batch: Any) -> Any:
+    return apply_to_collection(batch, torch.Tensor, lambda t: t.detach().to("cpu"), allow_frozen=True)
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def save_bundle(
+    directory: str | os.PathLike[str],
+    event: NanEvent,
+    module: nn.Module,
+    batch: Any,
+    batch_idx: int,
+    positions: list[int] | None,
+    sample_dataset_indices: list[int] | None = None,
+    reference_positions: list[int] | None = None,
+    full_details: Mapping[str, Any] | None = None,
+    source_root: str | None = None,
+) -> Path:
+    """Write a bundle for ``event`` and return its path (``directory/step-<global_step>``).
+
+    Args:
+        directory: the ``nanguard`` folder of the run.
+        event: the event being saved.
+        module: the module, in its state before the step.
+        batch: the samples to save (already cut to the offending ones, or the whole batch).
+        batch_idx: index of the batch in its epoch (passed to ``training_step`` on replay).
+        positions: positions of the saved samples in the original batch (``None``: whole batch).
+        sample_dataset_indices: dataset index of each saved sample, when known.
+        reference_positions: positions in ``batch`` of known-good reference samples (saved so that
+            BatchNorm in train mode never sees a single sample on replay).
+        full_details: details the event keeps short, in full (``Diagnosis.full_details``).
+        source_root: the directory the event's source path is displayed relative to (the
+            diagnosis's ``source_root``); default: the working directory, as the diagnosis's default.
+    """
+    path = Path(directory) / f"{BUNDLE_PREFIX}{event.global_step}"
+    if event.rank:
+        path = path.with_name(f"{path.name}-rank{event.rank}")
+    if path.is_dir():  # same step of an earlier run in this directory: never mix its files (hparams.pt) in
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save(_to_cpu(batch), path / "batch.pt")
+    torch.save({k: v.detach().to("cpu") for k, v in module.state_dict().items()}, path / "module_state.pt")
+    hparams = dict(getattr(module, "hparams", {}) or {})
+    if hparams:
+        torch.save(hparams, path / "hparams.pt")
+    cls = type(module)
+    try:
+        module_file: str | None = inspect.getfile(cls)
+    except (TypeError, OSError):
+        module_file = None
+    meta = {
+        "class_path": _class_path(cls),
+        "module_file": module_file,
+        "has_hparams": bool(hparams),
+        "batch_idx": batch_idx,
+        "positions": positions,
+        "sample_dataset_indices": sample_dataset_indices,
+        "reference_positions": list(reference_positions or []),
+        "torch_version": torch.__version__,
+        "source_root": os.path.abspath(source_root if source_root is not None else os.getcwd()),
+        "source": {"line": event.source_line, "path": event.details.get("source_path")},
+    }
+    (path / "module.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    saved = event.replace(repro_path=str(path)).to_dict()
+    (path / "event.json").write_text(json.dumps(saved, indent=2), encoding="utf-8")
+    full = {**saved["details"], **dict(full_details or {})}
+    (path / "details_full.json").write_text(json.dumps(full, indent=2, default=str), encoding="utf-8")
+    return path
+
+
+def update_bundle_event(event: NanEvent) -> bool:
+    """Rewrite the ``event.json`` of ``event``'s bundle with ``event`` as recorded; ``False`` if it has none.
+
+    A bundle is saved while the step is diagnosed, before the step's decision: the action taken,
+    the remedies applied and the cause shared by the ranks are only known afterwards.
+
+    Example:
+        >>> update_bundle_event(NanEvent(3, 0, 3, 0, ("loss",), "skipped"))  # no bundle saved
+        False
+    """
+    if not event.repro_path:
+        return False
+    path = Path(event.repro_path) / "event.json"
+    if not path.is_file():  # pruned or moved since
+        return False
+    path.write_text(json.dumps(event.to_dict(), indent=2), encoding="utf-8")
+    return True
+
+
+def prune_bundles(directory: str | os.PathLike[str], keep: int) -> list[Path]:
+    """Delete the oldest bundles beyond ``keep`` (by modification time); return what was deleted."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    bundles = sorted(
+        (p for p in root.iterdir() if p.is_dir() and p.name.startswith(BUNDLE_PREFIX)), key=lambda p: p.stat().st_mtime
+    )
+    doomed = bundles[: max(0, len(bundles) - keep)]
+    for bundle in doomed:
+        shutil.rmtree(bundle, ignore_errors=True)
+    return doomed
+
+
+def import_class(class_path: str, module_file: str | None = None) -> type:
+    """Import ``"package.module:Class"``; fall back to loading ``module_file`` (e.g. a script).
+
+    Example:
+        >>> import_class("torch.nn:Linear").__name__
+        'Linear'
+    """
+    module_name, _, qualname = class_path.partition(":")
+    if not qualname:
+        module_name, _, qualname = class_path.rpartition(".")
+    try:
+        if module_name == "__main__":
+            raise ImportError("defined in a script")
+        module: Any = importlib.import_module(module_name)
+    except ImportError:
+        if not module_file or not os.path.exists(module_file):
+            raise
+        spec = importlib.util.spec_from_file_location("nanguard_replay_user_module", module_file)
+        if spec is None or spec.loader is None:
+            raise
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise TypeError(f"{class_path} is not a class")
+    return obj
+
+
+def _init_kwargs(cls: type, hparams: dict[str, Any]) -> dict[str, Any]:
+    """Saved hyperparameters that ``cls.__init__`` accepts (LightningCLI adds ``_instantiator``)."""
+    kwargs = {k: v for k, v in hparams.items() if not k.startswith("_")}
+    parameters = inspect.signature(cls).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return kwargs
+    accepted = {p.name for p in parameters}
+    return {k: v for k, v in kwargs.items() if k in accepted}
+
+
+@dataclass
+class ReproBundle:
+    """A loaded bundle: the rebuilt module (weights loaded), the samples and the saved event."""
+
+    path: Path
+    module: nn.Module
+    batch: Any
+    batch_idx: int
+    event: NanEvent
+    meta: dict[str, Any]
+
+
+def load_bundle(path: str | os.PathLike[str], module_class: str | None = None) -> ReproBundle:
+    """Rebuild the module of a bundle and load its samples.
+
+    Args:
+        path: bundle directory.
+        module_class: ``"pkg.mod:Class"`` to use instead of the recorded class.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise BundleMissingError(
+            f"the bundle {root} does not exist: NanGuard keeps the newest max_repro_bundles bundles and deletes "
+            "older ones (an older event's repro_path may point to a deleted bundle), or it was moved"
+        )
+    missing = [name for name in BUNDLE_FILES if not (root / name).is_file()]
+    if missing:
+        raise BundleMissingError(f"{root} is not a complete repro bundle: {', '.join(missing)} missing")
+    meta = json.loads((root / "module.json").read_text(encoding="utf-8"))
+    event = NanEvent.from_dict(json.loads((root / "event.json").read_text(encoding="utf-8")))
+    cls = import_class(module_class or meta["class_path"], None if module_class else meta.get("module_file"))
+    hparams = torch.load(root / "hparams.pt", weights_only=False) if (root / "hparams.pt").exists() else {}
+    module = cls(**_init_kwargs(cls, hparams))
+    module.load_state_dict(torch.load(root / "module_state.pt", weights_only=True))
+    module.train()
+    batch = torch.load(root / "batch.pt", weights_only=False)
+    return ReproBundle(root, module, batch, int(meta.get("batch_idx", 0)), event, meta)
