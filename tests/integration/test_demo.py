@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_nanguard import NanGuard, read_events
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "cosine_norm_demo.py"
 CONFIGS = ["--config", str(ROOT / "configs" / "demo.yaml")]
 NANGUARD = ["--config", str(ROOT / "configs" / "nanguard.yaml")]

@@ -29,7 +29,7 @@ from dashboard_runs import (
     wait_for,
     write_mixed_run,
 )
-from test_incident_context import decode_png
+from png_reader import decode_png
 from werkzeug.test import Client
 
 from lightning_nanguard import NanEvent, NanGuard
@@ -118,7 +118,7 @@ def test_static_frontend_is_served_and_needs_no_network(served: Served) -> None:
     status, headers, body = served.server.get("/data/plugin/nanguard/static/index.js")
     assert status == 200 and headers["Content-Type"].startswith("text/javascript")
     assert b"export async function render()" in body
-    static = Path(__file__).resolve().parents[1] / "lightning_nanguard_tensorboard" / "static"
+    static = Path(__file__).resolve().parents[2] / "lightning_nanguard_tensorboard" / "static"
     for path in static.iterdir():
         text = path.read_text(encoding="utf-8")
         assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text, path.name

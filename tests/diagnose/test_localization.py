@@ -501,8 +501,8 @@ def test_diagnose_localises_on_the_full_batch_following_the_offending_rows() -> 
 def test_source_paths_are_relative_to_the_source_root_when_under_it(tmp_path: Path) -> None:
     net = PureAcos()
     here = Path(__file__).resolve()
-    relative = localize(net, lambda: net(torch.tensor([2.0])), source_root=str(here.parent.parent))
-    assert relative.source_line == f"tests/test_localization.py:{PureAcos.forward.__code__.co_firstlineno + 1}"
+    relative = localize(net, lambda: net(torch.tensor([2.0])), source_root=str(here.parents[2]))
+    assert relative.source_line == f"tests/diagnose/test_localization.py:{PureAcos.forward.__code__.co_firstlineno + 1}"
     assert relative.source_path == str(here)
     outside = localize(net, lambda: net(torch.tensor([2.0])), source_root=str(tmp_path))
     assert outside.source_line is not None and outside.source_line.startswith(str(here))

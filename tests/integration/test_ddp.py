@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = Path(__file__).with_name("ddp_script.py")
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).resolve().parents[1] / "ddp_script.py"
 TIMEOUT_S = 180
 
 pytestmark = pytest.mark.slow

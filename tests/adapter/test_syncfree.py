@@ -125,7 +125,7 @@ def test_a_healthy_step_reads_nothing_from_the_device(tmp_path: Path, fused: boo
     trainer = build_trainer("lightning", tmp_path, callbacks=[guard], max_epochs=1, log_every_n_steps=50)
     trainer.fit(Net(fused=fused), _data(bad=()))
     assert guard.events == [] and len(guard.per_step) == 6
-    assert guard.per_step == [reads] * 6  # the default mode reads once per step (test_host_syncs.py)
+    assert guard.per_step == [reads] * 6  # the default mode reads once per step (tests/integration/test_host_syncs.py)
 
 
 def test_an_optimizer_that_cannot_skip_on_the_device_keeps_the_host_read(
@@ -163,7 +163,7 @@ def test_with_a_grad_scaler_the_nan_step_is_skipped_by_the_scaler(tmp_path: Path
 
 
 def test_a_loss_spike_is_skipped_on_the_device(tmp_path: Path) -> None:
-    from test_spike_guard import TYPOS, Regression, Regressor
+    from spike_models import TYPOS, Regression, Regressor
 
     class FusedRegressor(Regressor):
         def configure_optimizers(self) -> torch.optim.Optimizer:

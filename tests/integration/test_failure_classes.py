@@ -131,7 +131,7 @@ def test_backward_origin_is_the_marked_op(kind: str) -> None:
     ],
 )
 def test_origin_line_points_at_the_op(origin: str, needle: str) -> None:
-    lines = Path(__file__).with_name("models.py").read_text(encoding="utf-8").splitlines()
+    lines = (Path(__file__).resolve().parents[1] / "models.py").read_text(encoding="utf-8").splitlines()
     line = origin_line(origin)
     assert needle in lines[line - 1]
     assert lines[line - 1].rstrip().endswith(f"# ORIGIN: {origin}")

@@ -365,7 +365,7 @@ def test_a_compiled_model_is_diagnosed_eagerly(tmp_path: Path) -> None:
     assert (event.dataset_indices, event.cause, event.action) == ((11,), "data", "skipped")
     assert (event.culprit_module, event.culprit_op, event.phase) == ("net._orig_mod.1", "DivBackward0", "forward")
     assert event.details.get("function") == "torch.div" and "division by zero" in event.details["hint"]
-    source_of(event, "test_forensics_integration.py", origin_line("compiled_div", Path(__file__)))
+    source_of(event, "test_diagnosis.py", origin_line("compiled_div", Path(__file__)))
     assert_skipped(recorder, 1)
     assert trainer.global_step == 4
     torch._dynamo.reset()

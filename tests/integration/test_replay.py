@@ -29,7 +29,7 @@ from lightning_nanguard.reporting.repro import load_bundle, prune_bundles
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 FIELDS = ("offending_samples", "dataset_indices", "culprit_module", "culprit_op", "source_line", "phase", "cause")
 

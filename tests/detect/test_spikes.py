@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import pytest
 import torch
 import torch.nn.functional as F
-from test_host_syncs import HostReadCounter
+from host_reads import HostReadCounter
 from torch import nn
 
 from lightning_nanguard.detect.spikes import SpikeDetector, SpikeStats

@@ -12,7 +12,7 @@ import yaml
 
 from lightning_nanguard import NanGuard
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NANGUARD_YAML = ROOT / "configs" / "nanguard.yaml"
 NAMESPACES = ["lightning.pytorch", "pytorch_lightning"]
 
