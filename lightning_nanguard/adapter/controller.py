@@ -31,7 +31,7 @@ from lightning_nanguard.adapter.incidents import IncidentInspector, check_module
 from lightning_nanguard.adapter.reporting import IncidentRecorder
 from lightning_nanguard.adapter.spikes import SpikeWatch
 from lightning_nanguard.adapter.state import GuardState
-from lightning_nanguard.adapter.syncfree import DeferredStep, StepView, SyncFreeSteps, clip_on_device_
+from lightning_nanguard.adapter.syncfree import DeferredStep, StepView, SyncFreeSteps
 from lightning_nanguard.adapter.window import StepWindow
 from lightning_nanguard.core.events import EventAction, NanEvent, NonFiniteTrainingError
 from lightning_nanguard.decide.agreement import RankAgreement
@@ -256,7 +256,7 @@ class StepController:
             return False
         threshold = self.recovery.book.clip_threshold
         if threshold is not None and self.with_norm:
-            clip_on_device_(grads, vector[1], threshold)
+            clip_gradients_(grads, vector[1], threshold)
         step = DeferredStep(
             global_step=trainer.global_step,
             epoch=trainer.current_epoch,

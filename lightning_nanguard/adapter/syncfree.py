@@ -140,17 +140,3 @@ class SyncFreeSteps:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"reader": DeferredRead(), "pending": None, "_skips": {}, "_batchnorm": None, "_stepped": None}
-
-
-def clip_on_device_(grads: list[Tensor], grad_norm: Tensor, threshold: float) -> None:
-    """Scale ``grads`` so their norm is at most ``threshold``, with the norm left on the device (no read).
-
-    Example:
-        >>> g = [torch.tensor([3.0, 4.0])]
-        >>> clip_on_device_(g, torch.tensor(5.0), 1.0)
-        >>> [round(v, 4) for v in g[0].tolist()]
-        [0.6, 0.8]
-    """
-    if grads:
-        coefficient = (threshold / (grad_norm.float() + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, coefficient.to(grads[0].device))

@@ -21,8 +21,18 @@ from typing import Any, Literal, TypeGuard, get_args
 
 import torch
 from torch import Tensor, nn
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-__all__ = ["REMEDIES", "ZERO_EPS_START", "Remedy", "RemedyBook", "clip_threshold", "lr_backoff_", "raise_eps_"]
+__all__ = [
+    "REMEDIES",
+    "ZERO_EPS_START",
+    "Remedy",
+    "RemedyBook",
+    "clip_gradients_",
+    "clip_threshold",
+    "lr_backoff_",
+    "raise_eps_",
+]
 
 Remedy = Literal["clip_grad", "raise_eps", "lr_backoff", "quarantine"]
 REMEDIES: tuple[str, ...] = get_args(Remedy)
@@ -57,20 +67,43 @@ def clip_threshold(healthy_norms: Iterable[float], current: float | None, tighte
     return statistics.median(norms) if norms else None
 
 
-def clip_gradients_(grads: Sequence[Tensor], total_norm: float, threshold: float) -> bool:
-    """Scale ``grads`` in place so their global norm is at most ``threshold``.
+def clip_gradients_(grads: Sequence[Tensor], total_norm: float | Tensor, threshold: float) -> bool:
+    """Scale ``grads`` in place so that their global norm is at most ``threshold``.
 
-    Uses the norm the guard already read to the host, so clipping costs no extra reduction
-    and no extra synchronisation.
+    ``total_norm`` is the norm the guard already computed, so clipping costs no extra reduction:
+
+    - a host float (read with the step's flags): nothing is read, and nothing is launched when the
+      norm is within the threshold (or NaN);
+    - a 0-dim device tensor (sync-free mode): the coefficient ``min(1, threshold / norm)`` is
+      computed and applied on the device, never read to the host.
+
+    Gradients are grouped by device and dtype, one ``torch._foreach_mul_`` per group, as in
+    ``torch.nn.utils.clip_grad_norm_``.
+
+    Returns:
+        Whether the gradients were scaled (``True`` for a device norm: the host does not know).
 
     Example:
         >>> g = [torch.tensor([3.0, 4.0])]
         >>> clip_gradients_(g, total_norm=5.0, threshold=1.0), [round(v, 6) for v in g[0].tolist()]
         (True, [0.6, 0.8])
+        >>> h = [torch.tensor([3.0, 4.0]), torch.tensor([0.0], dtype=torch.float64)]
+        >>> _ = clip_gradients_(h, torch.tensor(5.0), 1.0)
+        >>> [round(v, 4) for v in h[0].tolist()], h[1].dtype
+        ([0.6, 0.8], torch.float64)
     """
-    if not grads or total_norm <= threshold or total_norm != total_norm:
+    if not grads:
         return False
-    torch._foreach_mul_(list(grads), threshold / (total_norm + 1e-6))
+    coefficient: float | Tensor
+    if isinstance(total_norm, Tensor):
+        coefficient = (threshold / (total_norm.float() + 1e-6)).clamp(max=1.0)
+    elif total_norm <= threshold or total_norm != total_norm:
+        return False
+    else:
+        coefficient = threshold / (total_norm + 1e-6)
+    for (device, _), ([group], _) in _group_tensors_by_device_and_dtype([list(grads)]).items():
+        factor = coefficient.to(device, non_blocking=True) if isinstance(coefficient, Tensor) else coefficient
+        torch._foreach_mul_(group, factor)  # type: ignore[arg-type]
     return True
 
 
