@@ -15,6 +15,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from lightning_nanguard.core.defaults import default_of
 from lightning_nanguard.diagnose.diagnosis import diagnose, event_with_diagnosis
 from lightning_nanguard.reporting import TerminalReporter
 from lightning_nanguard.reporting.repro import BundleMissingError, load_bundle
@@ -109,7 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     replay = commands.add_parser("replay", help="re-run a saved repro bundle and print the diagnosis")
     replay.add_argument("bundle", help="bundle directory, e.g. <log_dir>/nanguard/step-812")
     replay.add_argument("--module", default=None, help="module class to rebuild, as pkg.mod:Class")
-    replay.add_argument("--max-passes", type=int, default=128, help="cap on forward/backward passes")
+    replay.add_argument(
+        "--max-passes", type=int, default=default_of(diagnose, "max_passes"), help="cap on forward/backward passes"
+    )
     replay.add_argument("--json", action="store_true", help="also print the event as one JSON line")
     args = parser.parse_args(argv)
     if args.command == "replay":

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lightning_nanguard.adapter.recovery import training_parts
 from lightning_nanguard.adapter.reporting import IncidentRecorder
 from lightning_nanguard.adapter.state import GuardState
 from lightning_nanguard.adapter.window import StepWindow
@@ -39,11 +40,11 @@ log = logging.getLogger("lightning_nanguard")
 
 @dataclass(frozen=True)
 class ParamCheckSettings:
-    """When the weights are checked and snapshots taken (mirrors the ``NanGuard`` arguments)."""
+    """When the weights are checked and snapshots taken (the ``NanGuard`` arguments; no defaults here)."""
 
-    check_params_every_n_steps: int = 50
-    snapshot_every_n_steps: int = 100
-    action: str = "skip"
+    check_params_every_n_steps: int
+    snapshot_every_n_steps: int
+    action: str
 
 
 class AfterStep:
@@ -61,24 +62,24 @@ class AfterStep:
         self.recovery = recovery
         self.recorder = recorder
         self.window = window
-        self.settings = ParamCheckSettings()
+        self.settings: ParamCheckSettings | None = None  # set by StepController.configure
         self.agreement = RankAgreement(None, 1)
         self.named_params: Sequence[tuple[str, nn.Parameter]] = ()
 
     def run(self, trainer: Trainer, pl_module: LightningModule, collective: bool) -> None:
         """Roll back when due; check the weights and refresh the snapshot every few steps (every rank)."""
-        state = self.state
+        state, settings = self.state, self.settings
+        if settings is None:
+            return
         if state.pending_rollback and not state.failing:
             state.pending_rollback = False
             self.rollback(trainer, pl_module, reason="consecutive bad steps")
             return
         step = trainer.global_step + 1  # global_step increments after this call
-        every = self.settings.check_params_every_n_steps
+        every = settings.check_params_every_n_steps
         check_params = bool(every) and step % every == 0
         snapshot_due = (
-            self.settings.action == "rollback"
-            and not state.step_was_bad
-            and step % self.settings.snapshot_every_n_steps == 0
+            settings.action == "rollback" and not state.step_was_bad and step % settings.snapshot_every_n_steps == 0
         )
         if not (check_params or snapshot_due):
             return
@@ -90,15 +91,15 @@ class AfterStep:
             if snapshot_due:
                 self.capture(trainer, pl_module)
             return
-        self._nonfinite_weights(trainer, pl_module, finite_here)
+        self._nonfinite_weights(trainer, pl_module, finite_here, settings.action)
 
-    def _nonfinite_weights(self, trainer: Trainer, pl_module: LightningModule, finite_here: bool) -> None:
+    def _nonfinite_weights(self, trainer: Trainer, pl_module: LightningModule, finite_here: bool, action: str) -> None:
         before = self.state.counters
-        action, self.state.counters = decide_weights(before, self.settings.action, self.recovery.snapshot.available)
+        action, self.state.counters = decide_weights(before, action, self.recovery.snapshot.available)
         event = None if finite_here else self._event(trainer, pl_module)
         if action == "rollback":
             description = self.rollback(trainer, pl_module, reason="non-finite weights")
-            remedies = self.recovery.apply(trainer, pl_module, cause="state", rolled_back=True)
+            remedies = self.recovery.apply(training_parts(trainer, pl_module), cause="state", rolled_back=True)
             if event is not None:
                 event = event.replace(action="rolled_back", remedies=(description, *remedies))
         elif action == "raise" and event is not None:
@@ -128,7 +129,7 @@ class AfterStep:
 
     def rollback(self, trainer: Trainer, pl_module: LightningModule, reason: str) -> str:
         """Restore the last good snapshot (every rank at the same step); raise when there is none."""
-        description = self.recovery.rollback(trainer, pl_module)
+        description = self.recovery.rollback(training_parts(trainer, pl_module))
         if description is None:
             raise NonFiniteTrainingError(
                 f"NanGuard: a rollback is due ({reason}) but no last good snapshot exists yet.", self.recorder.events
@@ -141,7 +142,7 @@ class AfterStep:
     def capture(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Take a last good snapshot (the weights were checked finite on every rank)."""
         first = not self.recovery.snapshot.available
-        self.recovery.capture(trainer, pl_module, extra={})
+        self.recovery.capture(training_parts(trainer, pl_module))
         if first:
             snapshot = self.recovery.snapshot
             log.info(

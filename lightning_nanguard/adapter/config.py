@@ -28,6 +28,7 @@ from lightning_nanguard.adapter.after_step import ParamCheckSettings
 from lightning_nanguard.adapter.diagnosis import DiagnosisSettings
 from lightning_nanguard.adapter.spikes import SpikeSettings
 from lightning_nanguard.decide.policy import Policy, SpikeAction, StepAction
+from lightning_nanguard.recover.recovery import RecoverySettings
 from lightning_nanguard.recover.remedies import REMEDIES
 
 __all__ = ["ACTIONS", "SPIKE_ACTIONS", "GuardSettings", "Rule", "validate_arguments"]
@@ -152,13 +153,14 @@ def validate_arguments(arguments: Mapping[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class GuardSettings:
-    """Everything the controller needs to know about the configuration.
+    """Everything the parts of the guard need to know about the configuration.
 
     Attributes:
         policy: the decision rules (:mod:`~lightning_nanguard.decide.policy`).
         diagnosis: what to diagnose on a bad step.
         param_checks: when to check the weights and take snapshots.
         spikes: the spike detectors' parameters (``None``: ``spike_action="off"``).
+        recovery: the remedies and their factors.
         track_batchnorm: check BatchNorm statistics.
         with_norm: compute the gradient norm every step (``clip_grad`` needs it).
         sync_free: skip on the device and read the verdict one step later.
@@ -168,13 +170,24 @@ class GuardSettings:
     diagnosis: DiagnosisSettings
     param_checks: ParamCheckSettings
     spikes: SpikeSettings | None
+    recovery: RecoverySettings
     track_batchnorm: bool
     with_norm: bool
     sync_free: bool
 
     @classmethod
     def from_arguments(cls, a: Mapping[str, Any], strategy_kind: str = "single") -> GuardSettings:
-        """From the ``NanGuard`` arguments (by name) and the kind of strategy (FSDP cannot diagnose on one rank)."""
+        """From the ``NanGuard`` arguments (by name) and the kind of strategy (FSDP cannot diagnose on one rank).
+
+        Example:
+            >>> import inspect
+            >>> from lightning_nanguard import NanGuard
+            >>> guard = NanGuard(action="rollback", remedies=["clip_grad"], spike_action="off")
+            >>> arguments = {n: getattr(guard, n) for n in inspect.signature(NanGuard).parameters}
+            >>> settings = GuardSettings.from_arguments(arguments)
+            >>> settings.policy.action, settings.with_norm, settings.spikes, settings.recovery.remedies
+            ('rollback', True, None, ('clip_grad',))
+        """
         return cls(
             policy=Policy(
                 action=a["action"],
@@ -205,6 +218,13 @@ class GuardSettings:
                 sigmas=a["spike_sigmas"],
                 min_ratio=a["spike_min_ratio"],
                 rebaseline_after=a["spike_rebaseline_after"],
+            ),
+            recovery=RecoverySettings(
+                tuple(a["remedies"] or ()),
+                a["max_remedy_applications"],
+                a["lr_backoff_factor"],
+                a["eps_factor"],
+                a["max_eps"],
             ),
             track_batchnorm=a["check_bn_stats"],
             with_norm="clip_grad" in (a["remedies"] or ()),

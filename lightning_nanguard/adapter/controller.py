@@ -26,8 +26,8 @@ from torch import Tensor, nn
 
 from lightning_nanguard.adapter.after_step import AfterStep
 from lightning_nanguard.adapter.config import GuardSettings
-from lightning_nanguard.adapter.diagnosis import DiagnosisSettings
 from lightning_nanguard.adapter.incidents import IncidentInspector, check_module
+from lightning_nanguard.adapter.recovery import grad_scaler, training_parts
 from lightning_nanguard.adapter.reporting import IncidentRecorder
 from lightning_nanguard.adapter.spikes import SpikeWatch
 from lightning_nanguard.adapter.state import GuardState
@@ -49,7 +49,7 @@ from lightning_nanguard.decide.policy import (
 )
 from lightning_nanguard.detect.check import fused_health_check
 from lightning_nanguard.detect.syncfree import scaler_found_inf
-from lightning_nanguard.recover.recovery import Recovery, grad_scaler
+from lightning_nanguard.recover.recovery import Recovery
 from lightning_nanguard.recover.remedies import clip_gradients_
 from lightning_nanguard.reporting.scalars import scalar_tags
 
@@ -70,33 +70,18 @@ class StepController:
     """Carries out the guard's per-step policy on one rank (see module docs).
 
     Args:
-        policy: the decision rules.
-        diagnosis: what to diagnose on a bad step.
         recovery: snapshots, rollback and remedies.
         recorder: events, sinks and scalars.
-        track_batchnorm: check BatchNorm statistics.
-        with_norm: compute the gradient norm every step (``clip_grad`` needs it).
+
+    Everything configurable arrives through :meth:`configure` (the guard's one configuration path).
     """
 
-    def __init__(
-        self,
-        policy: Policy,
-        diagnosis: DiagnosisSettings,
-        recovery: Recovery,
-        recorder: IncidentRecorder,
-        track_batchnorm: bool = True,
-        with_norm: bool = False,
-    ) -> None:
-        self.policy = policy
-        self.diagnosis = diagnosis
+    def __init__(self, recovery: Recovery, recorder: IncidentRecorder) -> None:
         self.recovery = recovery
         self.recorder = recorder
-        self.track_batchnorm = track_batchnorm
-        self.with_norm = with_norm
         self.window = StepWindow()
         self.state = GuardState()
         self.spikes: SpikeWatch | None = None
-        self.sync_free = False
         self.sync = SyncFreeSteps()
         self._resolving: DeferredStep | None = None
         self._spike_state: dict[str, Any] = {}  # loaded before the detectors exist
@@ -108,7 +93,7 @@ class StepController:
     # ------------------------------------------------------------------ setup
 
     def configure(self, settings: GuardSettings) -> None:
-        """Take the configuration (at ``setup``); a spike detector whose settings did not change keeps its history."""
+        """Take the configuration (construction, ``setup``); unchanged spike settings keep their history."""
         if not settings.diagnosis.diagnose_here:
             self.recorder.notices.warn(
                 "fsdp",
@@ -117,6 +102,7 @@ class StepController:
             )
         self.policy, self.diagnosis = settings.policy, settings.diagnosis
         self.after_step.settings = settings.param_checks
+        self.recovery.configure(settings.recovery)
         self.track_batchnorm, self.with_norm, self.sync_free = (
             settings.track_batchnorm,
             settings.with_norm,
@@ -413,8 +399,7 @@ class StepController:
         if decision.rollback_due:
             self.state.pending_rollback = True  # done after the optimizer step, when the scaler has updated
         remedies = self.recovery.apply(
-            trainer,
-            pl_module,
+            training_parts(trainer, pl_module),
             cause=decision.cause,
             quarantine=decision.quarantine,
             culprit_module=decision.culprit_module,
@@ -492,6 +477,7 @@ class StepController:
         state["agreement"] = RankAgreement(None, 1)  # never pickle the strategy or the batches
         state["window"] = StepWindow()
         state["after_step"] = AfterStep(self.state, self.recovery, self.recorder, state["window"])
+        state["after_step"].settings = self.after_step.settings
         state["sync"] = SyncFreeSteps()
         state["named_params"], state["params"] = [], []
         return state

@@ -31,19 +31,19 @@ Slicer = Callable[[Any, Sequence[int]], Any]
 
 @dataclass(frozen=True)
 class DiagnosisSettings:
-    """What to do on a bad step (mirrors the ``NanGuard`` arguments of the same names).
+    """What to do on a bad step (the ``NanGuard`` arguments of the same names; no defaults here).
 
     ``diagnose_here`` is False where re-running ``training_step`` on one rank is impossible (FSDP).
     """
 
-    bisect: bool = True
-    localize: bool = True
-    max_bisect_passes: int = 128
-    save_repro: bool = True
-    max_repro_bundles: int = 5
-    batch_slicer: Slicer | None = None
-    diagnose_here: bool = True
-    source_root: str | None = None
+    bisect: bool
+    localize: bool
+    max_bisect_passes: int
+    save_repro: bool
+    max_repro_bundles: int
+    batch_slicer: Slicer | None
+    diagnose_here: bool
+    source_root: str | None
 
     @property
     def diagnoses(self) -> bool:

@@ -21,7 +21,6 @@ from typing_extensions import override
 from lightning_nanguard.adapter._compat import CALLBACK_BASES
 from lightning_nanguard.adapter.config import GuardSettings, validate_arguments
 from lightning_nanguard.adapter.controller import StepController
-from lightning_nanguard.adapter.diagnosis import DiagnosisSettings
 from lightning_nanguard.adapter.failsafe import CounterView, failsafe
 from lightning_nanguard.adapter.indices import indices_from_batch, next_recorded_indices
 from lightning_nanguard.adapter.reporting import IncidentRecorder
@@ -31,9 +30,12 @@ from lightning_nanguard.adapter.strategy import (
     remove_nanguard_strategy,
     supported_strategy_kind,
 )
+from lightning_nanguard.core.defaults import default_of
 from lightning_nanguard.core.events import NanEvent, NonFiniteTrainingError
 from lightning_nanguard.core.timing import GuardClock
 from lightning_nanguard.decide.policy import Counters, Policy, SpikeAction, StepAction
+from lightning_nanguard.detect.spikes import SpikeDetector
+from lightning_nanguard.diagnose.diagnosis import diagnose
 from lightning_nanguard.recover.recovery import Recovery, apply_module_eps
 from lightning_nanguard.recover.remedies import Remedy
 
@@ -115,35 +117,35 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
 
     def __init__(
         self,
-        action: Action = "skip",
+        action: Action = default_of(Policy, "action"),
         check_every_n_steps: int = 1,
-        max_consecutive_bad_steps: int = 10,
-        max_events: int | None = None,
+        max_consecutive_bad_steps: int = default_of(Policy, "max_consecutive_bad_steps"),
+        max_events: int | None = default_of(Policy, "max_events"),
         check_bn_stats: bool = True,
         check_params_every_n_steps: int = 50,
-        bisect: bool = True,
-        localize: bool = True,
-        max_bisect_passes: int = 128,
+        bisect: bool = default_of(diagnose, "bisect"),
+        localize: bool = default_of(diagnose, "localize_origin"),
+        max_bisect_passes: int = default_of(diagnose, "max_passes"),
         save_repro: bool = True,
         max_repro_bundles: int = 5,
         index_key: int | str | None = None,
         batch_slicer: Callable[[Any, Sequence[int]], Any] | None = None,
         snapshot_every_n_steps: int = 100,
-        rollback_after_consecutive: int = 3,
+        rollback_after_consecutive: int = default_of(Policy, "rollback_after_consecutive"),
         remedies: list[Remedy] | None = None,
-        max_remedy_applications: int = 3,
-        lr_backoff_factor: float = 0.5,
-        eps_factor: float = 10.0,
-        max_eps: float = 0.01,
-        min_loss_scale: float = 1.0,
-        max_consecutive_overflows: int = 20,
+        max_remedy_applications: int = default_of(Recovery, "max_remedy_applications"),
+        lr_backoff_factor: float = default_of(Recovery, "lr_backoff_factor"),
+        eps_factor: float = default_of(Recovery, "eps_factor"),
+        max_eps: float = default_of(Recovery, "max_eps"),
+        min_loss_scale: float = default_of(Policy, "min_loss_scale"),
+        max_consecutive_overflows: int = default_of(Policy, "max_consecutive_overflows"),
         verbose: bool = True,
-        spike_action: SpikeAction = "skip",
-        spike_sigmas: float = 6.0,
-        spike_min_ratio: float = 3.0,
-        spike_window: int = 128,
-        spike_warmup_steps: int = 16,
-        spike_rebaseline_after: int = 5,
+        spike_action: SpikeAction = default_of(Policy, "spike_action"),
+        spike_sigmas: float = default_of(SpikeDetector, "sigmas"),
+        spike_min_ratio: float = default_of(SpikeDetector, "min_ratio"),
+        spike_window: int = default_of(SpikeDetector, "window"),
+        spike_warmup_steps: int = default_of(SpikeDetector, "warmup"),
+        spike_rebaseline_after: int = default_of(SpikeDetector, "rebaseline_after"),
         sync_free: bool = False,
     ) -> None:
         arguments = dict(locals())
@@ -182,8 +184,9 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
 
         self.clock = GuardClock()  # `guard.clock.enabled = True` measures the time spent in the guard
         self.recorder = IncidentRecorder(verbose)
-        self.recovery = Recovery(tuple(self.remedies), max_remedy_applications, lr_backoff_factor, eps_factor, max_eps)
-        self.controller = StepController(Policy(), DiagnosisSettings(), self.recovery, self.recorder)
+        self.recovery = Recovery()
+        self.controller = StepController(self.recovery, self.recorder)
+        self.controller.configure(GuardSettings.from_arguments(self._arguments()))  # again at setup: the one path
         self._trainer: Trainer | None = None
         self._hooks: StrategyHooks | None = None
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_nanguard.adapter.diagnosis import DiagnosisSettings, diagnose_step
+from lightning_nanguard.adapter.recovery import grad_scaler
 from lightning_nanguard.adapter.reporting import IncidentRecorder
 from lightning_nanguard.adapter.spikes import SpikeWatch
 from lightning_nanguard.adapter.window import StepWindow
@@ -25,7 +26,6 @@ from lightning_nanguard.decide.policy import RankReport, StepHealth
 from lightning_nanguard.detect.batchnorm import batchnorm_buffers
 from lightning_nanguard.detect.check import grouped_norms
 from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_names
-from lightning_nanguard.recover.recovery import grad_scaler
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_nanguard.core.defaults import default_of
 from lightning_nanguard.core.events import EventKind
 from lightning_nanguard.detect.spikes import SpikeDetector, SpikeStats
 
@@ -35,13 +36,13 @@ GRAD_NORM_MIN_RATIO = 100.0  # measured: 17 false alarms over 37 healthy runs at
 
 @dataclass(frozen=True)
 class SpikeSettings:
-    """The detector's parameters (mirrors the ``NanGuard`` ``spike_*`` arguments)."""
+    """The detector's parameters (the ``NanGuard`` ``spike_*`` arguments; defaults are ``SpikeDetector``'s)."""
 
-    window: int = 128
-    warmup: int = 16
-    sigmas: float = 6.0
-    min_ratio: float = 3.0
-    rebaseline_after: int = 5
+    window: int = default_of(SpikeDetector, "window")
+    warmup: int = default_of(SpikeDetector, "warmup")
+    sigmas: float = default_of(SpikeDetector, "sigmas")
+    min_ratio: float = default_of(SpikeDetector, "min_ratio")
+    rebaseline_after: int = default_of(SpikeDetector, "rebaseline_after")
 
     def detector(self, name: str) -> SpikeDetector:
         """A fresh detector watching ``name``.

@@ -33,6 +33,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_nanguard.core.defaults import default_of
+from lightning_nanguard.detect.spikes import SpikeDetector
+
 __all__ = [
     "LOCAL_FIELDS",
     "SHARED_FIELDS",
@@ -205,7 +208,7 @@ class Policy:
     min_loss_scale: float = 1.0
     max_consecutive_overflows: int = 20
     spike_action: SpikeAction = "skip"
-    spike_rebaseline_after: int = 5
+    spike_rebaseline_after: int = default_of(SpikeDetector, "rebaseline_after")
     can_skip: bool = True
 
 

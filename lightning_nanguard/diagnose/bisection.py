@@ -69,7 +69,7 @@ class BisectionResult:
 def find_offending(
     n: int,
     is_bad: Predicate,
-    max_passes: int = 64,
+    max_passes: int = 128,
     confirm_whole: bool = True,
     known: Mapping[tuple[int, ...], bool] | None = None,
     spent: int = 0,

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from lightning_nanguard.core.defaults import default_of
 from lightning_nanguard.core.events import EventCause, NanEvent
 from lightning_nanguard.detect.confirm import nonfinite_names
 from lightning_nanguard.diagnose.batching import BatchField, BatchSlicer
@@ -132,7 +133,7 @@ def diagnose(
     context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     bisect: bool = True,
     localize_origin: bool = True,
-    max_passes: int = 64,
+    max_passes: int = default_of(find_offending, "max_passes"),
     known_good: Sequence[int] = (),
     reference_batch: Any | None = None,
     loss_threshold: float | None = None,

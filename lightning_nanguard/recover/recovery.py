@@ -1,9 +1,10 @@
-"""Recovery after incidents: last-good snapshots, rollback and remedies, for one Trainer.
+"""Recovery after incidents: last-good snapshots, rollback and remedies, for one training run.
 
-:class:`Recovery` is the Trainer-facing half of :mod:`~lightning_nanguard.recover.snapshot` and
-:mod:`~lightning_nanguard.recover.remedies`: it knows where a Trainer keeps its optimizers, GradScaler and
-LR schedulers, decides which remedies fit an incident, and keeps the counts that go into
-checkpoints and TensorBoard.
+:class:`Recovery` combines :mod:`~lightning_nanguard.recover.snapshot` and
+:mod:`~lightning_nanguard.recover.remedies`: it acts on the :class:`TrainingParts` it is handed
+(the module, optimizers, LR schedulers and GradScaler; the adapter reads them off the Trainer,
+:func:`lightning_nanguard.adapter.recovery.training_parts`), decides which remedies fit an
+incident, and keeps the counts that go into checkpoints and TensorBoard. It never sees a Trainer.
 
 Which remedy for which incident, decided by the incident's ``cause`` at the first incident:
 
@@ -21,28 +22,56 @@ triggers the rollback stays in force).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
+from lightning_nanguard.core.defaults import default_of
 from lightning_nanguard.core.events import NonFiniteTrainingError
 from lightning_nanguard.detect.confirm import all_finite, nonfinite_names
 from lightning_nanguard.recover.remedies import RemedyBook, clip_threshold, lr_backoff_, raise_eps_
 from lightning_nanguard.recover.snapshot import TrainingSnapshot
 
-if TYPE_CHECKING:
-    from lightning.pytorch import LightningModule, Trainer
-
-__all__ = ["Recovery", "apply_module_eps", "grad_scaler"]
+__all__ = ["Recovery", "RecoverySettings", "TrainingParts", "apply_module_eps"]
 
 
-def _schedulers(trainer: Trainer) -> list[Any]:
-    return [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", [])]
+@dataclass(frozen=True)
+class TrainingParts:
+    """What a recovery acts on: the module and the state that trains it.
+
+    Attributes:
+        module: the model (its ``state_dict`` is snapshotted; ``raise_eps`` looks up modules in it).
+        optimizers: the optimizers (their state is snapshotted; ``lr_backoff``/``raise_eps`` change them).
+        schedulers: the LR schedulers (snapshotted; ``lr_backoff`` scales their base rates too).
+        scaler: the GradScaler, or ``None``.
+        global_step: the step a snapshot taken now belongs to.
+
+    Example:
+        >>> import torch
+        >>> net = nn.Linear(2, 1)
+        >>> parts = TrainingParts(net, [torch.optim.SGD(net.parameters(), lr=0.1)])
+        >>> Recovery(("lr_backoff",)).apply(parts, cause="state")
+        ['lr_backoff: learning rate x0.5 (group 0: 0.1 -> 0.05)']
+    """
+
+    module: nn.Module
+    optimizers: Sequence[Optimizer]
+    schedulers: Sequence[Any] = ()
+    scaler: Any = None
+    global_step: int = 0
 
 
-def grad_scaler(trainer: Trainer) -> Any:
-    """The Trainer's GradScaler (``16-mixed``), or ``None`` (32-bit, bf16)."""
-    return getattr(trainer.precision_plugin, "scaler", None)
+@dataclass(frozen=True)
+class RecoverySettings:
+    """The remedy configuration (mirrors the ``NanGuard`` arguments of the same names; no defaults here)."""
+
+    remedies: tuple[str, ...]
+    max_remedy_applications: int
+    lr_backoff_factor: float
+    eps_factor: float
+    max_eps: float
 
 
 class Recovery:
@@ -59,29 +88,33 @@ class Recovery:
     def __init__(
         self,
         remedies: tuple[str, ...] = (),
-        max_remedy_applications: int = 3,
+        max_remedy_applications: int = default_of(RemedyBook, "max_applications"),
         lr_backoff_factor: float = 0.5,
         eps_factor: float = 10.0,
         max_eps: float = 1e-2,
     ) -> None:
-        self.book = RemedyBook(enabled=remedies, max_applications=max_remedy_applications)
+        self.book = RemedyBook()
         self.snapshot = TrainingSnapshot()
-        self.lr_backoff_factor = lr_backoff_factor
-        self.eps_factor = eps_factor
-        self.max_eps = max_eps
         self.rollbacks_total = 0
         self._since_snapshot: list[str] = []  # optimizer-state remedies the snapshot predates
+        self.configure(RecoverySettings(remedies, max_remedy_applications, lr_backoff_factor, eps_factor, max_eps))
+
+    def configure(self, settings: RecoverySettings) -> None:
+        """Take a (new) configuration; remedy counts, the clip threshold and quarantined indices are kept."""
+        self.book.enabled = tuple(settings.remedies)
+        self.book.max_applications = settings.max_remedy_applications
+        self.lr_backoff_factor = settings.lr_backoff_factor
+        self.eps_factor = settings.eps_factor
+        self.max_eps = settings.max_eps
 
     # ------------------------------------------------------------------ snapshots
 
-    def capture(self, trainer: Trainer, pl_module: LightningModule, extra: dict[str, Any]) -> None:
+    def capture(self, parts: TrainingParts, extra: dict[str, Any] | None = None) -> None:
         """Take a last-good snapshot (the caller checked that the weights are finite)."""
-        self.snapshot.capture(
-            pl_module, trainer.optimizers, grad_scaler(trainer), _schedulers(trainer), trainer.global_step, extra
-        )
+        self.snapshot.capture(parts.module, parts.optimizers, parts.scaler, parts.schedulers, parts.global_step, extra)
         self._since_snapshot = []
 
-    def rollback(self, trainer: Trainer, pl_module: LightningModule) -> str | None:
+    def rollback(self, parts: TrainingParts) -> str | None:
         """Restore the last good snapshot; return a description, ``None`` without a snapshot.
 
         ``lr_backoff`` and ``raise_eps`` applied since the snapshot are applied again to the
@@ -89,21 +122,21 @@ class Recovery:
         """
         if not self.snapshot.available:
             return None
-        self.snapshot.restore(pl_module, trainer.optimizers, grad_scaler(trainer), _schedulers(trainer))
+        self.snapshot.restore(parts.module, parts.optimizers, parts.scaler, parts.schedulers)
         self.rollbacks_total += 1
         for remedy in self._since_snapshot:
-            self._reapply(trainer, remedy)
+            self._reapply(parts, remedy)
         megabytes = self.snapshot.nbytes / 2**20
         kept = f", kept {', '.join(self._since_snapshot)}" if self._since_snapshot else ""
         return f"rollback: restored the state of step {self.snapshot.global_step} ({megabytes:.1f} MiB snapshot{kept})"
 
-    def _reapply(self, trainer: Trainer, remedy: str) -> None:
+    def _reapply(self, parts: TrainingParts, remedy: str) -> None:
         """Apply an optimizer-state remedy again (module ``eps`` is not in the snapshot: it stays)."""
         if remedy == "lr_backoff":
-            for optimizer in trainer.optimizers:
-                lr_backoff_(optimizer, _schedulers(trainer), self.lr_backoff_factor)
+            for optimizer in parts.optimizers:
+                lr_backoff_(optimizer, parts.schedulers, self.lr_backoff_factor)
         elif remedy == "raise_eps":
-            raise_eps_(None, trainer.optimizers, self.eps_factor, self.max_eps)
+            raise_eps_(None, parts.optimizers, self.eps_factor, self.max_eps)
 
     # ------------------------------------------------------------------ remedies
 
@@ -113,8 +146,7 @@ class Recovery:
 
     def apply(
         self,
-        trainer: Trainer,
-        pl_module: LightningModule,
+        parts: TrainingParts,
         cause: str | None,
         quarantine: Sequence[int] = (),
         culprit_module: str | None = None,
@@ -125,8 +157,7 @@ class Recovery:
         The same call runs on every rank with the same arguments, so every rank changes the same things.
 
         Args:
-            trainer: the Trainer (optimizers, LR schedulers).
-            pl_module: the model (for ``raise_eps`` on ``culprit_module``).
+            parts: the model (for ``raise_eps`` on ``culprit_module``), optimizers and LR schedulers.
             cause: the verdict: ``"data"``/``"input"`` quarantine samples; ``"state"``, ``"interaction"``
                 or ``None`` (not attributable to samples) clip gradients and back off the learning rate.
             quarantine: dataset indices of the offending samples (all ranks').
@@ -141,8 +172,8 @@ class Recovery:
                 self.book.record("quarantine")
                 done.append(f"quarantine: dataset indices {sorted(new)} will not be trained on again")
         if culprit_module is not None and self.book.can_apply("raise_eps"):
-            culprit = _submodule(pl_module, culprit_module)
-            change = raise_eps_(culprit, trainer.optimizers, self.eps_factor, self.max_eps)
+            culprit = _submodule(parts.module, culprit_module)
+            change = raise_eps_(culprit, parts.optimizers, self.eps_factor, self.max_eps)
             if change:
                 if culprit is not None and _is_float(getattr(culprit, "eps", None)):
                     self.book.module_eps[culprit_module] = float(culprit.eps)  # type: ignore[arg-type]
@@ -157,8 +188,8 @@ class Recovery:
                     self.book.record("clip_grad")
                     done.append(f"clip_grad: gradient norm clipped at {threshold:.4g}")
             if self.book.can_apply("lr_backoff"):
-                for optimizer in trainer.optimizers:
-                    done.append(lr_backoff_(optimizer, _schedulers(trainer), self.lr_backoff_factor))
+                for optimizer in parts.optimizers:
+                    done.append(lr_backoff_(optimizer, parts.schedulers, self.lr_backoff_factor))
                 self.book.record("lr_backoff")
                 self._since_snapshot.append("lr_backoff")
         return done

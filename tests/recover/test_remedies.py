@@ -232,16 +232,11 @@ def test_remedy_book_loads_an_empty_state_with_defaults() -> None:
 
 def test_raised_module_eps_survives_a_checkpoint_round_trip(tmp_path) -> None:
     """A module's eps is an attribute, not state: the book keeps it and re-applies it on resume."""
-    from lightning_nanguard.recover.recovery import Recovery, apply_module_eps
-
-    class _Trainer:
-        def __init__(self) -> None:
-            self.optimizers: list = []
-            self.lr_scheduler_configs: list = []
+    from lightning_nanguard.recover.recovery import Recovery, TrainingParts, apply_module_eps
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4, eps=1e-5))
     recovery = Recovery(("raise_eps",), eps_factor=10.0, max_eps=1e-2)
-    recovery.apply(_Trainer(), net, cause="data", culprit_module="1")  # type: ignore[arg-type]
+    recovery.apply(TrainingParts(net, []), cause="data", culprit_module="1")
     assert net[1].eps == pytest.approx(1e-4)
 
     torch.save(recovery.state_dict(), tmp_path / "state.pt")
