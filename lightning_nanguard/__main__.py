@@ -16,7 +16,8 @@ import sys
 from collections.abc import Sequence
 
 from lightning_nanguard.core.defaults import default_of
-from lightning_nanguard.diagnose.diagnosis import diagnose, event_with_diagnosis
+from lightning_nanguard.diagnose.diagnosis import diagnose
+from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
 from lightning_nanguard.reporting import TerminalReporter
 from lightning_nanguard.reporting.repro import BundleMissingError, load_bundle
 

@@ -44,7 +44,7 @@ MOVED: dict[str, tuple[str, ...]] = {
         "batching": ("diagnose.batching",),
         "bisection": ("diagnose.bisection",),
         "verdict": ("diagnose.cause",),
-        "forensics": ("diagnose.diagnosis",),
+        "forensics": ("diagnose.diagnosis", "diagnose.event_fields"),
         "runner": ("diagnose.runner",),
         "isolation": ("diagnose.isolation", "core.rng"),
         "localization": ("diagnose.localization", "diagnose.tracing"),

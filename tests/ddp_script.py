@@ -114,15 +114,16 @@ class ActiveLog(pl.Callback):
 
 def _inject_failure(guard: NanGuard, rank: int, step: int) -> None:
     """Make rank ``rank``'s guard fail inside its per-step code at global step ``step`` (a bug in the guard)."""
-    controller = guard.controller
-    original = controller._local_vector
+    import lightning_nanguard.adapter.controller as controller_module
+
+    original = controller_module.step_flags
 
     def failing(trainer: Any, *args: Any) -> Any:
         if trainer.global_rank == rank and trainer.global_step == step:
             raise RuntimeError("injected internal failure")
         return original(trainer, *args)
 
-    controller._local_vector = failing  # type: ignore[method-assign]
+    controller_module.step_flags = failing  # this process's only guard: the per-step check of its controller
 
 
 class SpawnedResult(pl.Callback):

@@ -24,14 +24,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, get_args
 
+import torch
+
 from lightning_nanguard.adapter.after_step import ParamCheckSettings
 from lightning_nanguard.adapter.diagnosis import DiagnosisSettings
 from lightning_nanguard.adapter.spikes import SpikeSettings
 from lightning_nanguard.decide.policy import Policy, SpikeAction, StepAction
 from lightning_nanguard.recover.recovery import RecoverySettings
 from lightning_nanguard.recover.remedies import REMEDIES
+from lightning_nanguard.reporting.notices import RankNotices
 
-__all__ = ["ACTIONS", "SPIKE_ACTIONS", "GuardSettings", "Rule", "validate_arguments"]
+__all__ = ["ACTIONS", "SPIKE_ACTIONS", "GuardSettings", "Rule", "validate_arguments", "warn_what_cannot_be_skipped"]
 
 ACTIONS: tuple[str, ...] = get_args(StepAction)
 SPIKE_ACTIONS: tuple[str, ...] = get_args(SpikeAction)
@@ -229,4 +232,21 @@ class GuardSettings:
             track_batchnorm=a["check_bn_stats"],
             with_norm="clip_grad" in (a["remedies"] or ()),
             sync_free=a["sync_free"],
+        )
+
+
+def warn_what_cannot_be_skipped(trainer: Any, pl_module: Any, action: str, notices: RankNotices) -> None:
+    """One warning each for manual optimisation and LBFGS at fit start: their steps are reported, not skipped."""
+    if not pl_module.automatic_optimization and action in ("skip", "rollback"):
+        notices.warn(
+            "manual",
+            "NanGuard: manual optimisation; bad steps are detected and reported but not "
+            "skipped, bisected or rolled back automatically. Call `guard.check(self)` in your "
+            "training_step before `optimizer.step()` to act on them.",
+        )
+    if any(isinstance(opt, torch.optim.LBFGS) for opt in trainer.optimizers):
+        notices.warn(
+            "lbfgs",
+            "NanGuard: LBFGS evaluates its closure many times per step, so a step cannot "
+            "be skipped halfway; bad steps are detected and reported only.",
         )

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -25,8 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_nanguard.adapter.after_step import AfterStep
+from lightning_nanguard.adapter.check import step_flags
 from lightning_nanguard.adapter.config import GuardSettings
-from lightning_nanguard.adapter.incidents import IncidentInspector, check_module
+from lightning_nanguard.adapter.failsafe import fail
+from lightning_nanguard.adapter.incidents import IncidentInspector, check_module, loss_scale_event
 from lightning_nanguard.adapter.recovery import grad_scaler, training_parts
 from lightning_nanguard.adapter.reporting import IncidentRecorder
 from lightning_nanguard.adapter.spikes import SpikeWatch
@@ -37,7 +38,6 @@ from lightning_nanguard.core.events import EventAction, NanEvent, NonFiniteTrain
 from lightning_nanguard.decide.agreement import RankAgreement
 from lightning_nanguard.decide.messages import stop_history, stop_message
 from lightning_nanguard.decide.policy import (
-    LOCAL_FIELDS,
     Counters,
     Policy,
     RankReport,
@@ -47,8 +47,6 @@ from lightning_nanguard.decide.policy import (
     local_vector,
     shared_part,
 )
-from lightning_nanguard.detect.check import fused_health_check
-from lightning_nanguard.detect.syncfree import scaler_found_inf
 from lightning_nanguard.recover.recovery import Recovery
 from lightning_nanguard.recover.remedies import clip_gradients_
 from lightning_nanguard.reporting.scalars import scalar_tags
@@ -58,8 +56,6 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
 __all__ = ["StepController"]
-
-log = logging.getLogger("lightning_nanguard")
 
 DONE: dict[str, EventAction] = {"skip": "skipped", "raise": "raised", "warn": "warned", "rollback": "skipped"}
 REFERENCE_EVERY_N_STEPS = 100
@@ -138,22 +134,6 @@ class StepController:
         spikes = self.policy.spike_action != "off"
         return scalar_tags(self.policy.action, remedies, grad_scaler(trainer) is not None, spikes=spikes)
 
-    def warn_what_cannot_be_skipped(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """One warning each for manual optimisation and LBFGS: their steps are reported, not skipped."""
-        if not pl_module.automatic_optimization and self.policy.action in ("skip", "rollback"):
-            self.recorder.notices.warn(
-                "manual",
-                "NanGuard: manual optimisation; bad steps are detected and reported but not "
-                "skipped, bisected or rolled back automatically. Call `guard.check(self)` in your "
-                "training_step before `optimizer.step()` to act on them.",
-            )
-        if any(isinstance(opt, torch.optim.LBFGS) for opt in trainer.optimizers):
-            self.recorder.notices.warn(
-                "lbfgs",
-                "NanGuard: LBFGS evaluates its closure many times per step, so a step cannot "
-                "be skipped halfway; bad steps are detected and reported only.",
-            )
-
     def begin_step(self, trainer: Trainer, pl_module: LightningModule, every_n_steps: int) -> None:
         """The first micro-batch of an optimizer step: resolve a sync-free step still pending, open the window."""
         self.resolve_pending(trainer, pl_module)
@@ -178,7 +158,7 @@ class StepController:
         grads = [g for p in params if (g := p.grad) is not None]
         vector = self._agreed_vector(trainer, pl_module, grads, optimizer)
         sync_free = self.sync_free and pl_module.automatic_optimization and not self.state.failing
-        if sync_free and self._defer(trainer, pl_module, optimizer, grads, vector):
+        if sync_free and self._defer(trainer, optimizer, grads, vector):
             return  # skipped on the device if bad; resolved before the next step's forward
         self._resolve(trainer, pl_module, optimizer, grads, vector.tolist())  # the one host read of a step
         if not pl_module.automatic_optimization:  # the next optimizer's check: only the losses backpropagated after
@@ -216,7 +196,9 @@ class StepController:
         vector: Tensor | None = None
         if not self.state.failing:
             try:
-                vector = self._local_vector(trainer, pl_module, grads, optimizer)
+                vector = step_flags(
+                    trainer, pl_module, optimizer, grads, self.window, self.spikes, self.with_norm, self.recorder
+                )
             except Exception as error:  # a bug in the guard: this rank says so in the reduce instead of hanging it
                 self.fail(error, "the per-step check")
         if vector is None:
@@ -227,35 +209,14 @@ class StepController:
 
     # ------------------------------------------------------------------ sync-free steps
 
-    def _defer(
-        self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer, grads: list[Tensor], vector: Tensor
-    ) -> bool:
+    def _defer(self, trainer: Trainer, optimizer: Optimizer, grads: list[Tensor], vector: Tensor) -> bool:
         """Skip on the device if the flags say so and read them later; ``False``: decide now instead."""
-        shared = vector[len(LOCAL_FIELDS) :] if vector.numel() > len(LOCAL_FIELDS) else shared_part(vector)
-        nonfinite, spike = shared[0:1], shared[2:3]
-        skip = torch.zeros_like(nonfinite)
-        if self.policy.action != "warn":
-            skip = skip + nonfinite
-        if self.policy.spike_action == "skip":
-            skip = skip + spike
-        if not self.sync.skip_on_device(optimizer, grad_scaler(trainer), skip):
-            return False
-        threshold = self.recovery.book.clip_threshold
-        if threshold is not None and self.with_norm:
-            clip_gradients_(grads, vector[1], threshold)
-        step = DeferredStep(
-            global_step=trainer.global_step,
-            epoch=trainer.current_epoch,
-            batch_idx=self.window.batch_idx,
-            micro_batches=self.window.micro_batches,
-            losses=self.window.losses,
-            optimizer=optimizer,
-            logging_due=self.recorder.logging_due(trainer),
-            grads=grads,
-        )
-        self.window.forget_batches()
-        self.sync.defer(step, vector)
-        return True
+        clip = self.recovery.book.clip_threshold if self.with_norm else None
+        due = self.recorder.logging_due(trainer)
+        deferred = self.sync.defer_step(trainer, optimizer, grads, vector, self.policy, self.window, clip, due)
+        if deferred:
+            self.window.forget_batches()
+        return deferred
 
     def resolve_pending(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Read and act on the flags of a step checked sync-free (before the next forward, or at the end)."""
@@ -278,35 +239,6 @@ class StepController:
             self._resolving = None
             self.window.forget_batches()
             self.window.losses = []
-
-    def _local_vector(
-        self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor], optimizer: Optimizer
-    ) -> Tensor:
-        """This rank's flags from the fused check (no host read).
-
-        Under a GradScaler that has unscaled this optimizer's gradients (Lightning does so before
-        ``on_before_optimizer_step`` for optimizers that are not fused) the scaler has just tested
-        every gradient for NaN/Inf: its flag is used, and the gradients are not read a second time
-        (unless the norm is due).
-        """
-        bn = self.window.batchnorm_buffers
-        with_norm = self.with_norm or self.recorder.logging_due(trainer)
-        scaler_flag = None if with_norm else scaler_found_inf(grad_scaler(trainer), optimizer)
-        summary = fused_health_check(
-            grads if scaler_flag is None else [],
-            others=[*self.window.losses, *(t for _, t in bn if t.is_floating_point())],
-            nonnegative=self.window.running_vars,
-            device=pl_module.device,
-            with_norm=with_norm,
-        )
-        if scaler_flag is not None:
-            flag = scaler_flag.reshape(1).to(device=summary.device, dtype=summary.dtype)
-            summary = torch.cat((summary[0:1] + flag, summary[1:]))
-        spike = loss = None
-        if self.spikes is not None and pl_module.automatic_optimization:
-            loss = self.window.step_loss(_loss_scale(trainer))
-            spike = self.spikes.check(loss, summary[1:2] if self.with_norm else None)
-        return local_vector(summary, spike, loss=loss)
 
     def _healthy(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor], health: StepHealth) -> None:
         self.state.counters = self.state.counters.healthy()
@@ -427,17 +359,9 @@ class StepController:
         """This rank's event; a collapsed loss scale (no rank's own NaN/Inf) is recorded by rank zero."""
         if event is not None or decision.outcome != "loss_scale" or trainer.global_rank != 0:
             return event
-        return NanEvent.at_step(
-            trainer,
-            self.window.batch_idx,
-            ("loss_scale",),
-            grad_norm=self.state.last_grad_norm,
-            details={
-                "loss_scale": self._next_scale(trainer),
-                "consecutive_overflows": self.state.counters.consecutive_overflows,
-                "hint": "the loss scale collapsed: the model overflows fp16 even unscaled; use bf16-mixed, lower "
-                "the learning rate, or find the op producing huge values",
-            },
+        overflows = self.state.counters.consecutive_overflows
+        return loss_scale_event(
+            trainer, self.window.batch_idx, self._next_scale(trainer), overflows, self.state.last_grad_norm
         )
 
     def metrics(self, counters: Counters) -> dict[str, float | None]:
@@ -497,38 +421,16 @@ class StepController:
 
     def fail(self, error: BaseException, where: str) -> None:
         """An internal error: disable now (one process) or at the next agreement (every rank together)."""
-        if self.state.failing or self.state.disabled:
-            return
-        log.warning(
-            "NanGuard disabled itself after an internal error in %s: %r. Training continues unguarded; "
-            "please report this with the traceback.",
-            where,
-            error,
-            exc_info=(type(error), error, error.__traceback__),
-        )
-        if self.agreement.distributed:
-            self.state.failing = True  # still takes part in the per-step reduce, which disables every rank
-        else:
-            self.state.disabled = True
+        fail(self.state, self.agreement.distributed, error, where)
 
     def disable_everywhere(self) -> None:
         """Every rank saw some rank's failure in the same reduce: all stop guarding (and joining collectives) now."""
-        self.state.disabled = True
-        self.state.failing = False
+        self.state.disabled, self.state.failing = True, False
 
 
 def _optimizer_params(optimizer: Optimizer) -> list[Tensor]:
     """The parameters ``optimizer`` updates, in its order."""
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _loss_scale(trainer: Trainer) -> Tensor | None:
-    """The GradScaler's scale as a device tensor (no host read), ``None`` without one."""
-    scaler = grad_scaler(trainer)
-    if scaler is None or not scaler.is_enabled():
-        return None
-    scale = getattr(scaler, "_scale", None)  # the device tensor behind get_scale(), which reads it to the host
-    return scale if isinstance(scale, Tensor) else None
 
 
 def _with(policy: Policy, **changes: Any) -> Policy:

@@ -1,7 +1,9 @@
-"""The Lightning side of forensics: diagnose the micro-batches of a bad step and save a bundle.
+"""The Lightning side of :mod:`lightning_nanguard.diagnose.diagnosis`: diagnose the micro-batches of a bad step.
 
 Called by the guard on a bad step, before the step is discarded, with the BatchNorm buffers
-already restored to their values before the step's first forward.
+already restored to their values before the step's first forward. It writes nothing: the
+incident's files (repro bundle, dashboard context) are the reporting adapter's
+(:meth:`~lightning_nanguard.adapter.reporting.IncidentRecorder.save_incident_files`).
 """
 
 from __future__ import annotations
@@ -9,20 +11,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_nanguard.adapter.window import MicroBatch
 from lightning_nanguard.core.events import NanEvent
-from lightning_nanguard.diagnose.batching import slice_batch
-from lightning_nanguard.diagnose.diagnosis import Diagnosis, diagnose, event_with_diagnosis
-from lightning_nanguard.reporting.context import save_incident_context
-from lightning_nanguard.reporting.repro import prune_bundles, save_bundle
+from lightning_nanguard.diagnose.diagnosis import Diagnosis, diagnose
+from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
-__all__ = ["DiagnosisSettings", "diagnose_step", "training_step_of"]
+__all__ = ["DiagnosisSettings", "StepDiagnosis", "diagnose_step", "training_step_of"]
 
 log = logging.getLogger("lightning_nanguard")
 
@@ -64,18 +63,38 @@ def _localized(diagnosis: Diagnosis) -> bool:
     return diagnosis.localization is not None and diagnosis.localization.phase is not None
 
 
+@dataclass(frozen=True)
+class StepDiagnosis:
+    """What the diagnosis of one bad step found.
+
+    Attributes:
+        event: the event with its forensic fields filled.
+        diagnosis: the diagnosis of the micro-batch the event names (``None``: not re-run).
+        micro_batch: that micro-batch (``None`` when the step kept none).
+        slicer: the batch slicer used (the user's, the module's ``nanguard_slice_batch``, or ``None``).
+    """
+
+    event: NanEvent
+    diagnosis: Diagnosis | None = None
+    micro_batch: MicroBatch | None = None
+    slicer: Slicer | None = None
+
+    @property
+    def reproduced(self) -> bool:
+        """Whether the re-run of the batch was bad too (``True`` when it was not re-run)."""
+        return self.diagnosis is None or self.diagnosis.reproduced
+
+
 def diagnose_step(
     trainer: Trainer,
     pl_module: LightningModule,
     event: NanEvent,
     micro_batches: Sequence[MicroBatch],
     settings: DiagnosisSettings,
-    bundle_dir: str | None,
     reference_batch: Any = None,
     loss_threshold: float | None = None,
-    loss_scaled: bool = False,
-) -> tuple[NanEvent, Diagnosis | None]:
-    """Fill the event's forensic fields, save a repro bundle and the dashboard's context; never raises.
+) -> StepDiagnosis:
+    """Diagnose the step's micro-batches and fill the event's forensic fields; never raises.
 
     Under gradient accumulation the micro-batches are diagnosed in order and the first that
     reproduces the incident is the one the event names.
@@ -86,15 +105,11 @@ def diagnose_step(
         event: the event of the bad step.
         micro_batches: the step's micro-batches.
         settings: what to diagnose.
-        bundle_dir: ``<log_dir>/nanguard`` (``None``: nothing is written).
         reference_batch: a small known-good sub-batch of a recent healthy step (tells a state fault).
         loss_threshold: for a loss spike, the loss above which a (sub-)batch counts as bad.
-        loss_scaled: a GradScaler scaled the step's loss. When the (unscaled) re-run of the batch is
-            finite, the NaN/Inf came from the scaling: nothing is written, and the caller reads
-            ``diagnosis.reproduced``.
     """
     if not micro_batches:
-        return event, None
+        return StepDiagnosis(event)
     slicer: Slicer | None = settings.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
     diagnosis: Diagnosis | None = None
     chosen = micro_batches[-1]
@@ -119,8 +134,6 @@ def diagnose_step(
                 diagnosis, chosen = found, micro
             if found.offending is not None or _localized(found) or found.error:
                 break
-    if loss_scaled and loss_threshold is None and diagnosis is not None and not diagnosis.reproduced:
-        return event, diagnosis  # the GradScaler's overflow, not an incident: no bundle, no context
     if diagnosis is not None:
         event = event_with_diagnosis(event, diagnosis, dataset_indices=chosen.dataset_indices)
         event = event.replace(batch_idx=chosen.batch_idx)
@@ -128,55 +141,4 @@ def diagnose_step(
             event = event.replace(
                 details={**event.details, "micro_batch": next(i for i, m in enumerate(micro_batches) if m is chosen)}
             )
-    if bundle_dir is not None:
-        localization = diagnosis.localization if diagnosis is not None else None
-        save_incident_context(
-            bundle_dir, event, getattr(localization, "source_path", None), chosen.batch, event.offending_samples
-        )
-    if settings.save_repro and bundle_dir is not None:
-        event = _save(
-            pl_module, event, chosen, slicer, bundle_dir, settings.max_repro_bundles, diagnosis, settings.source_root
-        )
-    return event, diagnosis
-
-
-def _save(
-    pl_module: LightningModule,
-    event: NanEvent,
-    micro: MicroBatch,
-    slicer: Slicer | None,
-    bundle_dir: str,
-    max_bundles: int,
-    diagnosis: Diagnosis | None = None,
-    source_root: str | None = None,
-) -> NanEvent:
-    """Save the offending samples (or the whole batch) of ``micro``; never raises.
-
-    A known-good sample of the same batch is saved first and named in the bundle: the origin was
-    localised in the context of healthy samples (an op can be non-finite only on a batch of
-    offending samples alone, e.g. a mean over zero tokens), and with BatchNorm in train mode a
-    single sample only reproduces next to another one.
-    """
-    if max_bundles == 0:
-        return event
-    positions = list(event.offending_samples) if event.offending_samples is not None else None
-    reference: list[int] = []
-    if positions is not None and diagnosis is not None:
-        good = [p for p in diagnosis.known_good if p not in positions]
-        if good:
-            positions = [good[0], *positions]
-            reference = [0]
-    try:
-        samples = micro.batch if positions is None else (slicer or slice_batch)(micro.batch, positions)
-        indices = micro.dataset_indices
-        if positions is not None:
-            indices = [indices[p] for p in positions] if indices is not None and len(indices) > max(positions) else None
-        full = diagnosis.full_details if diagnosis is not None else None
-        path = save_bundle(
-            bundle_dir, event, pl_module, samples, micro.batch_idx, positions, indices, reference, full, source_root
-        )
-        prune_bundles(bundle_dir, max_bundles)
-    except Exception as error:  # a bundle must never kill training
-        log.warning("NanGuard: could not save the repro bundle: %r", error)
-        return event
-    return event.replace(repro_path=str(path)) if Path(path).exists() else event
+    return StepDiagnosis(event, diagnosis, chosen, slicer)

@@ -10,17 +10,42 @@ decision, not a failure, and passes through.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lightning_nanguard.core.events import NonFiniteTrainingError
 
+log = logging.getLogger("lightning_nanguard")
+
 if TYPE_CHECKING:
     from lightning_nanguard.adapter.guard import NanGuard
+    from lightning_nanguard.adapter.state import GuardState
 
-__all__ = ["CounterView", "failsafe"]
+__all__ = ["CounterView", "fail", "failsafe"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def fail(state: GuardState, distributed: bool, error: BaseException, where: str) -> None:
+    """An internal error in ``where``: log it once with its traceback and give up guarding.
+
+    One process: the guard disables itself now. Under DDP it only marks itself ``failing``: it
+    keeps joining the per-step reduce, which tells every rank, and every rank disables at that step.
+    """
+    if state.failing or state.disabled:
+        return
+    log.warning(
+        "NanGuard disabled itself after an internal error in %s: %r. Training continues unguarded; "
+        "please report this with the traceback.",
+        where,
+        error,
+        exc_info=(type(error), error, error.__traceback__),
+    )
+    if distributed:
+        state.failing = True  # still takes part in the per-step reduce, which disables every rank
+    else:
+        state.disabled = True
 
 
 def failsafe(hook: _F) -> _F:

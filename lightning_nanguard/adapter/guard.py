@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_nanguard.adapter._compat import CALLBACK_BASES
-from lightning_nanguard.adapter.config import GuardSettings, validate_arguments
+from lightning_nanguard.adapter.config import GuardSettings, validate_arguments, warn_what_cannot_be_skipped
 from lightning_nanguard.adapter.controller import StepController
 from lightning_nanguard.adapter.failsafe import CounterView, failsafe
 from lightning_nanguard.adapter.indices import indices_from_batch, next_recorded_indices
@@ -276,7 +276,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         """Resolve the log directory (a collective: every rank calls it) and the writers."""
         self._trainer = trainer
         self.recorder.attach(trainer, self.controller.scalar_tags(trainer))
-        self.controller.warn_what_cannot_be_skipped(trainer, pl_module)
+        warn_what_cannot_be_skipped(trainer, pl_module, self.action, self.recorder.notices)
 
     @override
     @failsafe

@@ -30,7 +30,7 @@ from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_nam
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
-__all__ = ["IncidentInspector", "check_module"]
+__all__ = ["IncidentInspector", "check_module", "loss_scale_event"]
 
 
 def _any_inf(tensors: Sequence[Tensor]) -> bool:
@@ -76,6 +76,29 @@ def check_module(trainer: Any, module: nn.Module, loss: Tensor | None, batch_idx
         nonfinite_buffers=bad_buffers,
         nonfinite_params=bad_params,
         loss=float(loss.detach().float().sum()) if loss is not None else None,
+    )
+
+
+def loss_scale_event(
+    trainer: Any, batch_idx: int, loss_scale: float | None, consecutive_overflows: int, grad_norm: float | None
+) -> NanEvent:
+    """The event of a GradScaler whose scale collapsed under repeated overflow (no rank's own NaN/Inf).
+
+    Example:
+        >>> loss_scale_event(None, 4, 0.5, 20, None).kinds
+        ('loss_scale',)
+    """
+    return NanEvent.at_step(
+        trainer,
+        batch_idx,
+        ("loss_scale",),
+        grad_norm=grad_norm,
+        details={
+            "loss_scale": loss_scale,
+            "consecutive_overflows": consecutive_overflows,
+            "hint": "the loss scale collapsed: the model overflows fp16 even unscaled; use bf16-mixed, lower "
+            "the learning rate, or find the op producing huge values",
+        },
     )
 
 
@@ -227,25 +250,29 @@ class IncidentInspector:
         loss_threshold: float | None = None,
         scaled: bool = False,
     ) -> tuple[NanEvent, bool]:
-        """Bisect, localise and save a bundle from the BatchNorm state before the step; the step's state after.
+        """Bisect and localise from the BatchNorm state before the step (the step's state after); save its files.
 
         Returns the event and whether the batch's re-run reproduced it (``True`` when not re-run).
+        Under a GradScaler (``scaled``) a batch whose unscaled re-run is finite is the scaler's
+        overflow: nothing is written.
         """
-        with self.window.before_step_batchnorm(keep_after=True):
-            event, diagnosis = diagnose_step(
+        with self.window.before_step_batchnorm(keep_after=True):  # the bundle saves the state before the step too
+            found = diagnose_step(
                 trainer,
                 pl_module,
                 event,
                 self.window.micro_batches,
                 self.settings,
-                self.recorder.sinks.nanguard_dir,
                 reference_batch=self.window.reference,
                 loss_threshold=loss_threshold,
-                loss_scaled=scaled,
             )
+            if scaled and loss_threshold is None and not found.reproduced:
+                return found.event, False  # the GradScaler's overflow, not an incident: no bundle, no context
+            event = self.recorder.save_incident_files(pl_module, found, self.settings)
+        diagnosis = found.diagnosis
         if diagnosis is not None and diagnosis.error:
             self.recorder.notices.warn(
                 "diagnosis",
                 f"NanGuard: diagnosis failed ({diagnosis.error}); bad steps are still detected and skipped.",
             )
-        return event, diagnosis is None or diagnosis.reproduced
+        return event, found.reproduced

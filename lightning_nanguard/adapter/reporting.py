@@ -15,21 +15,27 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from torch import nn
 
 from lightning_nanguard.adapter._compat import TENSORBOARD_LOGGER_TYPES
 from lightning_nanguard.core.events import NanEvent
+from lightning_nanguard.diagnose.batching import slice_batch
+from lightning_nanguard.reporting.context import save_incident_context
 from lightning_nanguard.reporting.jsonl import EVENTS_FILENAME, JsonlEventLog
 from lightning_nanguard.reporting.notices import RankNotices
-from lightning_nanguard.reporting.repro import update_bundle_event
+from lightning_nanguard.reporting.repro import prune_bundles, save_bundle, update_bundle_event
 from lightning_nanguard.reporting.scalars import ScalarLog, scalar_tags
 from lightning_nanguard.reporting.tensorboard import TensorBoardReporter
 from lightning_nanguard.reporting.terminal import TerminalReporter
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
+
+    from lightning_nanguard.adapter.diagnosis import DiagnosisSettings, StepDiagnosis
 
 __all__ = ["Count", "EventSinks", "IncidentRecorder", "show_in_progress_bar"]
 
@@ -204,6 +210,22 @@ class IncidentRecorder:
             for step, values in self._scalars.plan(metrics, trainer.global_step, previous=previous):
                 self.sinks.write_scalars(trainer, values, step)
 
+    def save_incident_files(self, pl_module: nn.Module, found: StepDiagnosis, settings: DiagnosisSettings) -> NanEvent:
+        """Write a bad step's dashboard context and (with ``save_repro``) its repro bundle; never raises.
+
+        Returns the event, with ``repro_path`` when a bundle was saved.
+        """
+        event, micro = found.event, found.micro_batch
+        directory = self.sinks.nanguard_dir
+        if directory is None or micro is None:
+            return event
+        localization = found.diagnosis.localization if found.diagnosis is not None else None
+        source_path = getattr(localization, "source_path", None)
+        save_incident_context(directory, event, source_path, micro.batch, event.offending_samples)
+        if settings.save_repro and settings.max_repro_bundles > 0:
+            event = _save_bundle(pl_module, found, directory, settings.max_repro_bundles, settings.source_root)
+        return event
+
     @staticmethod
     def progress(trainer: Trainer, skipped_total: int) -> None:
         """``nan_skipped`` in the progress bar, as an integer."""
@@ -214,3 +236,38 @@ class IncidentRecorder:
 def default_tags() -> list[str]:
     """Every tag the guard may log (a recorder used without a Trainer configuration)."""
     return scalar_tags("rollback", ("clip_grad",), has_scaler=True, spikes=True)
+
+
+def _save_bundle(
+    pl_module: nn.Module, found: StepDiagnosis, directory: str, max_bundles: int, source_root: str | None
+) -> NanEvent:
+    """Save the offending samples (or the whole batch) of the step's diagnosed micro-batch; never raises.
+
+    A known-good sample of the same batch is saved first and named in the bundle: the origin was
+    localised in the context of healthy samples (an op can be non-finite only on a batch of
+    offending samples alone, e.g. a mean over zero tokens), and with BatchNorm in train mode a
+    single sample only reproduces next to another one.
+    """
+    event, micro, diagnosis = found.event, found.micro_batch, found.diagnosis
+    assert micro is not None
+    positions = list(event.offending_samples) if event.offending_samples is not None else None
+    reference: list[int] = []
+    if positions is not None and diagnosis is not None:
+        good = [p for p in diagnosis.known_good if p not in positions]
+        if good:
+            positions = [good[0], *positions]
+            reference = [0]
+    try:
+        samples = micro.batch if positions is None else (found.slicer or slice_batch)(micro.batch, positions)
+        indices = micro.dataset_indices
+        if positions is not None:
+            indices = [indices[p] for p in positions] if indices is not None and len(indices) > max(positions) else None
+        full = diagnosis.full_details if diagnosis is not None else None
+        path = save_bundle(
+            directory, event, pl_module, samples, micro.batch_idx, positions, indices, reference, full, source_root
+        )
+        prune_bundles(directory, max_bundles)
+    except Exception as error:  # a bundle must never kill training
+        log.warning("NanGuard: could not save the repro bundle: %r", error)
+        return event
+    return event.replace(repro_path=str(path)) if Path(path).exists() else event

@@ -28,8 +28,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_nanguard.adapter.window import MicroBatch
+from lightning_nanguard.adapter.recovery import grad_scaler
+from lightning_nanguard.adapter.window import MicroBatch, StepWindow
+from lightning_nanguard.decide.policy import LOCAL_FIELDS, Policy, shared_part
 from lightning_nanguard.detect.syncfree import DeferredRead, DeviceSkip, SelectRestore, device_skip_unsupported
+from lightning_nanguard.recover.remedies import clip_gradients_
 
 __all__ = ["DeferredStep", "StepView", "SyncFreeSteps"]
 
@@ -119,6 +122,48 @@ class SyncFreeSteps:
         """Put the BatchNorm buffers back as the pending step left them (before it is diagnosed)."""
         if self._stepped is not None:
             self._stepped.restore_where_(torch.ones(1))
+
+    def defer_step(
+        self,
+        trainer: Any,
+        optimizer: Any,
+        grads: list[Tensor],
+        vector: Tensor,
+        policy: Policy,
+        window: StepWindow,
+        clip_threshold: float | None,
+        logging_due: bool,
+    ) -> bool:
+        """Arm the device-side skip from the step's flags and keep the step to resolve later.
+
+        ``vector`` holds the step's flags (and their sums over ranks); the update is skipped where
+        they say a bad step (unless ``action="warn"``) or a spike to skip. With ``clip_threshold``
+        the gradients are clipped by the norm in ``vector``, on the device. Returns ``False`` when this
+        optimizer cannot skip on the device (nothing changed: the caller decides on the host).
+        """
+        shared = vector[len(LOCAL_FIELDS) :] if vector.numel() > len(LOCAL_FIELDS) else shared_part(vector)
+        nonfinite, spike = shared[0:1], shared[2:3]
+        skip = torch.zeros_like(nonfinite)
+        if policy.action != "warn":
+            skip = skip + nonfinite
+        if policy.spike_action == "skip":
+            skip = skip + spike
+        if not self.skip_on_device(optimizer, grad_scaler(trainer), skip):
+            return False
+        if clip_threshold is not None:
+            clip_gradients_(grads, vector[1], clip_threshold)
+        step = DeferredStep(
+            global_step=trainer.global_step,
+            epoch=trainer.current_epoch,
+            batch_idx=window.batch_idx,
+            micro_batches=window.micro_batches,
+            losses=window.losses,
+            optimizer=optimizer,
+            logging_due=logging_due,
+            grads=grads,
+        )
+        self.defer(step, vector)
+        return True
 
     def defer(self, step: DeferredStep, values: Tensor) -> None:
         """Start copying ``values`` to the host; resolve ``step`` later with :meth:`take`."""

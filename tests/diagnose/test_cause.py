@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NanEvent, NanGuard
 from lightning_nanguard.diagnose.cause import MAX_STATE_PASSES, probe_positions
-from lightning_nanguard.diagnose.diagnosis import diagnose, event_with_diagnosis
+from lightning_nanguard.diagnose.diagnosis import diagnose
+from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
