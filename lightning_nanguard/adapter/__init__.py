@@ -1,8 +1,11 @@
 """The Lightning adapter: ``NanGuard``'s hooks, the step controller and the strategy wrapper.
 
 The only layer that knows the Trainer. ``adapter/<name>.py`` is the Lightning side of the
-Trainer-free module or stage of the same name (``adapter/spikes.py`` of ``detect/spikes.py``,
-``adapter/syncfree.py`` of ``detect/syncfree.py``, ``adapter/diagnosis.py`` of
-``diagnose/diagnosis.py``, ``adapter/recovery.py`` of ``recover/recovery.py``); the other modules
-here have no Trainer-free half. May import every layer below it.
+Trainer-free module of the same name: ``check.py`` of ``detect/check.py``, ``spikes.py`` of
+``detect/spikes.py``, ``syncfree.py`` of ``detect/syncfree.py``, ``diagnosis.py`` of
+``diagnose/diagnosis.py``, ``recovery.py`` of ``recover/recovery.py``, ``reporting.py`` of
+``reporting/``. The other modules here have no Trainer-free half: the hooks (``guard.py``), the
+step controller and what it keeps between hooks (``controller.py``, ``window.py``, ``state.py``,
+``after_step.py``, ``incidents.py``), the strategy wrapper and index recording (``strategy.py``,
+``indices.py``), the configuration (``config.py``) and the failsafe. May import every layer below.
 """

@@ -1,4 +1,4 @@
-"""The guard's side of loss-spike detection: which values are watched, when, and what a spike event says.
+"""The Lightning side of :mod:`lightning_nanguard.detect.spikes`: which values are watched, and what a spike says.
 
 A :class:`SpikeWatch` owns the :class:`~lightning_nanguard.detect.spikes.SpikeDetector` of the step loss
 and, when the gradient norm is computed on every step anyway (``clip_grad``), one of the norm. Per

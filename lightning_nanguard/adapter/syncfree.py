@@ -1,4 +1,4 @@
-"""Sync-free steps (``NanGuard(sync_free=True)``): skip on the device now, read the verdict one step later.
+"""The Lightning side of :mod:`lightning_nanguard.detect.syncfree`: skip on the device now, read the verdict later.
 
 In the default mode the guard reads one small tensor to the host per step; on a GPU that read
 stalls the CPU until the step's kernels have run. In the sync-free mode the decision to drop the
