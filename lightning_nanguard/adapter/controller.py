@@ -119,6 +119,9 @@ class StepController:
         self.named_params = list(pl_module.named_parameters())
         self.params = [p for _, p in self.named_params]
         self.window.attach(pl_module, self.track_batchnorm)
+        unsupported = self.window.metrics.describe_unsupported() if self.window.metrics is not None else None
+        if unsupported is not None:
+            self.recorder.notices.warn("metrics", f"NanGuard: {unsupported}.")
         self.after_step.agreement, self.after_step.named_params = self.agreement, self.named_params
         if self.sync_free:
             self.sync.attach([t for _, t in self.window.batchnorm_buffers])
@@ -138,7 +141,13 @@ class StepController:
         """The first micro-batch of an optimizer step: resolve a sync-free step still pending, open the window."""
         self.resolve_pending(trainer, pl_module)
         checking = self.checking(trainer, every_n_steps)
-        self.window.begin(checking=checking)
+        self.window.begin(checking=checking, trainer=trainer)
+        if self.window.logged.unsupported is not None:
+            self.recorder.notices.warn(
+                "logged",
+                f"NanGuard: {self.window.logged.unsupported} on this Lightning version: a skipped step's "
+                "self.log values stay in the epoch aggregates (checked on Lightning 2.6).",
+            )
         if checking and self.sync_free:
             self.sync.capture()
 
@@ -326,7 +335,7 @@ class StepController:
         self.state.step_was_bad = True
         self.state.reported_step = trainer.global_step
         if decision.discard:
-            self.window.discard_update(optimizer)
+            self.window.discard_update(optimizer, trainer)
         self.window.forget_batches()
         if decision.rollback_due:
             self.state.pending_rollback = True  # done after the optimizer step, when the scaler has updated
@@ -412,6 +421,8 @@ class StepController:
         """``NanGuard.check``: gradients, BatchNorm statistics, weights and ``loss`` of ``module``, now."""
         event = check_module(trainer, module, loss, self.window.batch_idx)
         self.window.losses = []  # checked: an optimizer step hooked after this sees only the losses to come
+        if event is not None and trainer is not None:
+            self.state.dropped_by_check = True  # the caller skips the step: its logs go at the batch's end
         if event is not None:
             self.state.counters = self.state.counters.replace(bad_steps_total=self.state.counters.bad_steps_total + 1)
             self.recorder.record(trainer, event)

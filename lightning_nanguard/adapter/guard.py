@@ -295,6 +295,13 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
 
     @override
     @failsafe
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Before the monitors read the epoch values: settle a sync-free step and what dropped steps logged."""
+        self.controller.resolve_pending(trainer, pl_module)
+        self.controller.window.logged.finish_withdrawals()
+
+    @override
+    @failsafe
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Make this epoch's training loader record its dataset indices (if the strategy did not already)."""
         if self._hooks is not None:
@@ -317,6 +324,17 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         if not window.open or first or not pl_module.automatic_optimization:
             self.controller.begin_step(trainer, pl_module, self.check_every_n_steps)
         window.add_batch(batch, batch_idx, indices, keep=self.controller.diagnosis.diagnoses)
+
+    @override
+    @failsafe
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Manual optimisation: a batch that ``guard.check`` found bad leaves no trace in logs and metrics."""
+        state = self.controller.state
+        if state.dropped_by_check:
+            state.dropped_by_check = False
+            self.controller.window.drop_logged(trainer)
 
     @override
     @failsafe

@@ -31,6 +31,8 @@ class GuardState:
         pending_rollback: a rollback was decided at this step, to run after the optimizer step.
         step_was_bad: this step was an incident (no snapshot is taken after it).
         reported_step: the global step of the last incident (LBFGS calls the check many times per step).
+        dropped_by_check: ``guard.check`` found this batch bad (manual optimisation: the caller skips the
+            step); its logged values and metric updates are undone at the batch's end.
     """
 
     counters: Counters = field(default_factory=Counters)
@@ -40,3 +42,4 @@ class GuardState:
     pending_rollback: bool = False
     step_was_bad: bool = False
     reported_step: int | None = None
+    dropped_by_check: bool = False

@@ -8,6 +8,10 @@ keep, or to undo, about that step, and is the only place that touches the BatchN
 - the losses (for the check and the loss-spike statistic);
 - the BatchNorm buffers as they were before the first forward: captured when the window opens,
   restored when the step is discarded or diagnosed;
+- what the step's ``training_step`` adds to what users monitor: the epoch aggregates of
+  ``self.log`` (:class:`~lightning_nanguard.adapter.logged_values.LoggedValues`) and the states of
+  the module's torchmetrics metrics (:class:`~lightning_nanguard.recover.metrics.MetricStates`),
+  captured when the window opens and put back when the step is dropped;
 - a small known-good reference sub-batch, refreshed rarely from a healthy step (a diagnosis runs
   it to tell "the model state is at fault" from "these samples are").
 
@@ -33,9 +37,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_nanguard.adapter.logged_values import LoggedValues
 from lightning_nanguard.detect.batchnorm import batchnorm_running_vars
 from lightning_nanguard.diagnose.batching import slice_batch
 from lightning_nanguard.recover.batchnorm import BatchNormSnapshot
+from lightning_nanguard.recover.metrics import MetricStates
 
 __all__ = ["MicroBatch", "StepWindow"]
 
@@ -65,23 +71,37 @@ class StepWindow:
         self.reference_step: int | None = None
         self._bn: BatchNormSnapshot | None = None
         self._track_batchnorm = True
+        self.metrics: MetricStates | None = None
+        self.logged = LoggedValues()
 
     def attach(self, module: nn.Module, track_batchnorm: bool) -> None:
-        """Find the BatchNorm buffers of ``module`` (once the model sits on its device)."""
+        """Find the BatchNorm buffers and torchmetrics metrics of ``module`` (once the model sits on its device)."""
         self._bn = BatchNormSnapshot(module)
         self._track_batchnorm = track_batchnorm
+        self.metrics = MetricStates(module)
+        self.logged = LoggedValues()
         self.open = False
 
     # ------------------------------------------------------------------ one optimizer step
 
-    def begin(self, checking: bool) -> None:
-        """Open the window of a new optimizer step; capture BatchNorm buffers if the step is checked."""
+    def begin(self, checking: bool, trainer: Any = None) -> None:
+        """Open the window of a new optimizer step; if it is checked (it may be dropped), capture its state.
+
+        The BatchNorm buffers, the torchmetrics states and (with a ``trainer``) the epoch aggregates
+        of ``self.log``: no host read, a fused device copy of the metric states, references otherwise.
+        """
         self.open = True
         self.checking = checking
         self.losses = []
         self.micro_batches = []
-        if checking and self._bn is not None:
+        if not checking:
+            return
+        if self._bn is not None:
             self._bn.capture()
+        if self.metrics:
+            self.metrics.capture()
+        if trainer is not None:
+            self.logged.capture(trainer)
 
     def add_batch(self, batch: Any, batch_idx: int, dataset_indices: list[int] | None, keep: bool) -> None:
         """Note a micro-batch (kept by reference for a diagnosis when ``keep``)."""
@@ -146,12 +166,20 @@ class StepWindow:
                 with torch.no_grad():
                     torch._foreach_copy_([t for _, t in self._bn.named_buffers], current)
 
-    def discard_update(self, optimizer: Any) -> None:
-        """Make the coming ``optimizer.step`` a no-op and undo the step's BatchNorm updates."""
+    def discard_update(self, optimizer: Any, trainer: Any = None) -> None:
+        """Make the coming ``optimizer.step`` a no-op and undo the step's BatchNorm updates, metrics and logs."""
         for group in optimizer.param_groups:
             for param in group["params"]:
                 param.grad = None  # optimizers skip parameters without grad: no state change at all
         self.restore_batchnorm()
+        self.drop_logged(trainer)
+
+    def drop_logged(self, trainer: Any = None) -> None:
+        """Undo what the step added to the torchmetrics states and (with a ``trainer``) the ``self.log`` aggregates."""
+        if self.metrics:
+            self.metrics.restore()
+        if trainer is not None:
+            self.logged.restore(trainer)
 
     # ------------------------------------------------------------------ reference sample
 

@@ -1,0 +1,160 @@
+"""The states of the torchmetrics metrics in a module: captured before a step, put back when the step is dropped.
+
+A skipped step's ``training_step`` has already updated the metrics it uses (``metric.update`` or
+``metric(preds, target)``). :class:`MetricStates` finds every ``torchmetrics.Metric`` in a module
+(nested modules, ``MetricCollection``, ``ModuleDict``/``ModuleList``) once, and per step:
+
+- :meth:`~MetricStates.capture` copies every tensor state into a buffer of its own (one
+  ``torch._foreach_copy_`` for all of them, on their devices: no host read) and notes the length of
+  every list ("cat") state, ``_update_count`` and the cached ``_computed``/``_forward_cache`` values
+  (references: torchmetrics re-binds those, never mutates them);
+- :meth:`~MetricStates.restore` puts all of it back: tensor states copied back in place (so states
+  that a ``MetricCollection`` compute group shares stay shared), list states cut back to their
+  length (nothing of a list is ever copied), counts and caches re-bound.
+
+A state of another type (a custom metric that keeps, say, a dict) cannot be restored: such metrics
+are named in :attr:`~MetricStates.unsupported` and left alone. torchmetrics is optional: without it
+a module has no metrics.
+
+Example:
+    >>> import torchmetrics
+    >>> net = torch.nn.ModuleDict({"mse": torchmetrics.MeanSquaredError(), "seen": torchmetrics.CatMetric()})
+    >>> states = MetricStates(net)
+    >>> net["mse"].update(torch.tensor([1.0]), torch.tensor([0.0])); net["seen"].update(torch.tensor([1.0]))
+    >>> states.capture()
+    >>> net["mse"].update(torch.tensor([float("nan")]), torch.tensor([0.0])); net["seen"].update(torch.tensor([2.0]))
+    >>> states.restore()
+    >>> float(net["mse"].compute()), net["seen"].compute().tolist(), net["mse"]._update_count
+    (1.0, 1.0, 1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["MetricStates"]
+
+_CACHED = ("_computed", "_forward_cache")
+
+
+def _metric_class() -> type | None:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # torchmetrics is optional
+        return None
+    return Metric
+
+
+@dataclass
+class _Saved:
+    """One metric's state at the last capture."""
+
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+    lengths: dict[str, int] = field(default_factory=dict)
+    scalars: dict[str, Any] = field(default_factory=dict)
+
+
+class MetricStates:
+    """Capture and restore the states of every supported torchmetrics metric in ``module`` (see module docs).
+
+    Args:
+        module: the model (searched once, here).
+
+    Attributes:
+        metrics: ``(qualified name, metric)`` of the metrics handled.
+        unsupported: ``(qualified name, state name, type name)`` of states that cannot be restored; their
+            metrics are not handled.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.metrics: list[tuple[str, nn.Module]] = []
+        self.unsupported: list[tuple[str, str, str]] = []
+        self._saved: list[_Saved] = []
+        self._captured = False
+        metric_class = _metric_class()
+        if metric_class is None:
+            return
+        for name, child in module.named_modules():
+            if not isinstance(child, metric_class) or not hasattr(child, "_update_count"):
+                continue
+            bad = [
+                (name, state, type(value).__name__)
+                for state in getattr(child, "_defaults", {})
+                if not isinstance(value := getattr(child, state, None), Tensor | list)
+            ]
+            if bad:
+                self.unsupported.extend(bad)
+            else:
+                self.metrics.append((name, cast(nn.Module, child)))
+                self._saved.append(_Saved())
+
+    def __bool__(self) -> bool:
+        return bool(self.metrics)
+
+    def capture(self) -> None:
+        """Note the current state of every metric (one fused device copy for all tensor states)."""
+        targets: list[Tensor] = []
+        sources: list[Tensor] = []
+        for (_, metric), saved in zip(self.metrics, self._saved, strict=True):
+            saved.lengths.clear()
+            for state in metric._defaults:  # type: ignore[union-attr]
+                value = getattr(metric, state)
+                if isinstance(value, Tensor):
+                    buffer = saved.tensors.get(state)
+                    if (
+                        buffer is None
+                        or buffer.shape != value.shape
+                        or buffer.dtype != value.dtype
+                        or (buffer.device != value.device)
+                    ):
+                        buffer = saved.tensors[state] = torch.empty_like(value, requires_grad=False)
+                    targets.append(buffer)
+                    sources.append(value.detach())
+                else:
+                    saved.tensors.pop(state, None)
+                    saved.lengths[state] = len(value)
+            saved.scalars["_update_count"] = metric._update_count
+            for name in _CACHED:
+                saved.scalars[name] = getattr(metric, name, None)
+        if targets:
+            with torch.no_grad():
+                torch._foreach_copy_(targets, sources)
+        self._captured = True
+
+    def restore(self) -> None:
+        """Put every metric back as it was at the last :meth:`capture` (no-op before the first one)."""
+        if not self._captured:
+            return
+        with torch.no_grad():
+            for (_, metric), saved in zip(self.metrics, self._saved, strict=True):
+                for state, buffer in saved.tensors.items():
+                    live = getattr(metric, state)
+                    if isinstance(live, Tensor) and live.shape == buffer.shape and live.dtype == buffer.dtype:
+                        live.copy_(buffer)
+                    else:  # re-bound to another shape (a growing tensor state): put a copy back
+                        setattr(metric, state, buffer.clone())
+                for state, length in saved.lengths.items():
+                    live = getattr(metric, state)
+                    if isinstance(live, list):
+                        del live[length:]
+                for name, value in saved.scalars.items():
+                    setattr(metric, name, value)
+
+    def describe_unsupported(self) -> str | None:
+        """A sentence naming the metrics whose states cannot be restored, or ``None``.
+
+        Example:
+            >>> MetricStates(torch.nn.Linear(1, 1)).describe_unsupported() is None
+            True
+        """
+        if not self.unsupported:
+            return None
+        shown = ", ".join(f"{name or '<module>'}.{state} ({kind})" for name, state, kind in self.unsupported)
+        return (
+            f"the state of these metrics cannot be restored after a skipped step ({shown}): a state must be a "
+            "tensor or a list (torchmetrics' add_state); their values include skipped steps"
+        )
