@@ -5,11 +5,13 @@ distributed sampler); the fault is on rank 1 only. Each rank writes ``rank<N>.js
 its final parameter bytes, the global steps whose update it skipped, its events, counters, learning
 rate, whether its guard is still active, and the error it stopped with, if any.
 
-Scenarios (``SCENARIOS``): ``skip`` (a NaN sample in batch 1 and a label typo in batch 20 of rank 1), ``max_events`` and
-``consecutive`` (rank-local faults that escalate), ``lr_backoff`` (a remedy decided on rank 1's
-incident), ``failure`` (an internal error of rank 1's guard), ``sync_free`` (rank 1's NaN skipped on the device),
-``spawn`` (``strategy="ddp_spawn"``: the workers write ``rank<N>.json`` when training ends, the process that
-called ``fit`` writes ``main.json`` with what its own guard object saw).
+Scenarios (``SCENARIOS``): ``skip`` (a NaN sample in batch 1 and a label typo in batch 20 of rank 1),
+``max_events`` and ``consecutive`` (rank-local faults that escalate), ``lr_backoff`` (a remedy decided on
+rank 1's incident), ``failure`` (an internal error of rank 1's guard), ``sync_free`` (rank 1's NaN skipped
+on the device), ``logged`` (``self.log(..., sync_dist=True)`` with a NaN step and a spike on rank 1: both
+dropped from the epoch values on every rank), ``spawn`` (``strategy="ddp_spawn"``: the workers write
+``rank<N>.json`` when training ends, the process that called ``fit`` writes ``main.json`` with what its
+own guard object saw).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Scenario:
     batches: int = 4
     fused: bool = False  # torch's fused Adam (which can skip a step on the device: sync_free)
     spawn: bool = False  # strategy="ddp_spawn": fit runs in two fresh worker processes
+    log: bool = False  # self.log the loss (mean, sum, max; sync_dist=True) and record every step's value
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -52,6 +55,7 @@ SCENARIOS: dict[str, Scenario] = {
     "failure": Scenario(fail_at_step=1),
     "sync_free": Scenario(nan_indices=(11,), guard={"sync_free": True}, fused=True),
     "spawn": Scenario(nan_indices=(11,), spawn=True),
+    "logged": Scenario(nan_indices=(11,), typo_indices=(8 * 20 + 5,), batches=24, log=True),
 }
 
 
@@ -61,6 +65,7 @@ class Regression(pl.LightningModule):
         torch.manual_seed(0)  # identical initial weights on every rank
         self.scenario = scenario
         self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        self.records: list[tuple[int, float, int]] = []  # (batch_idx, loss, batch size) of every step (LossRecord)
 
     def train_dataloader(self) -> DataLoader:
         rank = self.trainer.global_rank
@@ -76,7 +81,12 @@ class Regression(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+        loss = nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+        if self.scenario.log:
+            self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
+            self.log("loss_sum", loss, on_epoch=True, reduce_fx="sum", sync_dist=True)
+            self.log("loss_max", loss, on_epoch=True, reduce_fx="max", sync_dist=True)
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-2, fused=self.scenario.fused)
@@ -99,6 +109,13 @@ class SkipLog(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if all(torch.equal(a, p) for a, p in zip(self._before, pl_module.parameters(), strict=True)):
             self.skipped.append(trainer.global_step - 1)
+
+
+class LossRecord(pl.Callback):
+    """Every step's loss as ``training_step`` returned it (once per step: the guard's re-runs are not steps)."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+        pl_module.records.append((i, float(outputs["loss"]), len(batch[0])))
 
 
 class ActiveLog(pl.Callback):
@@ -168,6 +185,8 @@ def _write(
         "quarantined": sorted(guard.remedy_book.quarantined),
         "events": [event.to_dict() for event in guard.events],
         "error": error,
+        "records": getattr(module, "records", []),
+        "epoch_values": {k: float(v) for k, v in trainer.callback_metrics.items() if not k.endswith("_step")},
     }
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(result, handle)
@@ -177,7 +196,7 @@ def main(name: str, out_dir: str) -> None:
     scenario = SCENARIOS[name]
     guard = NanGuard(verbose=False, save_repro=False, **scenario.guard)
     skips, active = SkipLog(), ActiveLog(guard)
-    callbacks: list[pl.Callback] = [guard, skips, active]
+    callbacks: list[pl.Callback] = [guard, skips, active, LossRecord()]
     if scenario.spawn:
         callbacks.append(SpawnedResult(guard, skips, active, out_dir))
     trainer = pl.Trainer(

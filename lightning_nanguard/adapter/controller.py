@@ -142,6 +142,9 @@ class StepController:
         self.resolve_pending(trainer, pl_module)
         checking = self.checking(trainer, every_n_steps)
         self.window.begin(checking=checking, trainer=trainer)
+        if self.window.metrics_changed and self.window.metrics is not None:
+            self.window.metrics_changed = False
+            self.recorder.notices.warn("metrics", f"NanGuard: {self.window.metrics.describe_unsupported()}.")
         if self.window.logged.unsupported is not None:
             self.recorder.notices.warn(
                 "logged",

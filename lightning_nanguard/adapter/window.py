@@ -72,6 +72,7 @@ class StepWindow:
         self._bn: BatchNormSnapshot | None = None
         self._track_batchnorm = True
         self.metrics: MetricStates | None = None
+        self.metrics_changed = False  # a metric's state became unrestorable at the last capture
         self.logged = LoggedValues()
 
     def attach(self, module: nn.Module, track_batchnorm: bool) -> None:
@@ -98,8 +99,8 @@ class StepWindow:
             return
         if self._bn is not None:
             self._bn.capture()
-        if self.metrics:
-            self.metrics.capture()
+        if self.metrics and self.metrics.capture():
+            self.metrics_changed = True
         if trainer is not None:
             self.logged.capture(trainer)
 

@@ -21,7 +21,7 @@ Example:
     >>> net = torch.nn.ModuleDict({"mse": torchmetrics.MeanSquaredError(), "seen": torchmetrics.CatMetric()})
     >>> states = MetricStates(net)
     >>> net["mse"].update(torch.tensor([1.0]), torch.tensor([0.0])); net["seen"].update(torch.tensor([1.0]))
-    >>> states.capture()
+    >>> _ = states.capture()
     >>> net["mse"].update(torch.tensor([float("nan")]), torch.tensor([0.0])); net["seen"].update(torch.tensor([2.0]))
     >>> states.restore()
     >>> float(net["mse"].compute()), net["seen"].compute().tolist(), net["mse"]._update_count
@@ -47,6 +47,11 @@ def _metric_class() -> type | None:
     except ImportError:  # torchmetrics is optional
         return None
     return Metric
+
+
+def _states(metric: nn.Module) -> list[str]:
+    """The names of a torchmetrics metric's states (``add_state``)."""
+    return list(getattr(metric, "_defaults", {}))
 
 
 @dataclass
@@ -79,29 +84,49 @@ class MetricStates:
         if metric_class is None:
             return
         for name, child in module.named_modules():
-            if not isinstance(child, metric_class) or not hasattr(child, "_update_count"):
-                continue
+            if isinstance(child, metric_class) and hasattr(child, "_update_count"):
+                self.metrics.append((name, cast(nn.Module, child)))
+                self._saved.append(_Saved())
+        self._drop_unsupported()
+
+    def _drop_unsupported(self) -> bool:
+        """Stop handling metrics holding a state that is neither a tensor nor a list; ``True`` if one was found."""
+        kept: list[tuple[str, nn.Module]] = []
+        found = False
+        for name, metric in self.metrics:
             bad = [
                 (name, state, type(value).__name__)
-                for state in getattr(child, "_defaults", {})
-                if not isinstance(value := getattr(child, state, None), Tensor | list)
+                for state in _states(metric)
+                if not isinstance(value := getattr(metric, state, None), Tensor | list)
             ]
             if bad:
                 self.unsupported.extend(bad)
+                found = True
             else:
-                self.metrics.append((name, cast(nn.Module, child)))
-                self._saved.append(_Saved())
+                kept.append((name, metric))
+        if found:
+            self.metrics = kept
+            self._saved = [_Saved() for _ in kept]
+            self._captured = False
+        return found
 
     def __bool__(self) -> bool:
         return bool(self.metrics)
 
-    def capture(self) -> None:
-        """Note the current state of every metric (one fused device copy for all tensor states)."""
+    def capture(self) -> bool:
+        """Note the current state of every metric (one fused device copy for all tensor states).
+
+        Returns ``True`` when a metric was found holding a state of another type since the last
+        capture (it is named in :attr:`unsupported` and no longer handled).
+        """
+        changed = False
+        if any(not isinstance(getattr(m, state, None), Tensor | list) for _, m in self.metrics for state in _states(m)):
+            changed = self._drop_unsupported()  # a custom update re-bound a state to another type
         targets: list[Tensor] = []
         sources: list[Tensor] = []
         for (_, metric), saved in zip(self.metrics, self._saved, strict=True):
             saved.lengths.clear()
-            for state in metric._defaults:  # type: ignore[union-attr]
+            for state in _states(metric):
                 value = getattr(metric, state)
                 if isinstance(value, Tensor):
                     buffer = saved.tensors.get(state)
@@ -124,6 +149,7 @@ class MetricStates:
             with torch.no_grad():
                 torch._foreach_copy_(targets, sources)
         self._captured = True
+        return changed
 
     def restore(self) -> None:
         """Put every metric back as it was at the last :meth:`capture` (no-op before the first one)."""

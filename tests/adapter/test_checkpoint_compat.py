@@ -41,11 +41,12 @@ class Seen(pl.Callback):
 def test_the_checkpoint_was_written_by_0_2_0() -> None:
     state = torch.load(CHECKPOINT, weights_only=True)["callbacks"]["NanGuard"]
     assert state["bad_steps_total"] == 1 and state["recovery"]["remedies"]["quarantined"] == [BLANK_INDEX]
-    assert sorted(state["events"][0]) == sorted(  # the NanEvent fields of 0.2.0, no later one
+    fields_020 = (
         "global_step epoch batch_idx rank kinds action nonfinite_grads nonfinite_buffers loss offending_samples "
         "dataset_indices culprit_module culprit_op source_line phase remedies repro_path grad_norm nonfinite_params "
-        "details cause".split()
+        "details cause"
     )
+    assert sorted(state["events"][0]) == sorted(fields_020.split(" "))  # the NanEvent fields of 0.2.0, no later one
 
 
 def test_a_0_2_0_checkpoint_resumes_with_its_guard_state(tmp_path: Path) -> None:

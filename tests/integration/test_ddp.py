@@ -188,3 +188,19 @@ def test_ddp_spawn_workers_decide_together_and_the_file_keeps_the_events(run: An
     assert main["weights_sha256"] == ranks[0]["weights_sha256"]  # Lightning sent the weights back
     saved = [json.loads(line) for line in (out / "nanguard" / "events.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [(e["global_step"], e["rank"], e["dataset_indices"]) for e in saved] == [(1, 1, [11])]
+
+
+def test_dropped_steps_leave_the_synced_epoch_values_on_every_rank(run: Any) -> None:
+    """``sync_dist=True`` epoch values over both ranks equal the aggregates of the applied steps, on both ranks."""
+    ranks = run("logged")
+    skipped = ranks[0]["skipped_steps"]
+    assert skipped == ranks[1]["skipped_steps"] == [1, 20]  # rank 1's NaN step and its label typo (a spike)
+    applied = [(loss, size) for r in (0, 1) for i, loss, size in ranks[r]["records"] if i not in skipped]
+    expected = {
+        "train_loss_epoch": sum(loss * size for loss, size in applied) / sum(size for _, size in applied),
+        "loss_sum": sum(loss for loss, _ in applied),
+        "loss_max": max(loss for loss, _ in applied),
+    }
+    for rank in (0, 1):
+        values = {key: ranks[rank]["epoch_values"][key] for key in expected}
+        assert values == pytest.approx(expected, rel=1e-5), (rank, ranks[rank]["epoch_values"])
