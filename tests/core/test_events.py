@@ -151,14 +151,14 @@ def test_headline(action: str, suffix: str) -> None:
 
 
 def test_headline_without_names() -> None:
-    assert NanEvent(3, 0, 3, 0, ("loss",), "skipped").headline() == (
+    assert make_event(bare=True, global_step=3, batch_idx=3).headline() == (
         "step 3 (epoch 0, batch 3): non-finite loss -> step skipped"
     )
 
 
 def test_error_carries_events() -> None:
-    first = NanEvent(1, 0, 1, 0, ("grad",), "skipped")
-    last = NanEvent(2, 0, 2, 0, ("grad",), "raised")
+    first = make_event(bare=True, global_step=1, batch_idx=1, kinds=("grad",))
+    last = make_event(bare=True, global_step=2, batch_idx=2, kinds=("grad",), action="raised")
     history = [first, last]
     error = NonFiniteTrainingError("stop here", history)
     assert isinstance(error, RuntimeError)
