@@ -8,6 +8,7 @@ import math
 import pickle
 
 import pytest
+from event_factory import make_event
 
 from lightning_nanguard import NanEvent, NonFiniteTrainingError
 from lightning_nanguard.core.events import EVENT_KINDS
@@ -38,32 +39,6 @@ CONTRACT_KEYS = [
 ]
 
 
-def full_event(**changes: object) -> NanEvent:
-    event = NanEvent(
-        global_step=12,
-        epoch=1,
-        batch_idx=4,
-        rank=0,
-        kinds=("loss", "grad", "bn_stats"),
-        action="skipped",
-        nonfinite_grads=("net.0.weight", "net.0.bias"),
-        nonfinite_buffers=("net.1.running_mean", "net.1.running_var"),
-        loss=math.nan,
-        offending_samples=(3, 5),
-        dataset_indices=(27, 29),
-        culprit_module="net.norm",
-        culprit_op="SqrtBackward0",
-        source_line="tests/models.py:98",
-        phase="backward",
-        remedies=("lowered lr to 1e-4",),
-        repro_path="/tmp/nanguard/step-12",
-        grad_norm=math.inf,
-        nonfinite_params=("net.3.weight",),
-        details={"grads_checked": 6, "batch_size": 8, "bn_channels": {"net.1": [0, 2]}},
-    )
-    return event.replace(**changes)
-
-
 def assert_same_event(a: NanEvent, b: NanEvent) -> None:
     """Field-by-field equality where NaN equals NaN."""
     for f in dataclasses.fields(NanEvent):
@@ -76,7 +51,7 @@ def assert_same_event(a: NanEvent, b: NanEvent) -> None:
 
 
 def test_to_dict_keys_are_the_public_contract() -> None:
-    assert list(full_event().to_dict()) == CONTRACT_KEYS
+    assert list(make_event().to_dict()) == CONTRACT_KEYS
     assert [f.name for f in dataclasses.fields(NanEvent)] == CONTRACT_KEYS
 
 
@@ -93,7 +68,7 @@ def test_to_dict_keys_are_the_public_contract() -> None:
 def test_round_trip_through_strict_json(
     loss: float | None, grad_norm: float | None, loss_json: object, norm_json: object
 ) -> None:
-    event = full_event(loss=loss, grad_norm=grad_norm)
+    event = make_event(loss=loss, grad_norm=grad_norm)
     data = event.to_dict()
     assert data["loss"] == loss_json
     assert data["grad_norm"] == norm_json
@@ -104,7 +79,7 @@ def test_round_trip_through_strict_json(
 
 
 def test_to_dict_uses_json_types() -> None:
-    data = full_event().to_dict()
+    data = make_event().to_dict()
     assert data["kinds"] == ["loss", "grad", "bn_stats"]
     assert data["offending_samples"] == [3, 5]
     assert data["remedies"] == ["lowered lr to 1e-4"]
@@ -132,14 +107,14 @@ def test_from_dict_ignores_unknown_keys_and_fills_missing_optional_ones() -> Non
 
 
 def test_from_dict_does_not_mutate_its_input() -> None:
-    data = full_event().to_dict()
+    data = make_event().to_dict()
     snapshot = json.dumps(data, sort_keys=True)
     NanEvent.from_dict(data)
     assert json.dumps(data, sort_keys=True) == snapshot
 
 
 def test_events_are_frozen_and_replace_copies() -> None:
-    event = full_event()
+    event = make_event()
     with pytest.raises(dataclasses.FrozenInstanceError):
         event.action = "raised"  # type: ignore[misc]
     raised = event.replace(action="raised")
@@ -149,7 +124,7 @@ def test_events_are_frozen_and_replace_copies() -> None:
 
 
 def test_events_pickle() -> None:
-    event = full_event(loss=0.25, grad_norm=1.0)
+    event = make_event(loss=0.25, grad_norm=1.0)
     assert pickle.loads(pickle.dumps(event)) == event
 
 
@@ -168,7 +143,7 @@ def test_event_kinds() -> None:
     ],
 )
 def test_headline(action: str, suffix: str) -> None:
-    event = full_event(action=action)
+    event = make_event(action=action)
     assert event.headline() == (
         "step 12 (epoch 1, batch 4): non-finite loss, grad, bn_stats "
         f"(2 parameter grads, 2 BatchNorm buffers, 1 parameters) -> {suffix}"
@@ -176,14 +151,14 @@ def test_headline(action: str, suffix: str) -> None:
 
 
 def test_headline_without_names() -> None:
-    assert NanEvent(3, 0, 3, 0, ("loss",), "skipped").headline() == (
+    assert make_event(bare=True, global_step=3, batch_idx=3).headline() == (
         "step 3 (epoch 0, batch 3): non-finite loss -> step skipped"
     )
 
 
 def test_error_carries_events() -> None:
-    first = NanEvent(1, 0, 1, 0, ("grad",), "skipped")
-    last = NanEvent(2, 0, 2, 0, ("grad",), "raised")
+    first = make_event(bare=True, global_step=1, batch_idx=1, kinds=("grad",))
+    last = make_event(bare=True, global_step=2, batch_idx=2, kinds=("grad",), action="raised")
     history = [first, last]
     error = NonFiniteTrainingError("stop here", history)
     assert isinstance(error, RuntimeError)

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import build_trainer
+from event_factory import make_event
 from forensics_models import one_thread  # noqa: F401 (fixture)
 from models import make_case, make_loader, make_module
 from torch import Tensor, nn
@@ -98,7 +99,7 @@ def test_a_diverged_mlp_is_the_model_state_in_at_most_4_passes() -> None:
     # the origin is localised on the full batch: where the divergence shows (the squared error overflows)
     assert found.localization is not None and found.localization.phase == "forward"
     assert found.localization.hint is not None and "the model state diverged" in found.localization.hint
-    event = event_with_diagnosis(NanEvent(7, 0, 7, 0, ("loss",), "skipped"), found)
+    event = event_with_diagnosis(make_event(bare=True, global_step=7, batch_idx=7), found)
     assert event.cause == "state" and event.offending_samples is None and event.dataset_indices is None
     assert event.details["not_attributable"] == found.reason and event.details["state_passes"] == 4
 
@@ -167,7 +168,7 @@ def test_nan_in_one_field_of_one_sample_is_the_input() -> None:
     assert found.passes == 1 and found.state_passes == 0  # the 7 others confirmed healthy at once
     loc = found.localization
     assert loc is not None and (loc.op, loc.module, loc.phase, loc.source_line) == ("<input>", None, "forward", None)
-    event = event_with_diagnosis(NanEvent(1, 0, 1, 0, ("loss",), "skipped"), found)
+    event = event_with_diagnosis(make_event(bare=True, global_step=1, batch_idx=1), found)
     assert (event.cause, event.culprit_op, event.culprit_module) == ("input", "<input>", None)
     assert event.details["input_fields"] == ["pixel_values"]
 
@@ -233,7 +234,7 @@ def test_loss_spike_names_the_outlier_sample_without_localising() -> None:
     found = diagnose(Regression(), (x, y), loss_threshold=100.0)
     assert (found.cause, found.offending) == ("data", [5])
     assert found.localization is None  # nothing non-finite: no origin to name
-    event = event_with_diagnosis(NanEvent(1, 0, 1, 0, ("loss_spike",), "skipped"), found)
+    event = event_with_diagnosis(make_event(bare=True, global_step=1, batch_idx=1, kinds=("loss_spike",)), found)
     assert event.details["loss_threshold"] == 100.0 and event.cause == "data"
 
 

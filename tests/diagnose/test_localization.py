@@ -1,4 +1,4 @@
-"""``localize`` / ``diagnose`` / ``hint_for`` without a Trainer, on plain modules.
+"""``localize`` / ``diagnose`` without a Trainer, on plain modules.
 
 The origin of every failure class of ``tests/models.py`` is named exactly (module, autograd op,
 phase, ``file:line``); an origin that yields -Inf, which anomaly mode misses or blames on a later
@@ -22,7 +22,6 @@ from models import BATCH_SIZE, KINDS, make_case, make_module, origin_line
 from torch import Tensor, nn
 
 from lightning_nanguard.diagnose.diagnosis import diagnose
-from lightning_nanguard.diagnose.hints import hint_for
 from lightning_nanguard.diagnose.localization import Localization, localize, user_frame
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,23 +104,6 @@ def test_localize_names_module_op_phase_and_line(kind: str, value: float | None)
     if kind not in ("bn_overflow", "input_data"):  # localize is not isolated (the caller isolates)
         assert all(torch.equal(v, state[k]) for k, v in module.state_dict().items())
     assert all(p.grad is None for p in module.parameters())  # autograd.grad, never backward
-
-
-def test_hints_for_each_class() -> None:
-    found = {}
-    for kind, (_, op, phase) in EXPECTED.items():
-        found[kind] = hint_for(op, phase)
-    assert "add eps inside the root" in found["cosine_norm"]
-    assert "add eps inside the root" in found["power_pool"]
-    assert "check the input data" in found["bn_overflow"]
-    assert "division by zero" in found["masked_div"]
-    assert "clamp the argument to [-1+eps, 1-eps]" in found["acos"]
-    assert "log(0)" in found["log_zero"]
-    assert "the batch itself holds NaN/Inf" in found["input_data"]
-    masked = hint_for("DivBackward0", "backward", masked_forward=True)
-    assert masked is not None and "mask the denominator before dividing" in masked
-    assert hint_for("LinalgVectorNormBackward0", "backward") == hint_for("SqrtBackward0", "backward")
-    assert hint_for("expBackward", "forward") is not None and hint_for(None, None) is None
 
 
 def test_masked_division_hint_in_localize() -> None:

@@ -1,4 +1,4 @@
-"""``BatchNormSnapshot`` and the BatchNorm buffer discovery, without a Trainer."""
+"""``BatchNormSnapshot`` (``lightning_nanguard.recover.batchnorm``), without a Trainer."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import math
 
 import pytest
 import torch
+from batchnorm_models import Nested
 from torch import nn
 
 from lightning_nanguard import BatchNormSnapshot
-from lightning_nanguard.detect.batchnorm import batchnorm_buffers, batchnorm_running_vars
+from lightning_nanguard.detect.batchnorm import batchnorm_buffers
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -19,63 +20,6 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
-
-
-class Nested(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3))
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(n, 4), nn.BatchNorm1d(4)) for n in (3, 4)])
-        self.no_stats = nn.BatchNorm1d(4, track_running_stats=False)
-        self.norm3d = nn.BatchNorm3d(2)
-        self.sync = nn.SyncBatchNorm(4)
-        self.layer_norm = nn.LayerNorm(4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, 2, 1, 1)
-        h = self.stem(x).flatten(1)
-        for block in self.blocks:
-            h = block(h)
-        return self.layer_norm(self.no_stats(h))
-
-
-def test_batchnorm_buffers_names_every_tracked_batchnorm() -> None:
-    names = [name for name, _ in batchnorm_buffers(Nested())]
-    expected = []
-    for module in ("stem.1", "blocks.0.1", "blocks.1.1", "norm3d", "sync"):
-        expected += [f"{module}.running_mean", f"{module}.running_var", f"{module}.num_batches_tracked"]
-    assert names == expected
-
-
-def test_batchnorm_buffers_of_a_bare_batchnorm_and_of_no_batchnorm() -> None:
-    assert [n for n, _ in batchnorm_buffers(nn.BatchNorm1d(2))] == [
-        "running_mean",
-        "running_var",
-        "num_batches_tracked",
-    ]
-    assert batchnorm_buffers(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))) == []
-
-
-def test_batchnorm_buffers_are_the_live_tensors() -> None:
-    net = nn.Sequential(nn.BatchNorm1d(3))
-    found = dict(batchnorm_buffers(net))
-    assert found["0.running_mean"] is net[0].running_mean
-    assert found["0.num_batches_tracked"] is net[0].num_batches_tracked
-
-
-def test_lazy_batchnorm_counts_once_initialised() -> None:
-    net = nn.Sequential(nn.LazyBatchNorm1d())
-    names = [n for n, _ in batchnorm_buffers(net)]
-    assert "0.running_mean" not in names  # uninitialised buffers are skipped
-    assert "0.running_var" not in names
-    net(torch.randn(4, 3))
-    assert [n for n, _ in batchnorm_buffers(net)] == ["0.running_mean", "0.running_var", "0.num_batches_tracked"]
-
-
-def test_batchnorm_running_vars() -> None:
-    net = Nested()
-    running_vars = batchnorm_running_vars(batchnorm_buffers(net))
-    assert len(running_vars) == 5
-    assert running_vars[0] is net.stem[1].running_var
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 1e21], ids=["nan", "+inf", "-inf", "1e21"])

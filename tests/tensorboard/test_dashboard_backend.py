@@ -29,6 +29,7 @@ from dashboard_runs import (
     wait_for,
     write_mixed_run,
 )
+from event_factory import make_event
 from png_reader import decode_png
 from werkzeug.test import Client
 
@@ -62,7 +63,17 @@ def write_large_run(run_dir: Path) -> list[NanEvent]:
     for i in range(LARGE_EVENTS):
         step, rank = (LARGE_EVENTS - i) // 2, i % 2
         kinds = ("loss_spike",) if i % 3 == 0 else ("grad",)
-        events.append(NanEvent(step, 0, step, rank, kinds, "skipped", dataset_indices=(i % 7,), loss=1e3 + i))
+        events.append(
+            make_event(
+                bare=True,
+                global_step=step,
+                batch_idx=step,
+                rank=rank,
+                kinds=kinds,
+                dataset_indices=(i % 7,),
+                loss=1e3 + i,
+            )
+        )
         log.append(events[-1])
     with open(log.path, "a", encoding="utf-8") as handle:
         handle.write('{"global_step": 99999, "rank": 0, "kinds": ["lo')
@@ -272,7 +283,7 @@ def test_symbolic_links_out_of_the_run_are_refused(tmp_path: Path) -> None:
     (secret / "sample-0.png").write_bytes(b"\x89PNG secret")
     (secret / "context.json").write_text(json.dumps({"event": {"global_step": 1, "rank": 0, "epoch": 0}}))
     run = tmp_path / "logs" / "run"
-    JsonlEventLog(run / "nanguard" / "events.jsonl").append(NanEvent(1, 0, 1, 0, ("loss",), "skipped"))
+    JsonlEventLog(run / "nanguard" / "events.jsonl").append(make_event(bare=True, global_step=1, batch_idx=1))
     (run / "nanguard" / INCIDENTS_DIRNAME).mkdir()
     os.symlink(secret, run / "nanguard" / INCIDENTS_DIRNAME / "step-1")
     client = plugin_client(tmp_path / "logs")

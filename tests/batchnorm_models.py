@@ -1,0 +1,25 @@
+"""A module holding every kind of BatchNorm the guard must find (and some it must not), for the BatchNorm tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["Nested"]
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3))
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(n, 4), nn.BatchNorm1d(4)) for n in (3, 4)])
+        self.no_stats = nn.BatchNorm1d(4, track_running_stats=False)
+        self.norm3d = nn.BatchNorm3d(2)
+        self.sync = nn.SyncBatchNorm(4)
+        self.layer_norm = nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, 2, 1, 1)
+        h = self.stem(x).flatten(1)
+        for block in self.blocks:
+            h = block(h)
+        return self.layer_norm(self.no_stats(h))
