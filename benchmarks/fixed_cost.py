@@ -4,13 +4,17 @@ Run from the repository root::
 
     python benchmarks/fixed_cost.py            # 2,000 steps of a Linear(2, 1), 5 repetitions
     python benchmarks/fixed_cost.py --steps 500 --repeat 3
+    python benchmarks/fixed_cost.py --logging  # also 4 logged values and 2 torchmetrics metrics a step
 
 A ``Linear(2, 1)`` trained on batches of 4 has three tiny tensors to check (two gradients and the
 loss): what the guard spends per step there is its own Python and the handful of kernels it
 launches whatever the model, the cost every step of every model pays before any per-tensor work.
 Printed: ``guard.clock.total`` per step in microseconds (median over repetitions, min-max), per
-hook, and the same guard's share of the step. Compare two versions of the package by running this
-file against each checkout in turn on a quiet machine (``PYTHONPATH=<checkout>``).
+hook, and the same guard's share of the step. With ``--logging`` the module logs four values
+(mean, sum, max, min; ``on_epoch=True``) and updates two torchmetrics metrics every step: the rise of
+``on_train_batch_start`` against a run without is what capturing them for a possible skip costs.
+Compare two versions of the package by running this file against each checkout in turn on a quiet
+machine (``PYTHONPATH=<checkout>``).
 """
 
 from __future__ import annotations
@@ -34,19 +38,31 @@ from lightning_nanguard import NanGuard
 
 
 class _Tiny(LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, logging: bool = False) -> None:
         super().__init__()
         self.layer = nn.Linear(2, 1)
+        self.logging = logging
+        if logging:
+            import torchmetrics
+
+            self.mse, self.mae = torchmetrics.MeanSquaredError(), torchmetrics.MeanAbsoluteError()
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
-        return nn.functional.mse_loss(self.layer(x).squeeze(1), y)
+        preds = self.layer(x).squeeze(1)
+        loss = nn.functional.mse_loss(preds, y)
+        if self.logging:
+            for fx in ("mean", "sum", "max", "min"):
+                self.log(f"loss_{fx}", loss, on_step=False, on_epoch=True, reduce_fx=fx)
+            self.mse.update(preds.detach(), y)
+            self.mae.update(preds.detach(), y)
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-def run(steps: int) -> tuple[float, float, dict[str, float]]:
+def run(steps: int, logging: bool = False) -> tuple[float, float, dict[str, float]]:
     """One fit of ``steps`` steps: guard microseconds per step, the guard's share of the step, per hook."""
     x = torch.randn(steps * 4, 2)
     loader = DataLoader(TensorDataset(x, x.sum(1)), batch_size=4)
@@ -55,7 +71,7 @@ def run(steps: int) -> tuple[float, float, dict[str, float]]:
     with tempfile.TemporaryDirectory() as root:
         trainer = benchmark_trainer(root, steps, [guard])
         begin = time.perf_counter()
-        trainer.fit(_Tiny(), loader)
+        trainer.fit(_Tiny(logging), loader)
         wall = time.perf_counter() - begin
     per_hook = {name: seconds / steps * 1e6 for name, seconds in guard.clock.seconds.items()}
     return guard.clock.total / steps * 1e6, guard.clock.total / wall, per_hook
@@ -65,9 +81,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--logging", action="store_true", help="4 logged values and 2 metrics every step")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results = [run(args.steps) for _ in range(args.repeat)]
+    results = [run(args.steps, args.logging) for _ in range(args.repeat)]
     totals = [r[0] for r in results]
     print(
         f"guard per step: {statistics.median(totals):.1f} us (min {min(totals):.1f}, max {max(totals):.1f}) "

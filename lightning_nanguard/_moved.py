@@ -102,10 +102,21 @@ class _ForwardingModule(types.ModuleType):
 
 
 def _importer_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside the import machinery and this module."""
+    """The ``stacklevel`` that points ``warnings.warn`` at the line importing the old path.
+
+    Frames of the import machinery and of this module are passed over; ``warnings.warn`` itself
+    does not count ``importlib._bootstrap`` frames when it walks up ``stacklevel`` frames, so
+    neither does this.
+    """
     frame, level = sys._getframe(1), 1
-    while frame is not None and ("importlib" in frame.f_code.co_filename or frame.f_code.co_filename == __file__):
-        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        internal = "importlib" in filename and "_bootstrap" in filename  # skipped by warnings.warn too
+        if not internal and "importlib" not in filename and filename != __file__:
+            break
+        if not internal:
+            level += 1
+        frame = frame.f_back  # type: ignore[assignment]
     return level
 
 

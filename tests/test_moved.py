@@ -93,12 +93,6 @@ def test_an_old_path_imports_with_one_deprecation_warning_naming_the_new_path(ol
     assert _import_warning(old) == []  # imported once: no second warning
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="source bug: _moved._importer_stacklevel counts the importlib._bootstrap frames, which warnings.warn "
-    "already skips, so the stacklevel overshoots: the warning is attributed past the importing line (to 'sys:1' "
-    "for a script), and Python's default filters, which show DeprecationWarning only for __main__, hide it",
-)
 @pytest.mark.usefixtures("fresh_old_paths")
 def test_the_warning_points_at_the_importing_line() -> None:
     (warning,) = _import_warning("lightning_nanguard.frames")

@@ -27,11 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor
-
 __all__ = ["LoggedValues"]
 
-_STATES = ("value", "cumulated_batch_size")
 _WITHDRAWN = object()  # a key that did not hold a value at the capture
 
 
@@ -60,6 +57,7 @@ class LoggedValues:
         self.unsupported: str | None = None
         self._saved: dict[str, Any] = {}
         self._withdrawn: list[Any] = []  # metrics to mark reset once the step-level values are out
+        self._checked: dict[int, Any] = {}  # result metrics whose layout was checked, by id (Metric hashes its states)
 
     @staticmethod
     def _results(trainer: Any) -> dict[str, Any] | None:
@@ -68,24 +66,36 @@ class LoggedValues:
 
     def capture(self, trainer: Any) -> None:
         """Keep the current epoch aggregates (references; call at the start of a checked step)."""
-        self.finish_withdrawals()
-        self._saved = {}
+        if self._withdrawn:
+            self.finish_withdrawals()
+        saved: dict[str, Any] = {}
+        self._saved = saved
         if self.unsupported is not None:
             return
         results = self._results(trainer)
         if results is None:
             self.unsupported = "the Trainer has no training result collection (`trainer._results`)"
             return
+        checked = self._checked
         for key, metric in results.items():
-            if not (hasattr(metric, "is_tensor") and hasattr(metric, "has_reset") and hasattr(metric, "value")):
-                self.unsupported = f"the logged value {key!r} is a {type(metric).__name__} without value/has_reset"
+            if id(metric) not in checked and not self._check(key, metric):
                 self._saved = {}
                 return
             if metric.has_reset:
-                self._saved[key] = _WITHDRAWN
+                saved[key] = _WITHDRAWN
             else:
-                states = {name: value for name in _STATES if isinstance(value := getattr(metric, name, None), Tensor)}
-                self._saved[key] = (states, getattr(metric, "_update_count", None))
+                value = metric.value
+                cumulated = metric.__dict__.get("cumulated_batch_size")
+                saved[key] = (value, cumulated, metric._update_count)
+
+    def _check(self, key: str, metric: Any) -> bool:
+        """Whether ``metric`` has the layout this module knows (checked once per result metric)."""
+        known = all(hasattr(metric, name) for name in ("is_tensor", "has_reset", "value", "_update_count"))
+        if not known:
+            self.unsupported = f"the logged value {key!r} is a {type(metric).__name__} without value/has_reset"
+            return False
+        self._checked[id(metric)] = metric  # kept alive: its id stays its own
+        return True
 
     def restore(self, trainer: Any) -> None:
         """Put the aggregates back as at :meth:`capture`; keys the dropped step logged first are withdrawn.
@@ -105,11 +115,11 @@ class LoggedValues:
                     metric._forward_cache, metric.has_reset = forward_cache, False
                 self._withdrawn.append(metric)
                 continue
-            states, update_count = saved
-            for name, value in states.items():
-                setattr(metric, name, value)
-            if update_count is not None:
-                metric._update_count = update_count
+            value, cumulated, update_count = saved
+            metric.value = value
+            if cumulated is not None:
+                metric.cumulated_batch_size = cumulated
+            metric._update_count = update_count
             metric._computed = None
 
     def finish_withdrawals(self) -> None:

@@ -139,7 +139,8 @@ class SubBatchRunner:
                 return False
             grads: Sequence[Tensor | None] = ()
             if loss.requires_grad and self.params:
-                grads = torch.autograd.grad(loss.sum(), [p for _, p in self.params], allow_unused=True)
+                with torch.enable_grad():  # the caller may run under no_grad: the forward had grad on
+                    grads = torch.autograd.grad(loss.sum(), [p for _, p in self.params], allow_unused=True)
             bad = self._nonfinite(loss, [g for g in grads if g is not None])
         self.saw_nonfinite = self.saw_nonfinite or bad
         if not bad and self.loss_threshold is not None:

@@ -123,9 +123,16 @@ class Site:
 def finite(tensors: Sequence[Any]) -> bool:
     """Whether every floating-point (or complex) tensor among ``tensors`` is finite (one read per device)."""
     checks = [
-        torch.isfinite(t).all() for t in tensors if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())
+        torch.isfinite(_stored(t)).all()
+        for t in tensors
+        if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())
     ]
     return all_true(checks)
+
+
+def _stored(tensor: Tensor) -> Tensor:
+    """The values a tensor stores: a sparse tensor's non-zero values (``isfinite`` refuses sparse layouts)."""
+    return tensor.detach().coalesce().values() if tensor.is_sparse else tensor
 
 
 class Rows:
@@ -156,7 +163,7 @@ class Rows:
                 continue
             if t.dim() > 0 and t.shape[0] == self.size and not t.is_sparse:
                 t = t.detach().index_select(0, self._index_on(t.device))
-            checks.append(torch.isfinite(t).all())
+            checks.append(torch.isfinite(_stored(t)).all())
         return all_true(checks)
 
 

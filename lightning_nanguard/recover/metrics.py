@@ -58,6 +58,7 @@ def _states(metric: nn.Module) -> list[str]:
 class _Saved:
     """One metric's state at the last capture."""
 
+    names: list[str] = field(default_factory=list)
     tensors: dict[str, Tensor] = field(default_factory=dict)
     lengths: dict[str, int] = field(default_factory=dict)
     scalars: dict[str, Any] = field(default_factory=dict)
@@ -85,8 +86,9 @@ class MetricStates:
             return
         for name, child in module.named_modules():
             if isinstance(child, metric_class) and hasattr(child, "_update_count"):
-                self.metrics.append((name, cast(nn.Module, child)))
-                self._saved.append(_Saved())
+                metric = cast(nn.Module, child)
+                self.metrics.append((name, metric))
+                self._saved.append(_Saved(_states(metric)))
         self._drop_unsupported()
 
     def _drop_unsupported(self) -> bool:
@@ -106,7 +108,7 @@ class MetricStates:
                 kept.append((name, metric))
         if found:
             self.metrics = kept
-            self._saved = [_Saved() for _ in kept]
+            self._saved = [_Saved(_states(metric)) for _, metric in kept]
             self._captured = False
         return found
 
@@ -119,37 +121,37 @@ class MetricStates:
         Returns ``True`` when a metric was found holding a state of another type since the last
         capture (it is named in :attr:`unsupported` and no longer handled).
         """
-        changed = False
-        if any(not isinstance(getattr(m, state, None), Tensor | list) for _, m in self.metrics for state in _states(m)):
-            changed = self._drop_unsupported()  # a custom update re-bound a state to another type
         targets: list[Tensor] = []
         sources: list[Tensor] = []
         for (_, metric), saved in zip(self.metrics, self._saved, strict=True):
-            saved.lengths.clear()
-            for state in _states(metric):
+            tensors, lengths = saved.tensors, saved.lengths
+            for state in saved.names:
                 value = getattr(metric, state)
-                if isinstance(value, Tensor):
-                    buffer = saved.tensors.get(state)
-                    if (
-                        buffer is None
-                        or buffer.shape != value.shape
-                        or buffer.dtype != value.dtype
-                        or (buffer.device != value.device)
-                    ):
-                        buffer = saved.tensors[state] = torch.empty_like(value, requires_grad=False)
-                    targets.append(buffer)
-                    sources.append(value.detach())
-                else:
-                    saved.tensors.pop(state, None)
-                    saved.lengths[state] = len(value)
-            saved.scalars["_update_count"] = metric._update_count
-            for name in _CACHED:
-                saved.scalars[name] = getattr(metric, name, None)
+                if type(value) is list:
+                    lengths[state] = len(value)
+                    continue
+                if not isinstance(value, Tensor):  # a custom update re-bound a state to another type
+                    changed = self._drop_unsupported()
+                    return self.capture() or changed
+                buffer = tensors.get(state)
+                if (
+                    buffer is None
+                    or buffer.shape != value.shape
+                    or buffer.dtype != value.dtype
+                    or (buffer.device != value.device)
+                ):
+                    buffer = tensors[state] = torch.empty_like(value, requires_grad=False)
+                targets.append(buffer)
+                sources.append(value)
+            scalars = saved.scalars
+            scalars["_update_count"] = metric._update_count
+            scalars["_computed"] = metric._computed
+            scalars["_forward_cache"] = getattr(metric, "_forward_cache", None)
         if targets:
             with torch.no_grad():
                 torch._foreach_copy_(targets, sources)
         self._captured = True
-        return changed
+        return False
 
     def restore(self) -> None:
         """Put every metric back as it was at the last :meth:`capture` (no-op before the first one)."""

@@ -43,13 +43,6 @@ def test_library_dirs_hold_torch_and_lightning_with_a_separator() -> None:
 PACKAGE_ROOT = Path(lightning_nanguard.__file__).resolve().parent
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="source bug: library_dirs() adds os.path.dirname(frames.py), which is lightning_nanguard/diagnose/ "
-    "since the stage layout, so the files of adapter/, core/, detect/, ... count as user code and the guard's "
-    "own frames (adapter/controller.py _inspect, adapter/incidents.py, adapter/diagnosis.py) show in an "
-    "event's call stack",
-)
 def test_no_file_of_this_package_is_user_code() -> None:
     code = UserCode()
     user = sorted(str(path.relative_to(PACKAGE_ROOT)) for path in PACKAGE_ROOT.rglob("*.py") if code.is_user(str(path)))

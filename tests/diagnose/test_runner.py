@@ -176,13 +176,6 @@ def test_the_context_is_entered_around_each_run() -> None:
     assert len(entered) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="source bug: SubBatchRunner.forward turns grad mode on only around the forward (runner.py mode()); "
-    "is_bad then calls torch.autograd.grad(loss.sum(), ...) in the caller's grad mode, so under torch.no_grad() "
-    "every run raises 'element 0 of tensors does not require grad' and diagnose() returns only an error",
-)
 def test_runs_under_no_grad_still_compute_gradients() -> None:
     runner = SubBatchRunner(SqrtOf(), torch.tensor([4.0, 0.0]))
     with torch.no_grad():

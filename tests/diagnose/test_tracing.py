@@ -85,13 +85,6 @@ def _sparse(value: float) -> Tensor:
     return torch.sparse_coo_tensor(torch.tensor([[2]]), torch.tensor([value]), (3,), check_invariants=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotImplementedError,
-    reason="source bug: tracing.finite and Rows.finite call torch.isfinite on sparse tensors, which sparse COO "
-    "does not support, so localize() raises NotImplementedError for any model with a sparse gradient "
-    "(nn.Embedding(sparse=True)): localization.py `grads_finite = finite(grads)` and the BackwardTracer hooks",
-)
 def test_finiteness_of_sparse_tensors() -> None:
     assert finite([_sparse(1.0)]) and not finite([_sparse(math.nan)])
     assert not Rows([0], 3).finite([_sparse(math.inf)])  # sparse: checked whole
