@@ -29,6 +29,8 @@ from lightning_nanguard.adapter.config import GuardSettings
 from lightning_nanguard.adapter.diagnosis import DiagnosisSettings
 from lightning_nanguard.adapter.incidents import IncidentInspector, check_module
 from lightning_nanguard.adapter.reporting import IncidentRecorder
+from lightning_nanguard.adapter.sharded_incidents import ShardedIncidentInspector
+from lightning_nanguard.adapter.sharding import ShardingLayout, sharding_notice
 from lightning_nanguard.adapter.spikes import SpikeWatch
 from lightning_nanguard.adapter.state import GuardState
 from lightning_nanguard.adapter.syncfree import DeferredStep, StepView, SyncFreeSteps
@@ -104,17 +106,14 @@ class StepController:
         self.after_step = AfterStep(self.state, self.recovery, self.recorder, self.window)
         self.named_params: list[tuple[str, nn.Parameter]] = []
         self.params: list[nn.Parameter] = []
+        self.sharding: ShardingLayout | None = None  # ModelParallelStrategy (adapter/sharding.py)
 
     # ------------------------------------------------------------------ setup
 
     def configure(self, settings: GuardSettings) -> None:
         """Take the configuration (at ``setup``); a spike detector whose settings did not change keeps its history."""
         if not settings.diagnosis.diagnose_here:
-            self.recorder.notices.warn(
-                "fsdp",
-                "NanGuard: under FSDP bad steps are detected and skipped on all ranks, but "
-                "bisection and localisation are off (they would re-run sharded forwards on one rank).",
-            )
+            self.recorder.notices.warn("fsdp", sharding_notice("fsdp")[1])  # type: ignore[index]
         self.policy, self.diagnosis = settings.policy, settings.diagnosis
         self.after_step.settings = settings.param_checks
         self.track_batchnorm, self.with_norm, self.sync_free = (
@@ -138,6 +137,9 @@ class StepController:
         self.params = [p for _, p in self.named_params]
         self.window.attach(pl_module, self.track_batchnorm)
         self.after_step.agreement, self.after_step.named_params = self.agreement, self.named_params
+        self.sharding = ShardingLayout.detect(trainer, self.params)
+        if self.sharding is not None and trainer.is_global_zero:
+            log.info("%s (%s)", sharding_notice("model_parallel")[1], self.sharding.kind)  # type: ignore[index]
         if self.sync_free:
             self.sync.attach([t for _, t in self.window.batchnorm_buffers])
             for optimizer in trainer.optimizers:
@@ -235,6 +237,8 @@ class StepController:
                 self.fail(error, "the per-step check")
         if vector is None:
             vector = local_vector(torch.tensor([0.0, -1.0, 0.0], device=pl_module.device), failed=True)
+        if self.sharding is not None:  # the norm's shares travel with the flags: still one reduce
+            return self.sharding.agree(vector, self.agreement, self._collective(pl_module))
         if self._collective(pl_module):
             vector = torch.cat((vector, self.agreement.sum(shared_part(vector))))
         return vector
@@ -306,7 +310,8 @@ class StepController:
         bn = self.window.batchnorm_buffers
         with_norm = self.with_norm or self.recorder.logging_due(trainer)
         scaler_flag = None if with_norm else scaler_found_inf(grad_scaler(trainer), optimizer)
-        summary = fused_health_check(
+        check = self.sharding.check if self.sharding is not None else fused_health_check
+        summary = check(
             grads if scaler_flag is None else [],
             others=[*self.window.losses, *(t for _, t in bn if t.is_floating_point())],
             nonnegative=self.window.running_vars,
@@ -319,7 +324,8 @@ class StepController:
         spike = loss = None
         if self.spikes is not None and pl_module.automatic_optimization:
             loss = self.window.step_loss(_loss_scale(trainer))
-            spike = self.spikes.check(loss, summary[1:2] if self.with_norm else None)
+            # sharded: slot 1 holds this rank's share of the squared norm, not the norm (its spikes are not watched)
+            spike = self.spikes.check(loss, summary[1:2] if self.with_norm and self.sharding is None else None)
         return local_vector(summary, spike, loss=loss)
 
     def _healthy(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor], health: StepHealth) -> None:
@@ -360,6 +366,16 @@ class StepController:
             return RankReport(rank, failed=True), None
         try:
             inspector = IncidentInspector(self.diagnosis, self.window, self.named_params, self.recorder, self.spikes)
+            if self.sharding is not None:  # every rank takes part in the diagnosis
+                inspector = ShardedIncidentInspector(
+                    self.diagnosis,
+                    self.window,
+                    self.named_params,
+                    self.recorder,
+                    self.spikes,
+                    layout=self.sharding,
+                    agreement=self.agreement,
+                )
             return inspector.inspect(trainer, pl_module, health, grads)
         except NonFiniteTrainingError:
             raise

@@ -73,7 +73,8 @@ def library_dirs() -> tuple[str, ...]:
     """
     import torch
 
-    dirs = [os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__))]
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # lightning_nanguard/, not diagnose/
+    dirs = [os.path.dirname(torch.__file__), package]
     for name in _LIBRARIES:
         module = sys.modules.get(name)
         module_file = getattr(module, "__file__", None) if module is not None else None

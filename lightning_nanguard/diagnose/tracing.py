@@ -21,10 +21,21 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_nanguard.core.dtensor import local_tensor
 from lightning_nanguard.core.host import all_true
 from lightning_nanguard.diagnose.frames import Frame, UserCode, class_files, library_dirs
 
-__all__ = ["BackwardTracer", "ForwardTracer", "Rows", "Site", "bn_channels_of", "finite", "function_name", "user_frame"]
+__all__ = [
+    "BackwardTracer",
+    "ForwardTracer",
+    "Rows",
+    "Site",
+    "bn_channels_of",
+    "finite",
+    "function_name",
+    "graph_leaves",
+    "user_frame",
+]
 
 
 _TAG = "nanguard"
@@ -121,9 +132,14 @@ class Site:
 
 
 def finite(tensors: Sequence[Any]) -> bool:
-    """Whether every floating-point (or complex) tensor among ``tensors`` is finite (one read per device)."""
+    """Whether every floating-point (or complex) tensor among ``tensors`` is finite (one read per device).
+
+    A ``DTensor`` is read on its local shard (no collective inside a traced pass).
+    """
     checks = [
-        torch.isfinite(t).all() for t in tensors if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())
+        torch.isfinite(local_tensor(t)).all()
+        for t in tensors
+        if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())
     ]
     return all_true(checks)
 
@@ -154,6 +170,7 @@ class Rows:
         for t in tensors:
             if not isinstance(t, Tensor) or not (t.is_floating_point() or t.is_complex()):
                 continue
+            t = local_tensor(t)
             if t.dim() > 0 and t.shape[0] == self.size and not t.is_sparse:
                 t = t.detach().index_select(0, self._index_on(t.device))
             checks.append(torch.isfinite(t).all())
@@ -173,6 +190,25 @@ def _nodes(root: Any, stop: Callable[[Any], bool] | None = None) -> Iterator[Any
             continue
         yield node
         stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def graph_leaves(loss: Tensor) -> list[Tensor]:
+    """The leaf tensors requiring grad that ``loss`` was computed from (its ``AccumulateGrad`` nodes).
+
+    What ``backward`` would write ``.grad`` of. Under FSDP2 these are the *unsharded* parameters the
+    forward used (the sharded ``DTensor`` parameters are not in the graph: ``torch.autograd.grad``
+    returns ``None`` for them), so the gradients of a re-run are this rank's own, before any
+    reduction over ranks.
+
+    Example:
+        >>> w = nn.Parameter(torch.ones(2))
+        >>> [leaf is w for leaf in graph_leaves((w * 3).sum())]
+        [True]
+    """
+    if loss.grad_fn is None:
+        return [loss] if loss.requires_grad else []
+    leaves = (getattr(node, "variable", None) for node in _nodes(loss.grad_fn))
+    return [leaf for leaf in leaves if isinstance(leaf, Tensor) and leaf.requires_grad]
 
 
 def _tagged(node: Any) -> bool:
@@ -300,6 +336,7 @@ def bn_bad_channels(bn: nn.Module) -> list[int]:
     mean, var = getattr(bn, "running_mean", None), getattr(bn, "running_var", None)
     if not isinstance(mean, Tensor) or not isinstance(var, Tensor):
         return []
+    mean, var = local_tensor(mean), local_tensor(var)
     bad = ~torch.isfinite(var) | ~torch.isfinite(mean) | (var < 0)
     return [int(c) for c in bad.nonzero().flatten().tolist()]
 
