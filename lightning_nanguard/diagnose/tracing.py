@@ -39,9 +39,15 @@ __all__ = [
 
 
 _TAG = "nanguard"
-# Ops that create deliberate infinities (attention masks, sentinels): never an "origin".
+# Ops that create deliberate infinities (attention masks, sentinels), or uninitialised memory (FSDP2's
+# all-gather buffers, allocated inside the traced forward): never an "origin".
 _CONSTANT_OPS = frozenset(
     {
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
         "masked_fill",
         "masked_fill_",
         "fill_",
@@ -301,7 +307,7 @@ class ForwardTracer(TorchFunctionMode):
                 self.first_nonfinite = (tracked.name(), site or self._site(func, True))
         if nonfinite and self.origin is None and func_name not in _CONSTANT_OPS:
             inputs = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, Tensor)]
-            if self.rows.finite(inputs):
+            if inputs and self.rows.finite(inputs):  # an op of no tensor makes a constant, not a NaN/Inf of the run
                 grad_fn = next((t.grad_fn for t in outputs if t.grad_fn is not None), None)
                 op = grad_fn.name() if grad_fn is not None else func_name
                 self.origin = (op, site or self._site(func, True))
