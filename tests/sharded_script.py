@@ -39,6 +39,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_nanguard import NanGuard, NonFiniteTrainingError
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_reads import HostReadCounter  # the tests' helper, next to this script
+
 BATCH = 8
 FEATURES = 4
 MESHES: dict[str, tuple[int, int]] = {"fsdp2": (2, 1), "tp": (1, 2), "2d": (2, 2)}  # (data parallel, tensor parallel)
@@ -109,7 +112,8 @@ RESUME = Fit(
     diverge_at=8,
     resume_from="save",
 )
-RUNS: dict[str, tuple[Fit, ...]] = {"main": (MAIN, SYNC_FREE), "resume": (SAVE, RESUME), "main_only": (MAIN,)}
+FITS: dict[str, Fit] = {fit.name: fit for fit in (MAIN, SYNC_FREE, SAVE, RESUME)}
+RUNS: dict[str, tuple[Fit, ...]] = {"all": tuple(FITS.values()), **{name: (fit,) for name, fit in FITS.items()}}
 
 
 class Gate(nn.Module):
@@ -134,14 +138,15 @@ class Net(nn.Module):
         self.down = nn.Linear(16, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.up(self.norm(self.gate(x))))).squeeze(-1)
+        return self.down(self.act(self.up(self.norm(self.gate(x)))))
 
 
 class Sharded(pl.LightningModule):
-    def __init__(self, mesh: str, fit: Fit) -> None:
+    def __init__(self, mesh: str = "fsdp2", fit: str = "main") -> None:
         super().__init__()
+        self.save_hyperparameters()  # a repro bundle rebuilds the module (unsharded) from them
         torch.manual_seed(0)  # the same initial weights on every rank
-        self.mesh_name, self.fit_config = mesh, fit
+        self.mesh_name, self.fit_config = mesh, FITS[fit]
         self.net = Net(batchnorm=mesh == "fsdp2")
 
     def configure_model(self) -> None:
@@ -157,7 +162,7 @@ class Sharded(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         x = x / x.norm(dim=1, keepdim=True)  # FORWARD ORIGIN
-        return nn.functional.mse_loss(self.net(x), y)
+        return nn.functional.mse_loss(self.net(x).squeeze(-1), y)
 
     def train_dataloader(self) -> DataLoader:
         dp_mesh = self.device_mesh["data_parallel"]
@@ -214,6 +219,7 @@ class Probe(pl.Callback):
         self.fit, self.guard = fit, guard
         self.loaded: dict[str, Any] | None = None  # the guard's state when training starts (after a resume)
         self.skipped: list[int] = []
+        self.events_at_batch_end: list[int] = []  # the guard's event count (sync-free: one step late)
         self.lr: list[float] = []
         self.rollback_bitwise: bool | None = None
         self.first_weights_finite: bool | None = None
@@ -239,6 +245,7 @@ class Probe(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step - 1
         self.lr.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
+        self.events_at_batch_end.append(len(self.guard.events))
         if step != self.fit.diverge_at and _same(self._before, _shards(pl_module)):
             self.skipped.append(step)
         if self.fit.diverge_at is not None and step == self.fit.diverge_at and self.rollback_bitwise is None:
@@ -248,6 +255,29 @@ class Probe(pl.Callback):
         if self.fit.nonfinite_weights_at is not None and step == self.fit.nonfinite_weights_at:
             with torch.no_grad():
                 _local(pl_module.net.down.weight).fill_(float("nan"))  # NaN weights right before the save
+
+
+class CountingNanGuard(NanGuard):
+    """NanGuard counting the host reads of its per-step hooks (sync-free ones of its own host copy excluded)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reads_per_step: list[int] = []
+        self._counter = HostReadCounter(ignore_host_copies=True)
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._counter.reads.clear()
+        with self._counter:
+            super().on_train_batch_start(*args)
+
+    def on_before_backward(self, *args: Any) -> None:
+        with self._counter:
+            super().on_before_backward(*args)
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        with self._counter:
+            super().on_before_optimizer_step(*args)
+        self.reads_per_step.append(sum(self._counter.reads.values()))
 
 
 class CheckpointContents(pl.Callback):
@@ -264,7 +294,11 @@ class CheckpointContents(pl.Callback):
                 "step": trainer.global_step,
                 "finite": finite,
                 "substituted_step": checkpoint.get("nanguard_substituted_step"),
-                "has_guard_state": any("NanGuard" in str(key) for key in checkpoint.get("callbacks", {})),
+                "per_rank_states": [
+                    len(per_rank)
+                    for key, state in checkpoint.get("callbacks", {}).items()
+                    if "NanGuard" in str(key) and (per_rank := state.get("per_rank")) is not None
+                ],
             }
         )
 
@@ -280,7 +314,7 @@ def _full_hashes(module: nn.Module) -> dict[str, str]:
 
 def run_fit(mesh: str, fit: Fit, out_dir: str) -> None:
     dp, tp = MESHES[mesh]
-    guard = NanGuard(verbose=False, **fit.guard)
+    guard = CountingNanGuard(verbose=False, **fit.guard)
     probe, contents = Probe(fit, guard), CheckpointContents()
     callbacks: list[pl.Callback] = [probe, guard, contents]
     checkpoint_dir = os.path.join(out_dir, f"checkpoints-{fit.name}")
@@ -293,7 +327,7 @@ def run_fit(mesh: str, fit: Fit, out_dir: str) -> None:
         accelerator="cpu",
         devices=dp * tp,
         max_steps=fit.steps,
-        max_epochs=1,
+        max_epochs=-1,  # max_steps ends the fit (a resumed fit starts a new epoch)
         logger=False,
         enable_checkpointing=fit.checkpoint_every is not None,
         enable_progress_bar=False,
@@ -302,7 +336,7 @@ def run_fit(mesh: str, fit: Fit, out_dir: str) -> None:
         default_root_dir=os.path.join(out_dir, fit.name),
         callbacks=callbacks,
     )
-    module = Sharded(mesh, fit)
+    module = Sharded(mesh, fit.name)
     ckpt_path = None
     if fit.resume_from is not None:
         folder = os.path.join(out_dir, f"checkpoints-{fit.resume_from}")
@@ -323,6 +357,8 @@ def run_fit(mesh: str, fit: Fit, out_dir: str) -> None:
         "active": guard.active,
         "error": error,
         "skipped_steps": probe.skipped,
+        "reads_per_step": guard.reads_per_step,
+        "events_at_batch_end": probe.events_at_batch_end,
         "lr": probe.lr,
         "rollback_bitwise": probe.rollback_bitwise,
         "loaded": probe.loaded,

@@ -43,7 +43,13 @@ if TYPE_CHECKING:
 
     from lightning_nanguard.recover.recovery import Recovery
 
-__all__ = ["ShardingLayout", "make_sharded_checkpoint_finite_", "sharding_notice"]
+__all__ = [
+    "ShardingLayout",
+    "make_sharded_checkpoint_finite_",
+    "own_rank_state",
+    "share_rank_states_",
+    "sharding_notice",
+]
 
 log = logging.getLogger("lightning_nanguard")
 
@@ -198,8 +204,9 @@ def make_sharded_checkpoint_finite_(
         snapshot.module.copy_into(pl_module.state_dict())
         for mirror, optimizer in zip(snapshot.optimizers, optimizers, strict=False):
             optimizer.load_state_dict(tree_map(_clone, mirror.value()))  # never alias the snapshot's buffers
-        checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
-        checkpoint["optimizer_states"] = [trainer.strategy.optimizer_state(o) for o in optimizers]
+        # copies: on a CPU device the strategy's "offloaded" state dicts are the live tensors themselves
+        checkpoint["state_dict"] = tree_map(_clone, trainer.strategy.lightning_module_state_dict())
+        checkpoint["optimizer_states"] = [tree_map(_clone, trainer.strategy.optimizer_state(o)) for o in optimizers]
     finally:
         current.module.copy_into(pl_module.state_dict())
         for mirror, optimizer in zip(current.optimizers, optimizers, strict=False):
@@ -208,3 +215,46 @@ def make_sharded_checkpoint_finite_(
     return (
         f"the weights hold NaN/Inf; the checkpoint holds the last good snapshot's shards (step {snapshot.global_step})"
     )
+
+
+PER_RANK_KEY = "per_rank"
+PER_RANK_FIELDS = ("spikes", "events")
+"""What each rank keeps of its own: the spike statistic of its own losses, the events it recorded."""
+
+
+def share_rank_states_(
+    checkpoint: dict[str, Any], state_key: str, own: dict[str, Any], agreement: RankAgreement
+) -> None:
+    """Put every rank's own part of the guard's state into the checkpoint (every rank calls it: a gather).
+
+    Each data-parallel rank has its own spike statistic (of its own losses) and its own events, but
+    Lightning writes the callbacks' state of rank zero only; :func:`own_rank_state` gives each rank
+    its own back on load. ``own``: this rank's ``state_dict()`` (only :data:`PER_RANK_FIELDS` are sent).
+    """
+    if not agreement.distributed:
+        return
+    states = agreement.gather({key: own.get(key) for key in PER_RANK_FIELDS})
+    guard_state = checkpoint.get("callbacks", {}).get(state_key)
+    if isinstance(guard_state, dict):
+        guard_state[PER_RANK_KEY] = states
+
+
+def own_rank_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The guard's checkpointed ``state`` with this rank's own parts (when saved per rank, in a world of that size).
+
+    Example:
+        >>> saved = {"spikes": {}, "events": [], "per_rank": [{"spikes": {"loss": {"history": [1.0]}}, "events": []}]}
+        >>> own_rank_state(saved)["spikes"]
+        {'loss': {'history': [1.0]}}
+    """
+    per_rank = state.get(PER_RANK_KEY)
+    if not isinstance(per_rank, list):
+        return state
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
+    if len(per_rank) != world or not isinstance(per_rank[rank], dict):
+        return state
+    mine = {key: value for key, value in per_rank[rank].items() if key in PER_RANK_FIELDS and value is not None}
+    return {**state, **mine}
