@@ -182,7 +182,11 @@ class Sharded(pl.LightningModule):
         return DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=sampler)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=1e-2, fused=self.fit_config.fused)
+        # torch's fused Adam refuses a group mixing DTensor and plain parameters (tensor parallel leaves the gate
+        # plain): one group of each
+        params = list(self.parameters())
+        groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+        return torch.optim.Adam([{"params": g} for g in groups if g], lr=1e-2, fused=self.fit_config.fused)
 
 
 def dataset_index(step: int, position: int, dp: int, dp_rank: int) -> int:
