@@ -12,8 +12,8 @@ from lightning_nanguard.adapter.sharded_incidents import Finding, Outcome, plan_
 from lightning_nanguard.adapter.sharding import (
     ShardingLayout,
     own_rank_state,
-    share_rank_states_,
     sharding_notice,
+    share_rank_states_,
 )
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.decide.policy import StepHealth, local_vector
