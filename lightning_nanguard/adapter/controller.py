@@ -138,7 +138,7 @@ class StepController:
         self.window.attach(pl_module, self.track_batchnorm)
         self.after_step.agreement, self.after_step.named_params = self.agreement, self.named_params
         self.sharding = ShardingLayout.detect(trainer, self.params)
-        if self.sharding is not None and trainer.is_global_zero:
+        if self.sharding is not None and self.sharding.diagnoses_together and trainer.is_global_zero:
             log.info("%s (%s)", sharding_notice("model_parallel")[1], self.sharding.kind)  # type: ignore[index]
         if self.sync_free:
             self.sync.attach([t for _, t in self.window.batchnorm_buffers])
@@ -366,7 +366,7 @@ class StepController:
             return RankReport(rank, failed=True), None
         try:
             inspector = IncidentInspector(self.diagnosis, self.window, self.named_params, self.recorder, self.spikes)
-            if self.sharding is not None:  # every rank takes part in the diagnosis
+            if self.sharding is not None and self.sharding.diagnoses_together:  # every rank takes part
                 inspector = ShardedIncidentInspector(
                     self.diagnosis,
                     self.window,

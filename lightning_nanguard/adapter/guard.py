@@ -363,7 +363,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """Never save non-finite weights: save the last good snapshot instead, or refuse."""
         try:
-            if self.controller.sharding is not None:  # every rank's shards, in the strategy's own format
+            sharding = self.controller.sharding
+            if sharding is not None and sharding.diagnoses_together:  # every rank's shards, the strategy's format
                 substituted = make_sharded_checkpoint_finite_(
                     trainer, pl_module, self.recovery, checkpoint, self.controller.agreement
                 )

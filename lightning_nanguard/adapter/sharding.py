@@ -82,7 +82,9 @@ class ShardingLayout:
     """How the model is sharded over the ranks, as far as the guard is concerned.
 
     Attributes:
-        kind: ``"fsdp2"``, ``"tensor_parallel"``, ``"fsdp2+tensor_parallel"`` or ``"sharded"`` (DTensors, no mesh).
+        kind: ``"fsdp2"``, ``"tensor_parallel"``, ``"fsdp2+tensor_parallel"``, ``"sharded"`` (DTensors, no
+            mesh) or ``"fsdp1"`` (``FSDPStrategy``: plain tensors, each rank's flat shard; only the
+            norm is sharded-aware there, the diagnosis is off).
         rank: this rank (global).
         world_size: number of ranks.
         peers: global ranks that share this rank's batch (the tensor-parallel group), itself included.
@@ -103,10 +105,13 @@ class ShardingLayout:
     def detect(cls, trainer: Trainer, params: Sequence[Tensor]) -> ShardingLayout | None:
         """The layout of a ``ModelParallelStrategy`` run (or of a model with ``DTensor`` parameters), else ``None``."""
         strategy = trainer.strategy
-        if strategy_kind(strategy) != "model_parallel" and not any_dtensor(params):
+        kind = strategy_kind(strategy)
+        if kind not in ("model_parallel", "fsdp") and not any_dtensor(params):
             return None
         rank, world = int(trainer.global_rank), int(trainer.world_size)
         device = torch.device(getattr(strategy, "root_device", "cpu"))
+        if kind == "fsdp" and not any_dtensor(params):
+            return cls("fsdp1", rank, world, (rank,), world, 1, device)
         mesh = getattr(strategy, "_device_mesh", None)
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
         if mesh is None or "tensor_parallel" not in names:
@@ -117,6 +122,11 @@ class ShardingLayout:
         dp = mesh["data_parallel"].size() if "data_parallel" in names else max(1, world // tp)
         kind = "fsdp2+tensor_parallel" if dp > 1 and tp > 1 else ("tensor_parallel" if tp > 1 else "fsdp2")
         return cls(kind, rank, world, peers, dp, tp, device)
+
+    @property
+    def diagnoses_together(self) -> bool:
+        """Whether a bad step is re-run on every rank in lockstep (``DTensor`` models; not FSDP1)."""
+        return self.kind != "fsdp1"
 
     @property
     def leader(self) -> int:
@@ -131,8 +141,13 @@ class ShardingLayout:
         device: torch.device,
         with_norm: bool,
     ) -> Tensor:
-        """``[flag, share of the squared norm, others_flag]`` of this rank's shards (see module docs)."""
-        weights = shard_weights(grads, self.world_size) if with_norm else None
+        """``[flag, share of the squared norm, others_flag]`` of this rank's shards (see module docs).
+
+        FSDP1's gradients are plain tensors, each rank's flat shard: counted once each.
+        """
+        weights = None
+        if with_norm:
+            weights = [1.0] * len(grads) if self.kind == "fsdp1" else shard_weights(grads, self.world_size)
         return sharded_health_check(grads, others, nonnegative, device=device, with_norm=with_norm, weights=weights)
 
     def agree(self, vector: Tensor, agreement: RankAgreement, collective: bool) -> Tensor:

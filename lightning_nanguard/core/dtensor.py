@@ -12,6 +12,7 @@ of squares over every rank's local shards counts each element once: the global g
 ``clip_grad`` without a gather.
 
 Example:
+    >>> import torch
     >>> local_tensor(torch.ones(2)).tolist(), is_dtensor(torch.ones(2))
     ([1.0, 1.0], False)
     >>> replicas(torch.ones(2), world_size=4)  # a plain tensor: every rank holds a copy
