@@ -44,7 +44,7 @@ def _scenario(rank: int) -> dict[str, Any]:
     for _ in range(1 if rank == 0 else 3):
         lockstep.tick(lambda: (_collective_pass(), (rank == 1, rank == 1))[1])
     lockstep.finish()
-    out["uneven_ticks"] = lockstep.ticks
+    out["uneven_passes"] = lockstep.passes
     # 2. peers share the verdict: bad on rank 1 only, bad for both
     lockstep = Lockstep([0, 1], dummy=_collective_pass)
     out["shared_verdict"] = lockstep.tick(lambda: (_collective_pass(), (rank == 1, False))[1])
@@ -60,7 +60,7 @@ def _scenario(rank: int) -> dict[str, Any]:
         except LockstepAborted:
             seen.append("aborted")
     lockstep.finish()
-    out["failure"] = {"seen": seen, "ticks": lockstep.ticks, "reason": lockstep.aborted}
+    out["failure"] = {"seen": seen, "passes_run": lockstep.passes, "reason": lockstep.aborted}
     # 4. a real diagnosis on rank 1 (sample 2 is 0: log(0)), rank 0 helps with dummy passes
     net = _Net()
     healthy = torch.tensor([1.0, 2.0])
@@ -72,7 +72,7 @@ def _scenario(rank: int) -> dict[str, Any]:
         found = diagnose(net, batch, runner_factory=factory, reference_batch=healthy)
     lockstep.finish()
     out["diagnosis"] = {
-        "ticks": lockstep.ticks,
+        "passes_run": lockstep.passes,
         "offending": found.offending if found is not None else None,
         "cause": found.cause if found is not None else None,
         "op": found.localization.op if found is not None and found.localization is not None else None,

@@ -5,6 +5,9 @@ parallel 2, a BatchNorm layer), ``tp`` (tensor parallel 2) and ``2d`` (data para
 parallel 2, 4 processes), and ``RUN`` one of :data:`RUNS`: a list of fits made one after the other
 in the same processes (a multi-process start costs more than a fit of this model).
 
+``abort``: the bisection cannot cut half a batch on the last rank: the diagnosis must stop on
+every rank at the same pass, say why in the event, and training go on.
+
 Every fit writes ``<fit>-rank<N>.json`` per rank: the steps whose update left every local shard
 bitwise unchanged, the events, counters, learning rate, whether the guard is still active, a hash
 of each parameter's *full* tensor (gathered at the end, on every rank) and of the BatchNorm
@@ -112,7 +115,22 @@ RESUME = Fit(
     diverge_at=8,
     resume_from="save",
 )
-FITS: dict[str, Fit] = {fit.name: fit for fit in (MAIN, SYNC_FREE, SAVE, RESUME)}
+
+
+class FailingSlicer:
+    """Cuts a batch like the built-in slicer, except that the last rank cannot cut half a batch (4 samples).
+
+    (A reference sample and a dummy pass take 2, a BatchNorm model's single sample is run as a pair.)
+    """
+
+    def __call__(self, batch: Any, positions: Any) -> Any:
+        if len(positions) == BATCH // 2 and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+            raise ValueError("the last rank cannot cut half a batch")
+        return tuple(t[list(positions)] for t in batch)
+
+
+ABORT = Fit("abort", steps=3, guard={"batch_slicer": FailingSlicer()}, zero_record=(1, 3))
+FITS: dict[str, Fit] = {fit.name: fit for fit in (MAIN, SYNC_FREE, SAVE, RESUME, ABORT)}
 RUNS: dict[str, tuple[Fit, ...]] = {"all": tuple(FITS.values()), **{name: (fit,) for name, fit in FITS.items()}}
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -184,8 +184,10 @@ class ShardedIncidentInspector(IncidentInspector):
     ) -> tuple[RankReport, NanEvent | None]:
         """This rank's report and the event it records (``None``: another rank records it, or none)."""
         rank = trainer.global_rank
+        # a failing rank skips this inspector altogether: with a failure anywhere, no collective here
+        together = self.agreement.distributed and not health.ranks_failed
         grad_norm = health.grad_norm
-        if grad_norm < 0:  # not computed this step: the global norm (the same test on every rank)
+        if grad_norm < 0 and together:  # not computed this step: the global norm (the same test on every rank)
             grad_norm = self.layout.global_norm_now(grads, self.agreement, self.layout.device)
         failed = False
         event: NanEvent | None = None
@@ -195,7 +197,7 @@ class ShardedIncidentInspector(IncidentInspector):
         except Exception as error:  # never skip the collectives below: this rank fails the step instead
             log.warning("NanGuard: the check of a bad step failed on rank %d: %r", rank, error, exc_info=True)
             failed = True
-        if health.ranks_failed or not self.agreement.distributed:
+        if not together:
             return self._report(rank, event, spiked, failed), event
         finding = self._finding(rank, health, event, spiked)
         findings = self.agreement.gather(finding)
@@ -263,9 +265,10 @@ class ShardedIncidentInspector(IncidentInspector):
         grad_norm: float,
     ) -> tuple[NanEvent | None, bool]:
         """Search (or help) in lockstep, share the outcomes, record where the incident is; every rank."""
+        # the same plan on every rank; everything rank-local below is inside a try, so that every rank
+        # reaches every collective (the ticks, the gathers) whatever happens on it
         searching = self.layout.peers in plan
         threshold = plan.get(self.layout.peers)
-        base = self._base_event(trainer, findings, event, spiked, threshold, grad_norm) if searching else event
         weights = sorted({name for f in findings for name in f.nonfinite_weights})
         lockstep = Lockstep(self.layout.peers, self._dummy(trainer, pl_module), device=self.layout.device)
         outcome = Outcome(trainer.global_rank, self.layout.peers, searched=searching, event=event)
@@ -274,7 +277,8 @@ class ShardedIncidentInspector(IncidentInspector):
             diagnosis: Diagnosis | None = None
             error: str | None = None
             try:
-                if searching and base is not None:
+                if searching:
+                    base = self._base_event(trainer, findings, event, spiked, threshold, grad_norm)
                     diagnosis, chosen = self._search(trainer, pl_module, lockstep, threshold, weights)
                     outcome = self._outcome(trainer, base, diagnosis, chosen, threshold)
             except Exception as caught:  # a bug on this rank: it stops searching, the others carry on
@@ -295,7 +299,10 @@ class ShardedIncidentInspector(IncidentInspector):
             chosen_events = recorders(outcomes)
             mine = chosen_events.get(trainer.global_rank)
             if mine is not None:
-                mine = self._merged(mine, findings, outcomes, lockstep)
+                try:
+                    mine = self._merged(mine, findings, outcomes, lockstep)
+                except Exception as caught:  # the event as found is recorded instead
+                    log.warning("NanGuard: could not merge the ranks' findings: %r", caught, exc_info=True)
             mine = self._save_bundles(trainer, pl_module, mine, chosen_events, diagnosis, chosen)
         if mine is None:
             return None, False
@@ -309,7 +316,7 @@ class ShardedIncidentInspector(IncidentInspector):
         spiked: bool,
         threshold: float | None,
         grad_norm: float,
-    ) -> NanEvent | None:
+    ) -> NanEvent:
         """The event this rank's search fills: its own, or one made from what every rank found."""
         if threshold is not None:  # a spike search: the rank's own spike event (its peers' are the same)
             if event is not None and spiked:
@@ -330,8 +337,12 @@ class ShardedIncidentInspector(IncidentInspector):
             grad_norm=grad_norm,
         )
 
-    def _dummy(self, trainer: Trainer, pl_module: LightningModule) -> Any:
-        """The pass a rank runs while others search: a healthy reference sub-batch (identical across peers)."""
+    def _dummy(self, trainer: Trainer, pl_module: LightningModule) -> Callable[[], None]:
+        """The pass a rank runs while others search: a healthy reference sub-batch (identical across peers).
+
+        Never raises: without a batch to run, the returned pass raises, and the first tick that needs
+        it stops the diagnosis on every rank.
+        """
         slicer = self.settings.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
         batch = self.window.reference
         if batch is None and self.window.micro_batches:
@@ -340,15 +351,23 @@ class ShardedIncidentInspector(IncidentInspector):
                 batch = (slicer or slice_batch)(first, list(range(DUMMY_SIZE)))
             except Exception:  # an unsliceable batch: the whole batch
                 batch = first
-        runner = SubBatchRunner(
-            pl_module,
-            batch,
-            training_step_of(pl_module),
-            self.window.batch_idx,
-            slicer,
-            trainer.precision_plugin.train_step_context,
-            grads_from_graph=True,
-        )
+        try:
+            runner = SubBatchRunner(
+                pl_module,
+                batch,
+                training_step_of(pl_module),
+                self.window.batch_idx,
+                slicer,
+                trainer.precision_plugin.train_step_context,
+                grads_from_graph=True,
+            )
+        except Exception as error:
+            reason = f"no batch for the passes of a rank that does not search: {error!r}"
+
+            def cannot() -> None:
+                raise RuntimeError(reason)
+
+            return cannot
 
         def run() -> None:
             runner.run(*runner.prepare(range(runner.size)))
@@ -431,7 +450,7 @@ class ShardedIncidentInspector(IncidentInspector):
             "kind": self.layout.kind,
             "data_parallel": self.layout.data_parallel_size,
             "tensor_parallel": self.layout.tensor_parallel_size,
-            "lockstep_passes": lockstep.ticks,
+            "lockstep_passes": lockstep.passes,
             "searched_ranks": [o.rank for o in outcomes if o.searched],
         }
         errors = [f"rank {o.rank}: {o.error}" for o in outcomes if o.error]

@@ -124,7 +124,8 @@ def supported_strategy_kind(strategy: Any) -> str:
     if kind == "deepspeed":
         raise NonFiniteTrainingError(
             "NanGuard does not support DeepSpeed: its engine owns the optimizer step, so a bad step cannot be "
-            "skipped from Lightning. Remove NanGuard, or use DDP/FSDP.",
+            "skipped from Lightning. Remove NanGuard, or shard "
+            "with ModelParallelStrategy (FSDP2, tensor parallelism), which NanGuard guards in full, or use DDP.",
             [],
         )
     return kind

@@ -3,11 +3,13 @@
 Under FSDP2 every forward all-gathers the parameters of each sharded module and every backward
 gathers them again; under tensor parallelism activations are all-reduced inside the forward and
 the backward. A re-run of ``training_step`` on one rank alone therefore hangs: every rank must
-run a pass at the same moment, through the same modules.
+run a pass at the same moment, through the same modules (and, for ranks that share a batch, on
+the same sub-batch).
 
-:class:`Lockstep` is the protocol. Time is cut into *ticks*; in each tick every rank of the world
-runs exactly one forward/backward pass, then takes part in one small ``all_gather`` of
-``[bad, non-finite, has loss, done, failed]``:
+:class:`Lockstep` is the protocol. Time is cut into *ticks*. In each tick every rank of the world
+says whether it can run its pass and whether it is done (one small ``all_gather``), runs exactly
+one forward/backward pass, and shares its verdict (a second one, of ``[bad, non-finite, has loss,
+done, failed]`` per rank):
 
 - a rank that *searches* (its batch holds the incident) runs the pass its diagnosis asks for
   (:class:`LockstepRunner` is the :class:`~lightning_nanguard.diagnose.runner.SubBatchRunner` whose
@@ -15,11 +17,14 @@ runs exactly one forward/backward pass, then takes part in one small ``all_gathe
   ranks search one batch together: a NaN/Inf in any of their shards makes the sub-batch bad for
   all of them, so they follow the same search);
 - a rank that does not search, or has finished, runs a *dummy* pass (a healthy reference
-  sub-batch) in :meth:`Lockstep.finish` and says it is done; when every rank says so in the same
-  tick, all leave together;
-- a rank whose pass cannot run (the sub-batch cannot be cut, the step raises) runs the dummy pass
-  instead and says it failed: every rank sees that in the same tick, and every diagnosis stops
-  there (:class:`LockstepAborted`), without another collective.
+  sub-batch) in :meth:`Lockstep.finish`; when every rank says it is done, all leave together,
+  before another pass;
+- a rank whose pass cannot be prepared (the sub-batch cannot be cut) says so before the pass:
+  every rank sees it in the same tick and no rank runs that pass (its tensor-parallel peers
+  would otherwise wait in a collective of another shape); every diagnosis stops there
+  (:class:`LockstepAborted`), without another collective, and the reason goes into the event.
+  A pass that raises after its first collective cannot be matched by the other ranks: they wait
+  in that collective until the process group's timeout (the user's step raising on one rank only).
 
 The gradients of a pass are this rank's own: they are taken with respect to the leaves of the
 loss's graph (under FSDP2 the unsharded parameters the forward used), so nothing is
@@ -27,9 +32,9 @@ reduce-scattered and no rank's verdict mixes in another's samples.
 
 Example (one process: a lockstep of one rank is a plain diagnosis):
     >>> step = Lockstep(peers=[0], dummy=lambda: None)
-    >>> step.tick(lambda: (True, True)), step.ticks
+    >>> step.tick(lambda: (True, True)), step.passes
     ((True, True), 1)
-    >>> step.finish(), step.ticks  # nobody to wait for
+    >>> step.finish(), step.passes  # nobody to wait for
     (None, 1)
 """
 
@@ -65,7 +70,12 @@ class Lockstep:
             search runs while others search).
         group: the process group every rank of the run belongs to (default: the world).
         device: where the exchanged flags live (the backend's device: CUDA for NCCL).
-        max_ticks: a safety cap; a rank past it stops searching (its passes are capped anyway).
+        max_passes: a safety cap; past it a rank's next pass counts as one that cannot run.
+
+    Attributes:
+        passes: forward/backward passes this rank ran in lockstep (the same on every rank).
+        aborted: why the diagnosis stopped on every rank (``None``: it did not).
+        failure: this rank's own reason, when it could not run a pass.
     """
 
     def __init__(
@@ -74,16 +84,16 @@ class Lockstep:
         dummy: Callable[[], Any],
         group: Any = None,
         device: torch.device | None = None,
-        max_ticks: int = 10_000,
+        max_passes: int = 10_000,
     ) -> None:
         self.peers = sorted(set(peers))
         self.dummy = dummy
         self.group = group
         self.device = device if device is not None else torch.device("cpu")
-        self.max_ticks = max_ticks
-        self.ticks = 0
+        self.max_passes = max_passes
+        self.passes = 0
         self.aborted: str | None = None
-        self.failure: str | None = None  # this rank's own reason, when it could not run a pass
+        self.failure: str | None = None
 
     @property
     def distributed(self) -> bool:
@@ -93,7 +103,7 @@ class Lockstep:
     def tick(self, run: Callable[[], Verdict | None], failure: BaseException | None = None) -> Verdict | None:
         """Run ``run`` (one pass) with every rank; the verdict of the ranks sharing this batch.
 
-        ``failure``: the pass cannot run here (the dummy pass runs instead, and every rank stops).
+        ``failure``: this rank cannot run its pass (then no rank runs it, and every rank stops).
         Returns ``None`` when no rank sharing the batch got a loss out of the step.
 
         Raises:
@@ -101,16 +111,15 @@ class Lockstep:
         """
         if self.aborted is not None:
             raise LockstepAborted(self.aborted)
-        if self.ticks >= self.max_ticks:
-            failure = failure or RuntimeError(f"more than {self.max_ticks} passes")
+        if failure is None and self.passes >= self.max_passes:
+            failure = RuntimeError(f"more than {self.max_passes} passes")
+        self._stop_if_failed(self._exchange(None, done=False, failed=failure is not None), failure)
         verdict: Verdict | None = None
-        if failure is None:
-            try:
-                verdict = run()
-            except Exception as error:  # said to every rank below, re-raised as LockstepAborted
-                failure = error
-        else:
-            failure = self._dummy(failure)
+        try:
+            verdict = run()
+        except Exception as error:  # said to every rank in the verdict, re-raised as LockstepAborted
+            failure = error
+        self.passes += 1
         table = self._exchange(verdict, done=False, failed=failure is not None)
         self._stop_if_failed(table, failure)
         rows = table[self._peer_rows()]
@@ -123,24 +132,25 @@ class Lockstep:
         if not self.distributed:
             return
         while self.aborted is None:
-            failure = self._dummy(None)
-            table = self._exchange(None, done=True, failed=failure is not None)
+            table = self._exchange(None, done=True, failed=False)
             try:
-                self._stop_if_failed(table, failure)
+                self._stop_if_failed(table, None)
             except LockstepAborted:
                 return
             if bool(table[:, _DONE].all()):
                 return
+            failure: BaseException | None = None
+            try:
+                self.dummy()
+            except Exception as error:  # reported to every rank
+                failure = error
+            self.passes += 1
+            try:
+                self._stop_if_failed(self._exchange(None, done=True, failed=failure is not None), failure)
+            except LockstepAborted:
+                return
 
     # ------------------------------------------------------------------ internals
-
-    def _dummy(self, failure: BaseException | None) -> BaseException | None:
-        """Run the dummy pass; return the failure to report (the given one, or the dummy's own)."""
-        try:
-            self.dummy()
-        except Exception as error:  # reported to every rank
-            return failure or error
-        return failure
 
     def _peer_rows(self) -> list[int]:
         if not self.distributed:
@@ -149,7 +159,6 @@ class Lockstep:
 
     def _exchange(self, verdict: Verdict | None, done: bool, failed: bool) -> torch.Tensor:
         """Every rank's flags, one row per rank (one ``all_gather`` and one host read)."""
-        self.ticks += 1
         bad, nonfinite = verdict if verdict is not None else (False, False)
         flags = [float(bad), float(nonfinite), float(verdict is not None), float(done), float(failed)]
         local = torch.tensor(flags, dtype=torch.float32, device=self.device)
@@ -168,7 +177,7 @@ class Lockstep:
             log.warning("NanGuard: a diagnosis pass could not run on this rank: %r", failure, exc_info=failure)
         ranks = ", ".join(str(r) for r in failed)
         self.aborted = (
-            f"the diagnosis stopped on every rank after {self.ticks} passes: rank {ranks} could not run its pass"
+            f"the diagnosis stopped on every rank after {self.passes} passes: rank {ranks} could not run its pass"
             + (f" ({self.failure})" if self.failure else "")
         )
         raise LockstepAborted(self.aborted)
@@ -194,7 +203,7 @@ class LockstepRunner(SubBatchRunner):
         prepared: tuple[Any, bool] | None = None
         try:
             prepared = self.prepare(positions)
-        except Exception as error:  # the dummy pass runs instead, every rank stops
+        except Exception as error:  # said before the pass: no rank runs it, every rank stops
             failure = error
         verdict = self.lockstep.tick(lambda: self.run(*prepared) if prepared is not None else None, failure)
         return self.note(positions, verdict)

@@ -36,9 +36,9 @@ def test_one_process_lockstep_is_a_plain_diagnosis() -> None:
     plain = diagnose(Net(), x)
     assert (found.cause, found.offending, found.passes) == (plain.cause, plain.offending, plain.passes)
     assert found.localization is not None and found.localization.op == plain.localization.op == "LogBackward0"
-    assert lockstep.ticks == found.passes + 1  # and one localisation pass
+    assert lockstep.passes == found.passes + 1  # and one localisation pass
     lockstep.finish()
-    assert lockstep.ticks == found.passes + 1
+    assert lockstep.passes == found.passes + 1
 
 
 def test_a_failure_stops_every_later_tick_without_running_it() -> None:
@@ -90,7 +90,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, A
 
 
 def test_ranks_with_different_numbers_of_passes_leave_together(two_ranks: dict[int, dict[str, Any]]) -> None:
-    assert two_ranks[0]["uneven_ticks"] == two_ranks[1]["uneven_ticks"] == 4  # 3 passes, then one where both are done
+    assert two_ranks[0]["uneven_passes"] == two_ranks[1]["uneven_passes"] == 3  # rank 0: one pass, two dummy ones
 
 
 def test_ranks_sharing_a_batch_share_its_verdict(two_ranks: dict[int, dict[str, Any]]) -> None:
@@ -101,7 +101,7 @@ def test_a_pass_that_cannot_run_on_one_rank_stops_both_at_the_same_tick(two_rank
     for rank in (0, 1):
         failure = two_ranks[rank]["failure"]
         assert failure["seen"] == ["ok", "aborted", "aborted", "aborted"]
-        assert failure["ticks"] == 2  # no collective after the abort
+        assert failure["passes_run"] == 1  # the second pass ran nowhere, and nothing after it
         assert "rank 1 could not run its pass" in failure["reason"]
     assert "cannot cut the batch" in two_ranks[1]["failure"]["reason"]
 
@@ -109,4 +109,4 @@ def test_a_pass_that_cannot_run_on_one_rank_stops_both_at_the_same_tick(two_rank
 def test_one_rank_diagnoses_while_the_other_runs_dummy_passes(two_ranks: dict[int, dict[str, Any]]) -> None:
     helper, searcher = two_ranks[0]["diagnosis"], two_ranks[1]["diagnosis"]
     assert (searcher["offending"], searcher["cause"], searcher["op"]) == ([2], "data", "LogBackward0")
-    assert helper["ticks"] == searcher["ticks"] == searcher["passes"] + 2  # + localisation + the tick all are done
+    assert helper["passes_run"] == searcher["passes_run"] == searcher["passes"] + 1  # and the localisation pass

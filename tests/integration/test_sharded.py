@@ -11,6 +11,7 @@ script), every fault on data-parallel rank 1. What is checked, for every mesh:
   every rank; one host read per healthy step;
 - ``sync_free``: the bad steps are skipped inside the fused Adam kernel on every rank, reported one
   step late, with no host read on healthy steps;
+- ``abort``: a diagnosis that cannot finish on one rank ends on every rank, with the reason in the event;
 - ``save`` / ``resume``: a checkpoint taken with NaN weights holds the last good snapshot's shards;
   the guard's counters, quarantine and each rank's own spike statistic come back from the sharded
   checkpoint, and a rollback after the resume restores the state bitwise.
@@ -63,7 +64,7 @@ def _run(mesh: str, out: Path) -> Fits:
     for path in sorted(out.glob("*-rank*.json")):
         data = json.loads(path.read_text(encoding="utf-8"))
         fits.setdefault(path.name.split("-rank")[0], {})[data["rank"]] = data
-    for fit in ("main", "sync_free", "save", "resume"):
+    for fit in ("main", "sync_free", "save", "resume", "abort"):
         assert sorted(fits.get(fit, {})) == list(range(MESHES[mesh])), f"not every rank finished {fit}"
     return fits
 
@@ -242,6 +243,22 @@ def test_rollback_works_again_after_a_resume(run: Any, mesh: str) -> None:
         assert data["rollback_bitwise"] is True
         assert data["counters"]["bad_steps_total"] == 2  # one from before the checkpoint
     assert all(e["cause"] == "state" for data in ranks.values() for e in data["events"] if e["global_step"] >= 6)
+
+
+# ------------------------------------------------------------------------------------ a diagnosis that cannot finish
+
+
+@MESH_PARAMS
+def test_a_diagnosis_that_cannot_finish_on_one_rank_ends_on_all_with_the_reason(run: Any, mesh: str) -> None:
+    """The last rank cannot cut half its batch: every rank stops before that pass (no hang), training goes on."""
+    ranks = run(mesh)["abort"]
+    for data in ranks.values():
+        assert (data["error"], data["active"], data["global_step"], data["skipped_steps"]) == (None, True, 3, [1])
+    (event,) = _events(ranks, 1)
+    reason = event["details"]["diagnosis_error"]
+    assert f"rank {max(ranks)} could not run its pass" in reason
+    assert "the last rank cannot cut half a batch" in reason
+    assert event["dataset_indices"] is None and event["action"] == "skipped"
 
 
 # ------------------------------------------------------------------------------------ repro bundle
