@@ -33,6 +33,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -66,6 +67,7 @@ class Fit:
     fused: bool = False
     checkpoint_every: int | None = None
     resume_from: str | None = None  # a fit name: resume from its last checkpoint
+    tensorboard: bool = False  # a TensorBoardLogger (else no logger)
 
 
 MAIN = Fit(
@@ -75,11 +77,12 @@ MAIN = Fit(
         "action": "rollback",
         "rollback_after_consecutive": 1,
         "snapshot_every_n_steps": 1,
-        "remedies": ["lr_backoff", "quarantine"],
+        "remedies": ["lr_backoff", "quarantine", "clip_grad"],
         "spike_warmup_steps": 3,
         "spike_window": 8,
         "save_repro": True,
     },
+    tensorboard=True,
     zero_record=(1, 3),
     backward_record=(3, 5),
     typo=(6, 2),
@@ -243,6 +246,8 @@ class Probe(pl.Callback):
         self.skipped: list[int] = []
         self.events_at_batch_end: list[int] = []  # the guard's event count (sync-free: one step late)
         self.lr: list[float] = []
+        self.reference_norms: list[float] = []  # the global gradient norm, from the full gradients
+        self.guard_norms: list[float | None] = []  # what the guard used for clip_grad at the same step
         self.rollback_bitwise: bool | None = None
         self.first_weights_finite: bool | None = None
         self._before: list[torch.Tensor] = []
@@ -264,8 +269,18 @@ class Probe(pl.Callback):
                 _local(pl_module.net.down.weight).mul_(1e20)
         self._before = _shards(pl_module)
 
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        """Before the guard (earlier in the callbacks): the global norm from the gathered gradients (every rank)."""
+        total = 0.0
+        for param in pl_module.parameters():
+            if param.grad is not None:
+                grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+                total += float(grad.double().pow(2).sum())
+        self.reference_norms.append(total**0.5)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step - 1
+        self.guard_norms.append(self.guard.last_grad_norm)
         self.lr.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
         self.events_at_batch_end.append(len(self.guard.events))
         if step != self.fit.diverge_at and _same(self._before, _shards(pl_module)):
@@ -350,7 +365,7 @@ def run_fit(mesh: str, fit: Fit, out_dir: str) -> None:
         devices=dp * tp,
         max_steps=fit.steps,
         max_epochs=-1,  # max_steps ends the fit (a resumed fit starts a new epoch)
-        logger=False,
+        logger=TensorBoardLogger(out_dir, name=fit.name, version=0) if fit.tensorboard else False,
         enable_checkpointing=fit.checkpoint_every is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -382,6 +397,8 @@ def run_fit(mesh: str, fit: Fit, out_dir: str) -> None:
         "reads_per_step": guard.reads_per_step,
         "events_at_batch_end": probe.events_at_batch_end,
         "lr": probe.lr,
+        "reference_norms": probe.reference_norms,
+        "guard_norms": probe.guard_norms,
         "rollback_bitwise": probe.rollback_bitwise,
         "loaded": probe.loaded,
         "saved_state": json.loads(json.dumps(guard.state_dict())),

@@ -183,6 +183,37 @@ def test_a_divergence_is_the_state_rolled_back_bitwise_with_remedies_on_every_ra
 
 
 @MESH_PARAMS
+def test_clip_grad_uses_the_true_global_norm_on_every_rank(run: Any, mesh: str) -> None:
+    """The guard's norm (shares of local shards, one reduce) against the norm of the gathered gradients."""
+    ranks = run(mesh)["main"]
+    reference = _same(ranks, "reference_norms")
+    for data in ranks.values():
+        for step, (expected, used) in enumerate(zip(reference, data["guard_norms"], strict=True)):
+            if step not in MAIN_SKIPPED:
+                assert used == pytest.approx(expected, rel=1e-5), f"step {step}"
+    (first,) = _events(ranks, 1)
+    assert any(r.startswith("clip_grad: gradient norm clipped at") for r in first["remedies"])
+
+
+@MESH_PARAMS
+def test_events_jsonl_tensorboard_and_the_dashboard_files_hold_every_ranks_incidents(run: Any, mesh: str) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_nanguard import read_events
+
+    ranks = run(mesh)["main"]
+    log_dir = Path(_same(ranks, "log_dir"))
+    recorded = sorted((e["global_step"], e["rank"]) for data in ranks.values() for e in data["events"])
+    written = sorted((e.global_step, e.rank) for e in read_events(log_dir / "nanguard" / "events.jsonl"))
+    assert written == recorded
+    for step, rank in recorded:  # the dashboard's files of each incident
+        name = f"step-{step}" + (f"-rank{rank}" if rank else "")
+        assert (log_dir / "nanguard" / "incidents" / name / "context.json").is_file()
+    scalars = EventAccumulator(str(log_dir)).Reload()
+    assert scalars.Scalars("nanguard/skipped_total")[-1].value == 4.0
+
+
+@MESH_PARAMS
 def test_one_host_read_per_healthy_step(run: Any, mesh: str) -> None:
     for data in run(mesh)["main"].values():
         healthy = [reads for step, reads in enumerate(data["reads_per_step"]) if step not in MAIN_SKIPPED]
