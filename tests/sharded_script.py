@@ -1,9 +1,10 @@
 """Multi-process runs under ``ModelParallelStrategy`` on CPU (gloo); run by ``integration/test_sharded.py``.
 
 Usage: ``python tests/sharded_script.py MESH RUN OUTPUT_DIR`` with ``MESH`` one of ``fsdp2`` (data
-parallel 2, a BatchNorm layer), ``tp`` (tensor parallel 2) and ``2d`` (data parallel 2 x tensor
-parallel 2, 4 processes), and ``RUN`` one of :data:`RUNS`: a list of fits made one after the other
-in the same processes (a multi-process start costs more than a fit of this model).
+parallel 2, a BatchNorm layer), ``tp`` (tensor parallel 2), ``2d`` (data parallel 2 x tensor
+parallel 2, 4 processes) and ``one`` (FSDP2 on a single process), and ``RUN`` one of :data:`RUNS`: a
+list of fits made one after the other in the same processes (a multi-process start costs more than
+a fit of this model).
 
 ``abort``: the bisection cannot cut half a batch on the last rank: the diagnosis must stop on
 every rank at the same pass, say why in the event, and training go on.
@@ -48,7 +49,7 @@ from host_reads import HostReadCounter  # the tests' helper, next to this script
 
 BATCH = 8
 FEATURES = 4
-MESHES: dict[str, tuple[int, int]] = {"fsdp2": (2, 1), "tp": (1, 2), "2d": (2, 2)}  # (data parallel, tensor parallel)
+MESHES: dict[str, tuple[int, int]] = {"fsdp2": (2, 1), "tp": (1, 2), "2d": (2, 2), "one": (1, 1)}  # (dp, tp)
 BAD_DP_RANK = 1  # all faults are in the batches of this data-parallel rank (the last one when there is one)
 
 
@@ -174,7 +175,7 @@ class Sharded(pl.LightningModule):
         dp_mesh, tp_mesh = self.device_mesh["data_parallel"], self.device_mesh["tensor_parallel"]
         if tp_mesh.size() > 1:
             parallelize_module(self.net, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        if dp_mesh.size() > 1:
+        if dp_mesh.size() > 1 or tp_mesh.size() == 1:  # FSDP2 on one device too
             for module in (self.net.gate, self.net.norm, self.net.up, self.net.down):
                 if any(True for _ in module.parameters()):
                     fully_shard(module, mesh=dp_mesh)

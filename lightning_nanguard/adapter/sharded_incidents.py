@@ -185,7 +185,8 @@ class ShardedIncidentInspector(IncidentInspector):
         """This rank's report and the event it records (``None``: another rank records it, or none)."""
         rank = trainer.global_rank
         # a failing rank skips this inspector altogether: with a failure anywhere, no collective here
-        together = self.agreement.distributed and not health.ranks_failed
+        # (without other ranks every collective below is local, and the diagnosis runs as usual)
+        together = not health.ranks_failed
         grad_norm = health.grad_norm
         if grad_norm < 0 and together:  # not computed this step: the global norm (the same test on every rank)
             grad_norm = self.layout.global_norm_now(grads, self.agreement, self.layout.device)
@@ -224,11 +225,13 @@ class ShardedIncidentInspector(IncidentInspector):
         return event, False
 
     def _finding(self, rank: int, health: StepHealth, event: NanEvent | None, spiked: bool) -> Finding:
-        threshold = self.spikes.loss_threshold() if spiked and self.spikes is not None else None
+        """What this rank found, for the others; never raises (the gather must happen)."""
         try:
+            threshold = self.spikes.loss_threshold() if spiked and self.spikes is not None else None
             weights = tuple(nonfinite_names((n, p.detach()) for n, p in self.named_params))
-        except Exception:  # a weight check that fails: decide without it
-            weights = ()
+        except Exception as error:  # decide without them
+            log.warning("NanGuard: rank %d could not describe its bad step: %r", rank, error)
+            threshold, weights = None, ()
         return Finding(
             rank,
             self.layout.peers,

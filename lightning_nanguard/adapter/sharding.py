@@ -83,8 +83,8 @@ class ShardingLayout:
 
     Attributes:
         kind: ``"fsdp2"``, ``"tensor_parallel"``, ``"fsdp2+tensor_parallel"``, ``"sharded"`` (DTensors, no
-            mesh) or ``"fsdp1"`` (``FSDPStrategy``: plain tensors, each rank's flat shard; only the
-            norm is sharded-aware there, the diagnosis is off).
+            mesh), ``"unsharded"`` (one device, no DTensor) or ``"fsdp1"`` (``FSDPStrategy``: plain
+            tensors, each rank's flat shard; only the norm is sharded-aware there, the diagnosis is off).
         rank: this rank (global).
         world_size: number of ranks.
         peers: global ranks that share this rank's batch (the tensor-parallel group), itself included.
@@ -121,6 +121,8 @@ class ShardingLayout:
         tp = len(peers)
         dp = mesh["data_parallel"].size() if "data_parallel" in names else max(1, world // tp)
         kind = "fsdp2+tensor_parallel" if dp > 1 and tp > 1 else ("tensor_parallel" if tp > 1 else "fsdp2")
+        if dp == 1 and tp == 1:
+            kind = "fsdp2" if any_dtensor(params) else "unsharded"
         return cls(kind, rank, world, peers, dp, tp, device)
 
     @property
