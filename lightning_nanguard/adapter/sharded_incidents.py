@@ -28,6 +28,7 @@ between them never raises (a failure becomes this rank's ``failed`` report).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -105,6 +106,8 @@ class Outcome:
         holds: the search reproduced the incident in its batch.
         event: its event after the diagnosis (``None``: none).
         error: why its part of the diagnosis could not run.
+        own: the rank found NaN/Inf (or a spike) of its own before the search (else its event was made
+            for the search only, and is recorded only where the search reproduced the incident).
     """
 
     rank: int
@@ -113,6 +116,7 @@ class Outcome:
     holds: bool = False
     event: NanEvent | None = field(default=None, compare=False)
     error: str | None = None
+    own: bool = True
 
 
 def plan_search(findings: Sequence[Finding]) -> dict[tuple[int, ...], float | None]:
@@ -155,8 +159,9 @@ def recorders(outcomes: Sequence[Outcome]) -> dict[int, NanEvent]:
         members = sorted((o for o in outcomes if o.peers == group and o.event is not None), key=lambda o: o.rank)
         if not members:
             continue
-        if holding:
-            members = [o for o in members if o.searched] or members
+        members = [o for o in members if o.searched] if holding else [o for o in members if o.own]
+        if not members:
+            continue
         located = next((o for o in members if o.event is not None and o.event.phase is not None), members[0])
         leader = members[0].rank
         assert located.event is not None
@@ -289,15 +294,7 @@ class ShardedIncidentInspector(IncidentInspector):
                 error = repr(caught)
             finally:
                 lockstep.finish()
-            if error is not None or lockstep.failure is not None:
-                outcome = Outcome(
-                    outcome.rank,
-                    outcome.peers,
-                    outcome.searched,
-                    outcome.holds,
-                    outcome.event,
-                    lockstep.failure or error,
-                )
+            outcome = dataclasses.replace(outcome, error=lockstep.failure or error, own=event is not None)
             outcomes = self.agreement.gather(outcome)
             chosen_events = recorders(outcomes)
             mine = chosen_events.get(trainer.global_rank)

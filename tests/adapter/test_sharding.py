@@ -147,3 +147,5 @@ def test_the_batch_that_holds_it_records_once_with_the_origin_any_peer_found() -
 def test_when_no_batch_holds_it_each_batch_keeps_its_own_event() -> None:
     outcomes = [Outcome(0, (0,), True, False, _event(0)), Outcome(1, (1,), False, False, None)]
     assert list(recorders(outcomes)) == [0]
+    made_for_the_search = Outcome(1, (1,), True, False, _event(1), own=False)  # its shards were finite
+    assert list(recorders([outcomes[0], made_for_the_search])) == [0]
