@@ -152,8 +152,15 @@ class AfterStep:
             )
 
     def initial_snapshot(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """The first last-good snapshot, at the start of training, when the weights are finite."""
-        if all_finite(list(pl_module.state_dict().values())):
+        """The first last-good snapshot, at the start of training, when the weights are finite on every rank.
+
+        Every rank calls it: with sharded weights one rank's shards can be non-finite alone, and every
+        rank must have a snapshot, or none.
+        """
+        finite = all_finite(list(pl_module.state_dict().values()))
+        if self.agreement.distributed:
+            finite = not self.agreement.any(not finite)
+        if finite:
             self.capture(trainer, pl_module)
 
     def values(self, counters: Counters) -> dict[str, float | None]:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from lightning_nanguard.adapter.reporting import IncidentRecorder
+    from lightning_nanguard.adapter.sharding import ShardingLayout
     from lightning_nanguard.adapter.spikes import SpikeWatch
     from lightning_nanguard.adapter.window import StepWindow
 
@@ -39,6 +40,7 @@ def step_flags(
     spikes: SpikeWatch | None,
     with_norm: bool,
     recorder: IncidentRecorder,
+    sharding: ShardingLayout | None = None,
 ) -> Tensor:
     """This rank's flags from the fused check, laid out as :data:`~lightning_nanguard.decide.policy.LOCAL_FIELDS`.
 
@@ -46,12 +48,14 @@ def step_flags(
     Trainer's logging steps. Under a GradScaler that has unscaled this optimizer's gradients
     (Lightning does so before ``on_before_optimizer_step`` for optimizers that are not fused) the
     scaler has just tested every gradient for NaN/Inf: its flag is used, and the gradients are not
-    read a second time (unless the norm is due).
+    read a second time (unless the norm is due). Under sharding (``sharding``) the check reads local
+    shards and slot 1 holds this rank's share of the squared norm, completed by the step's reduce.
     """
     bn = window.batchnorm_buffers
     norm_due = with_norm or recorder.logging_due(trainer)
     scaler_flag = None if norm_due else scaler_found_inf(grad_scaler(trainer), optimizer)
-    summary = fused_health_check(
+    check = sharding.check if sharding is not None else fused_health_check
+    summary = check(
         grads if scaler_flag is None else [],
         others=[*window.losses, *(t for _, t in bn if t.is_floating_point())],
         nonnegative=window.running_vars,
@@ -64,7 +68,8 @@ def step_flags(
     spike = loss = None
     if spikes is not None and pl_module.automatic_optimization:
         loss = window.step_loss(loss_scale(trainer))
-        spike = spikes.check(loss, summary[1:2] if with_norm else None)
+        # sharded: slot 1 holds this rank's share of the squared norm, not the norm (its spikes are not watched)
+        spike = spikes.check(loss, summary[1:2] if with_norm and sharding is None else None)
     return local_vector(summary, spike, loss=loss)
 
 

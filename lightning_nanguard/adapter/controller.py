@@ -30,6 +30,8 @@ from lightning_nanguard.adapter.failsafe import fail
 from lightning_nanguard.adapter.incidents import IncidentInspector, check_module, loss_scale_event
 from lightning_nanguard.adapter.recovery import grad_scaler, training_parts
 from lightning_nanguard.adapter.reporting import IncidentRecorder
+from lightning_nanguard.adapter.sharded_incidents import ShardedIncidentInspector
+from lightning_nanguard.adapter.sharding import ShardingLayout, announce_sharding, sharding_notice
 from lightning_nanguard.adapter.spikes import SpikeWatch
 from lightning_nanguard.adapter.state import GuardState
 from lightning_nanguard.adapter.syncfree import DeferredStep, StepView, SyncFreeSteps
@@ -85,17 +87,14 @@ class StepController:
         self.after_step = AfterStep(self.state, self.recovery, self.recorder, self.window)
         self.named_params: list[tuple[str, nn.Parameter]] = []
         self.params: list[nn.Parameter] = []
+        self.sharding: ShardingLayout | None = None  # ModelParallelStrategy (adapter/sharding.py)
 
     # ------------------------------------------------------------------ setup
 
     def configure(self, settings: GuardSettings) -> None:
         """Take the configuration (construction, ``setup``); unchanged spike settings keep their history."""
         if not settings.diagnosis.diagnose_here:
-            self.recorder.notices.warn(
-                "fsdp",
-                "NanGuard: under FSDP bad steps are detected and skipped on all ranks, but "
-                "bisection and localisation are off (they would re-run sharded forwards on one rank).",
-            )
+            self.recorder.notices.warn("fsdp", sharding_notice("fsdp")[1])  # type: ignore[index]
         self.policy, self.diagnosis = settings.policy, settings.diagnosis
         self.after_step.settings = settings.param_checks
         self.recovery.configure(settings.recovery)
@@ -123,6 +122,8 @@ class StepController:
         if unsupported is not None:
             self.recorder.notices.warn("metrics", f"NanGuard: {unsupported}.")
         self.after_step.agreement, self.after_step.named_params = self.agreement, self.named_params
+        self.sharding = ShardingLayout.detect(trainer, self.params)
+        announce_sharding(self.sharding, trainer.is_global_zero)
         if self.sync_free:
             self.sync.attach([t for _, t in self.window.batchnorm_buffers])
             for optimizer in trainer.optimizers:
@@ -209,12 +210,22 @@ class StepController:
         if not self.state.failing:
             try:
                 vector = step_flags(
-                    trainer, pl_module, optimizer, grads, self.window, self.spikes, self.with_norm, self.recorder
+                    trainer,
+                    pl_module,
+                    optimizer,
+                    grads,
+                    self.window,
+                    self.spikes,
+                    self.with_norm,
+                    self.recorder,
+                    self.sharding,
                 )
             except Exception as error:  # a bug in the guard: this rank says so in the reduce instead of hanging it
                 self.fail(error, "the per-step check")
         if vector is None:
             vector = local_vector(torch.tensor([0.0, -1.0, 0.0], device=pl_module.device), failed=True)
+        if self.sharding is not None:  # the norm's shares travel with the flags: still one reduce
+            return self.sharding.agree(vector, self.agreement, self._collective(pl_module))
         if self._collective(pl_module):
             vector = torch.cat((vector, self.agreement.sum(shared_part(vector))))
         return vector
@@ -290,6 +301,16 @@ class StepController:
             return RankReport(rank, failed=True), None
         try:
             inspector = IncidentInspector(self.diagnosis, self.window, self.named_params, self.recorder, self.spikes)
+            if self.sharding is not None and self.sharding.diagnoses_together:  # every rank takes part
+                inspector = ShardedIncidentInspector(
+                    self.diagnosis,
+                    self.window,
+                    self.named_params,
+                    self.recorder,
+                    self.spikes,
+                    layout=self.sharding,
+                    agreement=self.agreement,
+                )
             return inspector.inspect(trainer, pl_module, health, grads)
         except NonFiniteTrainingError:
             raise

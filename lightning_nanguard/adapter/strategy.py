@@ -124,14 +124,19 @@ def supported_strategy_kind(strategy: Any) -> str:
     if kind == "deepspeed":
         raise NonFiniteTrainingError(
             "NanGuard does not support DeepSpeed: its engine owns the optimizer step, so a bad step cannot be "
-            "skipped from Lightning. Remove NanGuard, or use DDP/FSDP.",
+            "skipped from Lightning. Remove NanGuard, or shard "
+            "with ModelParallelStrategy (FSDP2, tensor parallelism), which NanGuard guards in full, or use DDP.",
             [],
         )
     return kind
 
 
 def strategy_kind(strategy: Any) -> str:
-    """``"deepspeed"``, ``"fsdp"``, ``"ddp"`` or ``"single"`` from the strategy's class hierarchy.
+    """``"deepspeed"``, ``"fsdp"``, ``"model_parallel"``, ``"ddp"`` or ``"single"`` from the strategy's classes.
+
+    ``"fsdp"`` is Lightning's ``FSDPStrategy`` (FSDP1: flat parameters, GPU only); ``"model_parallel"``
+    its ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, tensor parallelism, or both: ``DTensor``
+    parameters), where the guard diagnoses as a collective (:mod:`~lightning_nanguard.adapter.sharding`).
 
     Example:
         >>> from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -141,7 +146,9 @@ def strategy_kind(strategy: Any) -> str:
     names = {cls.__name__ for cls in type(strategy).__mro__}
     if "DeepSpeedStrategy" in names:
         return "deepspeed"
-    if names & {"FSDPStrategy", "ModelParallelStrategy"}:
+    if "ModelParallelStrategy" in names:
+        return "model_parallel"
+    if "FSDPStrategy" in names:
         return "fsdp"
     if names & {"DDPStrategy", "ParallelStrategy"}:
         return "ddp"

@@ -2,7 +2,8 @@
 
 The per-step check (:mod:`~lightning_nanguard.detect.check`) flags a *candidate*: a finite tensor
 can overflow its sum or norm. These functions run only on a flagged step and name the tensors,
-with one host read per device in all.
+with one host read per device in all. A sharded tensor (``DTensor``) is read on its local shard:
+the caller agrees with the other ranks when the verdict must be shared.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from lightning_nanguard.core.dtensor import local_tensor
 from lightning_nanguard.core.host import read_flags
 from lightning_nanguard.detect.check import _dense, grouped_norms
 
@@ -72,7 +74,7 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
         >>> all_finite([torch.tensor([1.0, float("nan")]), torch.arange(3)])
         False
     """
-    floats = [t.detach() for t in tensors if t.is_floating_point() or t.is_complex()]
+    floats = [local_tensor(t.detach()) for t in tensors if t.is_floating_point() or t.is_complex()]
     if not floats or bool(torch.isfinite(grouped_norms(floats)).all()):
         return True
     return not nonfinite_names((str(i), t) for i, t in enumerate(floats))
@@ -80,4 +82,4 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
 
 def _unzip(named_tensors: Iterable[tuple[str, Tensor]]) -> tuple[list[str], list[Tensor]]:
     pairs = list(named_tensors)
-    return [name for name, _ in pairs], [tensor.detach() for _, tensor in pairs]
+    return [name for name, _ in pairs], [local_tensor(tensor.detach()) for _, tensor in pairs]

@@ -100,6 +100,8 @@ class Diagnosis:
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+RunnerFactory = Callable[..., SubBatchRunner]
+"""``factory(module, batch, step_fn, batch_idx, slicer, context, loss_threshold) -> SubBatchRunner``."""
 
 
 def eager() -> contextlib.AbstractContextManager[Any]:
@@ -138,6 +140,8 @@ def diagnose(
     loss_threshold: float | None = None,
     source_root: str | None = None,
     state_check: bool = True,
+    runner_factory: RunnerFactory | None = None,
+    nonfinite_weights: Sequence[str] | None = None,
 ) -> Diagnosis:
     """Decide the cause of a bad ``batch``, find its offending samples and localise the origin, leaving no trace.
 
@@ -162,6 +166,11 @@ def diagnose(
             directory at ``fit`` start); default: the current working directory.
         state_check: decide whether the model state is at fault (off for a batch already known to
             be a subset of the samples at fault, e.g. a repro bundle's).
+        runner_factory: builds the :class:`SubBatchRunner` of the batch and of the reference batch
+            (same arguments); a sharded model's runs every pass with the other ranks
+            (:class:`~lightning_nanguard.diagnose.lockstep.LockstepRunner`).
+        nonfinite_weights: the names of the non-finite weights, when the caller knows them (a
+            sharded model: any rank's shards); default: read off ``module``.
 
     Compiled code (``torch.compile``) runs eagerly throughout (see :func:`eager`).
 
@@ -182,15 +191,19 @@ def diagnose(
     if loss_threshold is not None and threshold is None:
         log.warning("NanGuard: loss_threshold=%r is not a finite number; diagnosing NaN/Inf only", loss_threshold)
     common: dict[str, Any] = {"source_root": source_root, "loss_threshold": threshold}
+    factory: RunnerFactory = runner_factory if runner_factory is not None else SubBatchRunner
     try:
-        runner = SubBatchRunner(module, batch, step_fn, batch_idx, slicer, context, threshold)
+        runner = factory(module, batch, step_fn, batch_idx, slicer, context, threshold)
     except Exception as error:  # an unsliceable batch or a failing user hook: report, never raise
         return Diagnosis(None, None, reason=str(error), error=str(error) or repr(error), **common)
     runner.known_good = [int(p) for p in known_good]
     whole = list(range(runner.size))
     if runner.size == 0:
         return Diagnosis(0, None, reason="the batch is empty", **common)
-    bad_weights = nonfinite_names((n, p.detach()) for n, p in module.named_parameters())
+    if nonfinite_weights is not None:
+        bad_weights = list(nonfinite_weights)
+    else:
+        bad_weights = nonfinite_names((n, p.detach()) for n, p in module.named_parameters())
     if bad_weights or not bisect:
         if bad_weights:  # every sample fails on such weights: the samples are not the cause
             shown = ", ".join(bad_weights[:3]) + (f" (+{len(bad_weights) - 3} more)" if len(bad_weights) > 3 else "")
@@ -205,7 +218,7 @@ def diagnose(
         inputs = check_input(runner, reference_batch, max_passes)
         if inputs.fields and inputs.confirmed:
             return _input_diagnosis(runner, inputs, common)
-        reference = _reference_runner(runner, reference_batch)
+        reference = _reference_runner(runner, reference_batch, factory)
         what = "non-finite" if threshold is None else f"non-finite or above the loss threshold {threshold:.6g}"
         state = check_state(runner, reference, max_passes - runner.passes, what) if state_check else StateCheck(False)
         if state.state or state.reproduced is False:
@@ -225,11 +238,11 @@ def diagnose(
     return _search_diagnosis(runner, reference, state, inputs, result, localize_origin, common)
 
 
-def _reference_runner(runner: SubBatchRunner, reference_batch: Any) -> SubBatchRunner | None:
+def _reference_runner(runner: SubBatchRunner, reference_batch: Any, factory: RunnerFactory) -> SubBatchRunner | None:
     if reference_batch is None:
         return None
     try:
-        reference = SubBatchRunner(
+        reference = factory(
             runner.module,
             reference_batch,
             runner.step_fn,
@@ -376,9 +389,9 @@ def _localized(
     if not wanted:
         return None, None
     try:
-        found = _localize_batch(runner, rows, source_root, scan_input)
-        if rows is not None and found.phase is None:  # nothing in those rows: the whole batch
-            found = _localize_batch(runner, None, source_root, scan_input)
+        found = runner.instrumented(lambda: _localize_batch(runner, rows, source_root, scan_input))
+        if rows is not None and not runner.found(found):  # nothing in those rows: the whole batch
+            found = runner.instrumented(lambda: _localize_batch(runner, None, source_root, scan_input))
         return found, None
     except Exception as error:  # keep the samples found: only the origin is unknown
         log.warning("NanGuard: localising the origin failed: %r", error, exc_info=True)
@@ -399,4 +412,5 @@ def _localize_batch(
             batch_size=runner.size,
             source_root=source_root,
             input_fields=None if scan_input else (),
+            grads_from_graph=runner.grads_from_graph,
         )

@@ -50,6 +50,7 @@ from lightning_nanguard.diagnose.tracing import (
     bn_channels_of,
     finite,
     function_name,
+    graph_leaves,
     user_frame,
 )
 
@@ -111,6 +112,7 @@ def localize(
     batch_size: int | None = None,
     source_root: str | None = None,
     input_fields: Sequence[BatchField] | None = None,
+    grads_from_graph: bool = False,
 ) -> Localization:
     """Run ``run_forward`` (which returns the loss) and its backward under instrumentation.
 
@@ -129,6 +131,8 @@ def localize(
             working directory).
         input_fields: the batch fields holding NaN/Inf, when the caller already knows them (``()``:
             none, or only deliberate ones); default: read them off ``batch``.
+        grads_from_graph: differentiate with respect to the leaves of the loss's graph (the
+            unsharded parameters a sharded forward used, see :func:`~lightning_nanguard.diagnose.tracing.graph_leaves`).
 
     Example:
         >>> class Net(nn.Module):
@@ -166,8 +170,9 @@ def localize(
     backward = BackwardTracer(loss, follow) if loss.grad_fn is not None else None
     grads_finite = True
     try:
-        if backward is not None and named:
-            grads = torch.autograd.grad(loss.sum(), [p for _, p in named], allow_unused=True)
+        targets = graph_leaves(loss) if grads_from_graph else [p for _, p in named]
+        if backward is not None and targets:
+            grads = torch.autograd.grad(loss.sum(), targets, allow_unused=True)
             grads_finite = finite([g for g in grads if g is not None])
     finally:
         if backward is not None:

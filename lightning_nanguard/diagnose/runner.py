@@ -16,13 +16,15 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_nanguard.core.dtensor import local_tensor, local_tensors
 from lightning_nanguard.detect.batchnorm import batchnorm_buffers, batchnorm_running_vars
 from lightning_nanguard.detect.check import fused_health_check
 from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_names
 from lightning_nanguard.diagnose.batching import BatchSlicer, batch_size, slice_batch
 from lightning_nanguard.diagnose.isolation import isolated
+from lightning_nanguard.diagnose.tracing import graph_leaves
 
-__all__ = ["StepFn", "SubBatchRunner", "loss_from_output"]
+__all__ = ["StepFn", "SubBatchRunner", "graph_leaves", "loss_from_output"]
 
 StepFn = Callable[[Any, int], Any]
 
@@ -61,6 +63,9 @@ class SubBatchRunner:
             ``nanguard_batch_size(batch)`` method.
         context: returns a context manager entered around each run (e.g. autocast).
         loss_threshold: also call a sub-batch bad when its (finite) loss exceeds this value.
+        grads_from_graph: differentiate with respect to the leaves of the loss's graph
+            (:func:`graph_leaves`) instead of ``module``'s parameters: the parameters a sharded
+            forward really used (FSDP2).
 
     Example:
         >>> class Net(nn.Module):
@@ -83,8 +88,10 @@ class SubBatchRunner:
         slicer: BatchSlicer | None = None,
         context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         loss_threshold: float | None = None,
+        grads_from_graph: bool = False,
     ) -> None:
         self.module = module
+        self.grads_from_graph = grads_from_graph
         self.batch = batch
         self.step_fn: StepFn = step_fn if step_fn is not None else module.training_step  # type: ignore[assignment]
         self.batch_idx = batch_idx
@@ -124,36 +131,70 @@ class SubBatchRunner:
         with self.context(), torch.enable_grad():
             yield
 
+    def prepare(self, positions: Sequence[int]) -> tuple[Any, bool]:
+        """The sub-batch to run for ``positions`` (padded) and whether BatchNorm runs in eval mode; no pass."""
+        run, bn_eval = self.padded(positions)
+        return self.sub_batch(run), bn_eval
+
     def forward(self, positions: Sequence[int]) -> Tensor | None:
         """Loss of the sub-batch (call inside :func:`isolated`); padding and BN mode applied."""
-        run, bn_eval = self.padded(positions)
+        return self.loss_of(*self.prepare(positions))
+
+    def loss_of(self, batch: Any, bn_eval: bool) -> Tensor | None:
+        """Loss of a prepared sub-batch (call inside :func:`isolated`)."""
         with self.mode(bn_eval):
-            return loss_from_output(self.step_fn(self.sub_batch(run), self.batch_idx))
+            return loss_from_output(self.step_fn(batch, self.batch_idx))
+
+    def gradients(self, loss: Tensor) -> list[Tensor]:
+        """The gradients of ``loss`` (``.grad`` untouched): of the parameters, or of the graph's leaves."""
+        if not loss.requires_grad:
+            return []
+        targets = graph_leaves(loss) if self.grads_from_graph else [p for _, p in self.params]
+        if not targets:
+            return []
+        with torch.enable_grad():  # the caller may run under no_grad: the forward had grad on
+            grads = torch.autograd.grad(loss.sum(), targets, allow_unused=True)
+        return [g for g in grads if g is not None]
+
+    def run(self, batch: Any, bn_eval: bool) -> tuple[bool, bool] | None:
+        """One isolated forward/backward pass of a prepared sub-batch: ``(bad, non-finite)``; ``None``: no loss."""
+        with isolated(self.module):
+            loss = self.loss_of(batch, bn_eval)
+            if loss is None:
+                return None
+            nonfinite = self._nonfinite(loss, self.gradients(loss))
+        bad = nonfinite
+        if not bad and self.loss_threshold is not None:
+            bad = float(loss.detach().float().sum()) > self.loss_threshold
+        return bad, nonfinite
 
     def is_bad(self, positions: Sequence[int]) -> bool:
         """One isolated forward/backward pass of ``positions``."""
         self.passes += 1
-        with isolated(self.module):
-            loss = self.forward(positions)
-            if loss is None:
-                return False
-            grads: Sequence[Tensor | None] = ()
-            if loss.requires_grad and self.params:
-                with torch.enable_grad():  # the caller may run under no_grad: the forward had grad on
-                    grads = torch.autograd.grad(loss.sum(), [p for _, p in self.params], allow_unused=True)
-            bad = self._nonfinite(loss, [g for g in grads if g is not None])
-        self.saw_nonfinite = self.saw_nonfinite or bad
-        if not bad and self.loss_threshold is not None:
-            bad = float(loss.detach().float().sum()) > self.loss_threshold
+        return self.note(positions, self.run(*self.prepare(positions)))
+
+    def note(self, positions: Sequence[int], verdict: tuple[bool, bool] | None) -> bool:
+        """Record the verdict ``(bad, non-finite)`` of a pass of ``positions`` (``None``: no loss); return ``bad``."""
+        if verdict is None:
+            return False
+        bad, nonfinite = verdict
+        self.saw_nonfinite = self.saw_nonfinite or nonfinite
         if not bad:
             self.known_good.extend(p for p in positions if p not in self.known_good)
         return bad
 
+    def instrumented(self, localize: Callable[[], Any]) -> Any:
+        """Run a localisation pass (one instrumented forward/backward); a lockstep runner runs it with every rank."""
+        return localize()
+
+    def found(self, localization: Any) -> bool:
+        """Whether a localisation pass found an origin (a lockstep runner: on any rank sharing the batch)."""
+        return getattr(localization, "phase", None) is not None
+
     def _nonfinite(self, loss: Tensor, grads: list[Tensor]) -> bool:
-        buffers = [(n, t) for n, t in batchnorm_buffers(self.module) if t.is_floating_point()]
-        flag = fused_health_check(
-            grads, [loss.detach(), *(t for _, t in buffers)], batchnorm_running_vars(buffers)
-        ).tolist()[0]
+        buffers = [(n, local_tensor(t)) for n, t in batchnorm_buffers(self.module) if t.is_floating_point()]
+        others = [local_tensor(loss.detach()), *(t for _, t in buffers)]
+        flag = fused_health_check(local_tensors(grads), others, batchnorm_running_vars(buffers)).tolist()[0]
         if not flag:
             return False
         named = [("loss", loss.detach()), *((str(i), g) for i, g in enumerate(grads))]

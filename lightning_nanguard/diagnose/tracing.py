@@ -21,16 +21,33 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_nanguard.core.dtensor import local_tensor
 from lightning_nanguard.core.host import all_true
 from lightning_nanguard.diagnose.frames import Frame, UserCode, class_files, library_dirs
 
-__all__ = ["BackwardTracer", "ForwardTracer", "Rows", "Site", "bn_channels_of", "finite", "function_name", "user_frame"]
+__all__ = [
+    "BackwardTracer",
+    "ForwardTracer",
+    "Rows",
+    "Site",
+    "bn_channels_of",
+    "finite",
+    "function_name",
+    "graph_leaves",
+    "user_frame",
+]
 
 
 _TAG = "nanguard"
-# Ops that create deliberate infinities (attention masks, sentinels): never an "origin".
+# Ops that create deliberate infinities (attention masks, sentinels), or uninitialised memory (FSDP2's
+# all-gather buffers, allocated inside the traced forward): never an "origin".
 _CONSTANT_OPS = frozenset(
     {
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
         "masked_fill",
         "masked_fill_",
         "fill_",
@@ -121,9 +138,12 @@ class Site:
 
 
 def finite(tensors: Sequence[Any]) -> bool:
-    """Whether every floating-point (or complex) tensor among ``tensors`` is finite (one read per device)."""
+    """Whether every floating-point (or complex) tensor among ``tensors`` is finite (one read per device).
+
+    A ``DTensor`` is read on its local shard (no collective inside a traced pass).
+    """
     checks = [
-        torch.isfinite(_stored(t)).all()
+        torch.isfinite(_stored(local_tensor(t))).all()
         for t in tensors
         if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())
     ]
@@ -161,6 +181,7 @@ class Rows:
         for t in tensors:
             if not isinstance(t, Tensor) or not (t.is_floating_point() or t.is_complex()):
                 continue
+            t = local_tensor(t)
             if t.dim() > 0 and t.shape[0] == self.size and not t.is_sparse:
                 t = t.detach().index_select(0, self._index_on(t.device))
             checks.append(torch.isfinite(_stored(t)).all())
@@ -180,6 +201,25 @@ def _nodes(root: Any, stop: Callable[[Any], bool] | None = None) -> Iterator[Any
             continue
         yield node
         stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def graph_leaves(loss: Tensor) -> list[Tensor]:
+    """The leaf tensors requiring grad that ``loss`` was computed from (its ``AccumulateGrad`` nodes).
+
+    What ``backward`` would write ``.grad`` of. Under FSDP2 these are the *unsharded* parameters the
+    forward used (the sharded ``DTensor`` parameters are not in the graph: ``torch.autograd.grad``
+    returns ``None`` for them), so the gradients of a re-run are this rank's own, before any
+    reduction over ranks.
+
+    Example:
+        >>> w = nn.Parameter(torch.ones(2))
+        >>> [leaf is w for leaf in graph_leaves((w * 3).sum())]
+        [True]
+    """
+    if loss.grad_fn is None:
+        return [loss] if loss.requires_grad else []
+    leaves = (getattr(node, "variable", None) for node in _nodes(loss.grad_fn))
+    return [leaf for leaf in leaves if isinstance(leaf, Tensor) and leaf.requires_grad]
 
 
 def _tagged(node: Any) -> bool:
@@ -272,7 +312,7 @@ class ForwardTracer(TorchFunctionMode):
                 self.first_nonfinite = (tracked.name(), site or self._site(func, True))
         if nonfinite and self.origin is None and func_name not in _CONSTANT_OPS:
             inputs = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, Tensor)]
-            if self.rows.finite(inputs):
+            if inputs and self.rows.finite(inputs):  # an op of no tensor makes a constant, not a NaN/Inf of the run
                 grad_fn = next((t.grad_fn for t in outputs if t.grad_fn is not None), None)
                 op = grad_fn.name() if grad_fn is not None else func_name
                 self.origin = (op, site or self._site(func, True))
@@ -307,6 +347,7 @@ def bn_bad_channels(bn: nn.Module) -> list[int]:
     mean, var = getattr(bn, "running_mean", None), getattr(bn, "running_var", None)
     if not isinstance(mean, Tensor) or not isinstance(var, Tensor):
         return []
+    mean, var = local_tensor(mean), local_tensor(var)
     bad = ~torch.isfinite(var) | ~torch.isfinite(mean) | (var < 0)
     return [int(c) for c in bad.nonzero().flatten().tolist()]
 

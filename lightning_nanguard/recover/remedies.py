@@ -23,6 +23,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
+from lightning_nanguard.core.dtensor import local_tensors
+
 __all__ = [
     "REMEDIES",
     "ZERO_EPS_START",
@@ -78,7 +80,8 @@ def clip_gradients_(grads: Sequence[Tensor], total_norm: float | Tensor, thresho
       computed and applied on the device, never read to the host.
 
     Gradients are grouped by device and dtype, one ``torch._foreach_mul_`` per group, as in
-    ``torch.nn.utils.clip_grad_norm_``.
+    ``torch.nn.utils.clip_grad_norm_``. Sharded gradients (``DTensor``) are scaled on their local
+    shards: ``total_norm`` must then be the global norm over every rank's shards (the guard's is).
 
     Returns:
         Whether the gradients were scaled (``True`` for a device norm: the host does not know).
@@ -101,7 +104,8 @@ def clip_gradients_(grads: Sequence[Tensor], total_norm: float | Tensor, thresho
         return False
     else:
         coefficient = threshold / (total_norm + 1e-6)
-    for (device, _), ([group], _) in _group_tensors_by_device_and_dtype([list(grads)]).items():
+    tensor_lists: list[list[Tensor | None]] = [list(local_tensors(grads))]
+    for (device, _), ([group], _) in _group_tensors_by_device_and_dtype(tensor_lists).items():
         factor = coefficient.to(device, non_blocking=True) if isinstance(coefficient, Tensor) else coefficient
         torch._foreach_mul_(group, factor)  # type: ignore[arg-type]
     return True

@@ -6,6 +6,10 @@ optimizer's state, the GradScaler, the LR schedulers and the RNG streams. Tensor
 host buffers allocated once (pinned on CUDA, copied with ``non_blocking=True`` so the step is not
 blocked) and refreshed in place; on restore they are copied back into the live tensors.
 
+Sharded tensors (``DTensor``: FSDP2, tensor parallelism) are kept as their local shard, with the
+mesh and placements to rebuild them: each rank snapshots and restores its own shards, bitwise,
+and nothing is gathered.
+
 Example:
     >>> net = torch.nn.Linear(2, 1)
     >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -29,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from lightning_nanguard.core.dtensor import is_dtensor, local_tensor
 from lightning_nanguard.core.rng import RngState
 
 __all__ = ["HostCopy", "TrainingSnapshot"]
@@ -55,14 +60,22 @@ class HostCopy:
         self._spec: Any = None
         self._leaves: list[Any] = []
         self._buffers: list[Tensor] = []
+        self._sharding: list[tuple[Any, ...] | None] = []  # per tensor: (mesh, placements, shape, stride) of a DTensor
 
     def update(self, structure: Any) -> None:
-        """Copy ``structure``'s tensors into the host buffers (reallocated only if shapes change)."""
+        """Copy ``structure``'s tensors into the host buffers (reallocated only if shapes change).
+
+        A ``DTensor`` is copied as its local shard (see module docs).
+        """
         leaves, spec = tree_flatten(structure)
         tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
-        if not self._compatible(tensors):
-            self._buffers = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda) for t in tensors]
-        sources = [t.detach() for t in tensors]
+        self._sharding = [
+            (t.device_mesh, t.placements, t.shape, t.stride()) if is_dtensor(t) else None  # type: ignore[attr-defined]
+            for t in tensors
+        ]
+        sources = [local_tensor(t.detach()) for t in tensors]
+        if not self._compatible(sources):
+            self._buffers = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda) for t in sources]
         if self._buffers:
             non_blocking = any(t.is_cuda for t in sources)
             with torch.no_grad():
@@ -78,15 +91,39 @@ class HostCopy:
         )
 
     def value(self) -> Any:
-        """The mirrored structure (host tensors; do not modify)."""
+        """The mirrored structure (host tensors; do not modify); a sharded tensor comes back as a ``DTensor`` shard."""
         if self._spec is None:
             raise RuntimeError("HostCopy.value() before update()")
-        return tree_unflatten(self._leaves, self._spec)
+        if not any(self._sharding):
+            return tree_unflatten(self._leaves, self._spec)
+        sharding = iter(self._sharding)
+        leaves = [_sharded(leaf, next(sharding)) if isinstance(leaf, Tensor) else leaf for leaf in self._leaves]
+        return tree_unflatten(leaves, self._spec)
+
+    def copy_into(self, structure: Any) -> None:
+        """Copy the mirrored values into the tensors of ``structure`` (same layout), in place; shards into shards."""
+        leaves, _ = tree_flatten(structure)
+        targets = [local_tensor(leaf.detach()) for leaf in leaves if isinstance(leaf, Tensor)]
+        if len(targets) != len(self._buffers):
+            raise RuntimeError(f"HostCopy.copy_into: {len(targets)} tensors, {len(self._buffers)} saved")
+        with torch.no_grad():
+            for target, saved in zip(targets, self._buffers, strict=True):
+                target.copy_(saved)
 
     @property
     def nbytes(self) -> int:
         """Host memory held by the buffers."""
         return sum(b.numel() * b.element_size() for b in self._buffers)
+
+
+def _sharded(local: Tensor, sharding: tuple[Any, ...] | None) -> Tensor:
+    """A host shard as the ``DTensor`` it was copied from (no communication), or itself."""
+    if sharding is None:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride = sharding
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 class TrainingSnapshot:
@@ -112,6 +149,11 @@ class TrainingSnapshot:
     def nbytes(self) -> int:
         """Host memory of the snapshot's tensors."""
         return self.module.nbytes + sum(o.nbytes for o in self.optimizers)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the module's state holds sharded tensors (each rank keeps its shards)."""
+        return any(self.module._sharding)
 
     def capture(
         self,
@@ -150,7 +192,10 @@ class TrainingSnapshot:
             raise RuntimeError("no snapshot to restore")
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # make sure the non-blocking copies have landed
-        module.load_state_dict(self.module.value())  # copies into the live tensors
+        if self.sharded:  # each shard into its live shard: nothing gathered, no load_state_dict hooks
+            self.module.copy_into(module.state_dict())
+        else:
+            module.load_state_dict(self.module.value())  # copies into the live tensors
         for mirror, optimizer in zip(self.optimizers, optimizers, strict=False):
             # ``Optimizer.load_state_dict`` keeps tensors already on the parameter's device and dtype
             # as they are: without a copy the live state would alias the host buffers (on CPU), the

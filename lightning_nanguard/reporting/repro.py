@@ -6,7 +6,11 @@ A bundle is a directory ``<log_dir>/nanguard/step-<N>/`` holding:
 - ``batch.pt``: the offending samples (or the whole batch when not attributable), on the CPU; with
   BatchNorm in train mode also one known-good reference sample (``reference_positions``), next to
   which a single sample is re-run, as during training;
-- ``module_state.pt``: the module's ``state_dict`` before the step;
+- ``module_state.pt``: the module's ``state_dict`` before the step. For a sharded model (FSDP2,
+  tensor parallelism) the full tensors gathered from every rank's shards, when the whole model is
+  small enough to gather (``module.json`` says ``"module_state": "gathered"``); otherwise the file is
+  absent, ``module.json`` says why, and ``replay`` refuses the bundle with that reason (its samples and
+  event are still there to read);
 - ``module.json``: how to rebuild the module (class path, the file defining it) and the context
   (batch index, positions of the saved samples in the original batch, dataset indices, reference
   samples), and the source of the origin: the path as displayed, the absolute path, and the
@@ -51,6 +55,7 @@ __all__ = [
 
 BUNDLE_PREFIX = "step-"
 BUNDLE_FILES = ("event.json", "module.json", "batch.pt", "module_state.pt")
+STATE_SAVED, STATE_GATHERED = "saved", "gathered"
 
 
 class BundleMissingError(FileNotFoundError):
@@ -76,6 +81,7 @@ def save_bundle(
     reference_positions: list[int] | None = None,
     full_details: Mapping[str, Any] | None = None,
     source_root: str | None = None,
+    module_state: Mapping[str, Any] | str | None = None,
 ) -> Path:
     """Write a bundle for ``event`` and return its path (``directory/step-<global_step>``).
 
@@ -92,6 +98,9 @@ def save_bundle(
         full_details: details the event keeps short, in full (``Diagnosis.full_details``).
         source_root: the directory the event's source path is displayed relative to (the
             diagnosis's ``source_root``); default: the working directory, as the diagnosis's default.
+        module_state: the state to save instead of ``module.state_dict()`` (a sharded model's full
+            tensors, gathered from the shards), or a string: why no state is saved (the reason goes
+            into ``module.json`` and ``replay`` says it).
     """
     path = Path(directory) / f"{BUNDLE_PREFIX}{event.global_step}"
     if event.rank:
@@ -100,7 +109,12 @@ def save_bundle(
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.save(_to_cpu(batch), path / "batch.pt")
-    torch.save({k: v.detach().to("cpu") for k, v in module.state_dict().items()}, path / "module_state.pt")
+    if isinstance(module_state, str):
+        state_note = module_state
+    else:
+        state = module_state if module_state is not None else module.state_dict()
+        torch.save({k: v.detach().to("cpu") for k, v in state.items()}, path / "module_state.pt")
+        state_note = STATE_GATHERED if module_state is not None else STATE_SAVED
     hparams = dict(getattr(module, "hparams", {}) or {})
     if hparams:
         torch.save(hparams, path / "hparams.pt")
@@ -120,6 +134,7 @@ def save_bundle(
         "torch_version": torch.__version__,
         "source_root": os.path.abspath(source_root if source_root is not None else os.getcwd()),
         "source": {"line": event.source_line, "path": event.details.get("source_path")},
+        "module_state": state_note,
     }
     (path / "module.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
     saved = event.replace(repro_path=str(path)).to_dict()
@@ -203,6 +218,15 @@ def _init_kwargs(cls: type, hparams: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in accepted}
 
 
+def _state_note(root: Path) -> str | None:
+    """Why a bundle has no model state, as ``module.json`` says (``None``: it should have one)."""
+    try:
+        note = json.loads((root / "module.json").read_text(encoding="utf-8")).get("module_state")
+    except (OSError, ValueError):
+        return None
+    return note if isinstance(note, str) and note not in (STATE_SAVED, STATE_GATHERED) else None
+
+
 @dataclass
 class ReproBundle:
     """A loaded bundle: the rebuilt module (weights loaded), the samples and the saved event."""
@@ -229,6 +253,13 @@ def load_bundle(path: str | os.PathLike[str], module_class: str | None = None) -
             "older ones (an older event's repro_path may point to a deleted bundle), or it was moved"
         )
     missing = [name for name in BUNDLE_FILES if not (root / name).is_file()]
+    note = _state_note(root) if missing == ["module_state.pt"] else None
+    if note is not None:
+        raise BundleMissingError(
+            f"{root} holds the samples (batch.pt) and the event (event.json) but no model state: {note}. "
+            "Replay needs the weights of the step: rebuild the model from a checkpoint of that step and run "
+            "`lightning_nanguard.diagnose.diagnosis.diagnose` on the saved samples"
+        )
     if missing:
         raise BundleMissingError(f"{root} is not a complete repro bundle: {', '.join(missing)} missing")
     meta = json.loads((root / "module.json").read_text(encoding="utf-8"))

@@ -128,7 +128,7 @@ def test_strategy_kind_of_real_strategy_classes(ns_name: str) -> None:
         "SingleDeviceStrategy": "single",
         "DDPStrategy": "ddp",
         "FSDPStrategy": "fsdp",
-        "ModelParallelStrategy": "fsdp",
+        "ModelParallelStrategy": "model_parallel",
         "DeepSpeedStrategy": "deepspeed",
     }
     assert {name: strategy_kind(object.__new__(getattr(strategies, name))) for name in expected} == expected

@@ -272,3 +272,42 @@ def test_rollback_after_consecutive_bad_steps(tmp_path: Any) -> None:
     assert states_equal(log.states[4], log.states[2])
     assert not states_equal(log.states[3]["scheduler"], log.states[2]["scheduler"])
     assert not states_equal(log.states[5], log.states[4])
+
+
+# ------------------------------------------------------------------------------------ sharded state (DTensor)
+
+
+def test_sharded_state_is_kept_as_local_shards_and_restored_bitwise() -> None:
+    """Each rank keeps its own shards on the host (nothing gathered) and writes them back into the live shards."""
+    from fake_mesh import fake_world
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    with fake_world(4, rank=1) as world:
+        mesh = world.mesh((2, 2), ("data_parallel", "tensor_parallel"))
+        net = nn.Linear(4, 2)
+        net.weight = nn.Parameter(DTensor.from_local(torch.randn(1, 2), mesh, [Shard(0), Shard(1)]))
+        net.bias = nn.Parameter(DTensor.from_local(torch.randn(1), mesh, [Shard(0), Replicate()]))
+        optimizer = torch.optim.Adam(net.parameters(), lr=0.1)
+        for p in net.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        snapshot = TrainingSnapshot()
+        snapshot.capture(net, [optimizer], global_step=7)
+        assert snapshot.sharded
+        assert snapshot.nbytes == (2 + 1) * 4 * 3 + 2 * 4  # local shards: weights, exp_avg, exp_avg_sq; 2 steps
+        before = {k: v.to_local().clone() for k, v in net.state_dict().items()}
+        state_before = [s["exp_avg"].to_local().clone() for s in optimizer.state.values()]
+        value = snapshot.module.value()
+        assert isinstance(value["weight"], DTensor) and value["weight"].shape == (2, 4)
+        assert value["weight"].placements == (Shard(0), Shard(1))
+
+        optimizer.step()  # the live shards move on, and are poisoned
+        with torch.no_grad():
+            net.weight.to_local().fill_(float("nan"))
+        snapshot.restore(net, [optimizer])
+
+        assert all(torch.equal(net.state_dict()[k].to_local(), v) for k, v in before.items())
+        assert isinstance(net.weight, DTensor)  # the same parameters, still sharded
+        restored = [s["exp_avg"] for s in optimizer.state.values()]
+        assert all(isinstance(s, DTensor) for s in restored)
+        assert all(torch.equal(s.to_local(), b) for s, b in zip(restored, state_before, strict=True))

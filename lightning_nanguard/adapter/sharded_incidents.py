@@ -1,0 +1,560 @@
+"""A bad step under sharding: every rank inspects, searches or helps, in lockstep; the ranks that hold it report.
+
+:class:`ShardedIncidentInspector` replaces :class:`~lightning_nanguard.adapter.incidents.IncidentInspector`
+under ``ModelParallelStrategy``. It runs on every rank when some rank's check flagged the step
+(the flags are shared), and differs in three ways:
+
+1. **Who searches** is decided together. Each rank confirms its own shards and says what it found
+   (:class:`Finding`, one ``all_gather_object``). A non-finite loss or BatchNorm statistic can only
+   come from the batch of the ranks that computed it, so those batches are searched. A NaN/Inf
+   found in gradients only can come from *any* batch (the gradient reduction spreads it to the
+   shards of ranks whose data is fine, and spares the shards of the rank whose data is at fault),
+   so every batch is searched. A loss spike is searched by the ranks whose loss spiked.
+   Tensor-parallel ranks share their batch and search it together (:mod:`~lightning_nanguard.diagnose.lockstep`).
+2. **Every rank takes part in every pass**: searching ranks run their diagnosis through a
+   :class:`~lightning_nanguard.diagnose.lockstep.LockstepRunner`; the others, and those done early,
+   run dummy passes of a healthy reference sub-batch until all are done. A diagnosis that cannot
+   finish on one rank ends on all, with the reason in the event.
+3. **Who reports** is decided from every rank's outcome (:class:`Outcome`, a second
+   ``all_gather_object``): the lowest rank of each batch that reproduced the incident records the
+   event (with the gradient names every rank found); ranks whose own shards only received another
+   batch's NaN/Inf record nothing. When no batch reproduces it, ranks keep their own events as
+   under DDP. A bundle's model state is gathered from the shards (every rank takes part) when the
+   model is small enough (:data:`GATHER_LIMIT_BYTES`), else the bundle says why it has none.
+
+The collectives run on every rank whatever it found, in the same order; the rank-local work
+between them never raises (a failure becomes this rank's ``failed`` report).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_nanguard.adapter.diagnosis import MicroBatch, training_step_of
+from lightning_nanguard.adapter.incidents import IncidentInspector, _cause
+from lightning_nanguard.adapter.sharding import ShardingLayout
+from lightning_nanguard.core.dtensor import is_dtensor
+from lightning_nanguard.core.events import SPIKE_KINDS, EventKind, NanEvent
+from lightning_nanguard.decide.agreement import RankAgreement
+from lightning_nanguard.decide.policy import RankReport, StepHealth
+from lightning_nanguard.detect.confirm import nonfinite_names
+from lightning_nanguard.diagnose.batching import slice_batch
+from lightning_nanguard.diagnose.diagnosis import Diagnosis, diagnose
+from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
+from lightning_nanguard.diagnose.lockstep import Lockstep, LockstepRunner
+from lightning_nanguard.diagnose.runner import SubBatchRunner
+from lightning_nanguard.reporting.context import save_incident_context
+from lightning_nanguard.reporting.repro import prune_bundles, save_bundle
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+
+__all__ = ["GATHER_LIMIT_BYTES", "Finding", "Outcome", "ShardedIncidentInspector", "plan_search", "recorders"]
+
+log = logging.getLogger("lightning_nanguard")
+
+GATHER_LIMIT_BYTES = 2 * 2**30
+"""A repro bundle gathers a sharded model's full state only below this size (2 GiB): a model
+sharded because it does not fit one device must not be gathered onto one for a bundle."""
+
+DUMMY_SIZE = 2  # samples of a dummy pass (BatchNorm in train mode refuses one)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What one rank found before the diagnosis (gathered from every rank).
+
+    Attributes:
+        rank: global rank.
+        peers: the ranks sharing its batch.
+        nonfinite: it confirmed NaN/Inf of its own (loss, gradient shards or BatchNorm statistics).
+        origin: its loss or BatchNorm statistics are non-finite: its batch holds the incident.
+        spike: its loss spiked.
+        threshold: the loss above which a (sub-)batch counts as a spike.
+        kinds: the event's kinds.
+        nonfinite_grads: names of its non-finite gradient shards.
+        nonfinite_weights: names of its non-finite weight shards.
+    """
+
+    rank: int
+    peers: tuple[int, ...]
+    nonfinite: bool = False
+    origin: bool = False
+    spike: bool = False
+    threshold: float | None = None
+    kinds: tuple[str, ...] = ()
+    nonfinite_grads: tuple[str, ...] = ()
+    nonfinite_weights: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one rank's search gave (gathered from every rank).
+
+    Attributes:
+        rank: global rank.
+        peers: the ranks sharing its batch.
+        searched: its batch was searched.
+        holds: the search reproduced the incident in its batch.
+        event: its event after the diagnosis (``None``: none).
+        error: why its part of the diagnosis could not run.
+        own: the rank found NaN/Inf (or a spike) of its own before the search (else its event was made
+            for the search only, and is recorded only where the search reproduced the incident).
+    """
+
+    rank: int
+    peers: tuple[int, ...]
+    searched: bool = False
+    holds: bool = False
+    event: NanEvent | None = field(default=None, compare=False)
+    error: str | None = None
+    own: bool = True
+
+
+def plan_search(findings: Sequence[Finding]) -> dict[tuple[int, ...], float | None]:
+    """The batches to search (by their ranks) and the loss threshold of each (``None``: NaN/Inf).
+
+    Example:
+        >>> found = [Finding(0, (0,)), Finding(1, (1,), nonfinite=True, origin=True)]
+        >>> plan_search(found)
+        {(1,): None}
+        >>> plan_search([Finding(0, (0,), nonfinite=True), Finding(1, (1,))])  # gradients only: every batch
+        {(0,): None, (1,): None}
+    """
+    groups = list(dict.fromkeys(f.peers for f in findings))
+    origins = {f.peers for f in findings if f.nonfinite and f.origin}
+    gradients_only = not origins and any(f.nonfinite for f in findings)
+    plan: dict[tuple[int, ...], float | None] = {}
+    for group in groups:
+        members = [f for f in findings if f.peers == group]
+        if group in origins or gradients_only:
+            plan[group] = None
+        elif any(f.spike and f.threshold is not None for f in members):
+            plan[group] = min(f.threshold for f in members if f.spike and f.threshold is not None)
+    return plan
+
+
+def recorders(outcomes: Sequence[Outcome]) -> dict[int, NanEvent]:
+    """Which ranks record which event (see module docs).
+
+    Example:
+        >>> event = NanEvent(1, 0, 1, 0, ("grad",), "warned")
+        >>> out = [Outcome(0, (0,), True, False, event), Outcome(1, (1,), True, True, event.replace(rank=1))]
+        >>> {rank: e.rank for rank, e in recorders(out).items()}
+        {1: 1}
+    """
+    groups_seen = list(dict.fromkeys(o.peers for o in outcomes))
+    holding = [group for group in groups_seen if any(o.holds for o in outcomes if o.peers == group)]
+    chosen: dict[int, NanEvent] = {}
+    groups = holding or groups_seen
+    for group in groups:
+        members = sorted((o for o in outcomes if o.peers == group and o.event is not None), key=lambda o: o.rank)
+        if not members:
+            continue
+        members = [o for o in members if o.searched] if holding else [o for o in members if o.own]
+        if not members:
+            continue
+        located = next((o for o in members if o.event is not None and o.event.phase is not None), members[0])
+        leader = members[0].rank
+        assert located.event is not None
+        chosen[leader] = located.event.replace(rank=leader)
+    return chosen
+
+
+class ShardedIncidentInspector(IncidentInspector):
+    """This rank's side of a step that some rank flagged, under sharding (see module docs).
+
+    Takes the :class:`IncidentInspector` arguments, the :class:`ShardingLayout` and the ranks' agreement.
+    """
+
+    def __init__(self, *args: Any, layout: ShardingLayout, agreement: RankAgreement, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.layout = layout
+        self.agreement = agreement
+
+    def inspect(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        health: StepHealth,
+        grads: list[Tensor],
+    ) -> tuple[RankReport, NanEvent | None]:
+        """This rank's report and the event it records (``None``: another rank records it, or none)."""
+        rank = trainer.global_rank
+        # a failing rank skips this inspector altogether: with a failure anywhere, no collective here
+        # (without other ranks every collective below is local, and the diagnosis runs as usual)
+        together = not health.ranks_failed
+        grad_norm = health.grad_norm
+        if grad_norm < 0 and together:  # not computed this step: the global norm (the same test on every rank)
+            grad_norm = self.layout.global_norm_now(grads, self.agreement, self.layout.device)
+        failed = False
+        event: NanEvent | None = None
+        spiked = False
+        try:
+            event, spiked = self._own_event(trainer, health, grads, grad_norm)
+        except Exception as error:  # never skip the collectives below: this rank fails the step instead
+            log.warning("NanGuard: the check of a bad step failed on rank %d: %r", rank, error, exc_info=True)
+            failed = True
+        if not together:
+            return self._report(rank, event, spiked, failed), event
+        finding = self._finding(rank, health, event, spiked)
+        findings = self.agreement.gather(finding)
+        plan = plan_search(findings) if self._may_diagnose(trainer, pl_module) else {}
+        if plan:
+            event, spiked = self._diagnose_together(trainer, pl_module, plan, findings, event, spiked, grad_norm)
+        return self._report(rank, event, spiked, failed), event
+
+    # ------------------------------------------------------------------ before the search
+
+    def _own_event(
+        self, trainer: Trainer, health: StepHealth, grads: list[Tensor], grad_norm: float
+    ) -> tuple[NanEvent | None, bool]:
+        """This rank's confirmed NaN/Inf event, or its spike event (rank-local: no collective)."""
+        event: NanEvent | None = None
+        # a NaN/Inf born in another rank's loss or BatchNorm statistics reaches this rank's gradient shards
+        someone_elses = health.ranks_others_bad > 0 and not health.others_bad
+        if health.bad and not someone_elses:
+            event = self._nonfinite_event(trainer, grads, grad_norm)
+        if event is None and health.spike and self.spikes is not None:
+            spike = self._spike_event(trainer, grad_norm)
+            if spike is not None:
+                return spike, True
+        return event, False
+
+    def _finding(self, rank: int, health: StepHealth, event: NanEvent | None, spiked: bool) -> Finding:
+        """What this rank found, for the others; never raises (the gather must happen)."""
+        try:
+            threshold = self.spikes.loss_threshold() if spiked and self.spikes is not None else None
+            weights = tuple(nonfinite_names((n, p.detach()) for n, p in self.named_params))
+        except Exception as error:  # decide without them
+            log.warning("NanGuard: rank %d could not describe its bad step: %r", rank, error)
+            threshold, weights = None, ()
+        return Finding(
+            rank,
+            self.layout.peers,
+            nonfinite=event is not None and not spiked,
+            origin=health.others_bad,
+            spike=spiked,
+            threshold=threshold,
+            kinds=tuple(event.kinds) if event is not None and not spiked else (),
+            nonfinite_grads=tuple(event.nonfinite_grads) if event is not None and not spiked else (),
+            nonfinite_weights=weights,
+        )
+
+    def _report(self, rank: int, event: NanEvent | None, spiked: bool, failed: bool) -> RankReport:
+        return RankReport(
+            rank,
+            incident=event is not None and not spiked,
+            spike=spiked and event is not None,
+            failed=failed,
+            cause=_cause(event),
+            quarantine=tuple(event.dataset_indices or ()) if event is not None else (),
+            culprit_module=event.culprit_module if event is not None and event.phase is not None else None,
+        )
+
+    # ------------------------------------------------------------------ the search, on every rank
+
+    def _diagnose_together(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        plan: Mapping[tuple[int, ...], float | None],
+        findings: Sequence[Finding],
+        event: NanEvent | None,
+        spiked: bool,
+        grad_norm: float,
+    ) -> tuple[NanEvent | None, bool]:
+        """Search (or help) in lockstep, share the outcomes, record where the incident is; every rank."""
+        # the same plan on every rank; everything rank-local below is inside a try, so that every rank
+        # reaches every collective (the ticks, the gathers) whatever happens on it
+        searching = self.layout.peers in plan
+        threshold = plan.get(self.layout.peers)
+        weights = sorted({name for f in findings for name in f.nonfinite_weights})
+        lockstep = Lockstep(self.layout.peers, self._dummy(trainer, pl_module), device=self.layout.device)
+        outcome = Outcome(trainer.global_rank, self.layout.peers, searched=searching, event=event)
+        with self.window.before_step_batchnorm(keep_after=True):
+            chosen: MicroBatch | None = None
+            diagnosis: Diagnosis | None = None
+            error: str | None = None
+            try:
+                if searching:
+                    base = self._base_event(trainer, findings, event, spiked, threshold, grad_norm)
+                    diagnosis, chosen = self._search(trainer, pl_module, lockstep, threshold, weights)
+                    outcome = self._outcome(trainer, base, diagnosis, chosen, threshold)
+            except Exception as caught:  # a bug on this rank: it stops searching, the others carry on
+                log.warning("NanGuard: the sharded diagnosis failed on this rank: %r", caught, exc_info=True)
+                error = repr(caught)
+            finally:
+                lockstep.finish()
+            outcome = dataclasses.replace(outcome, error=lockstep.failure or error, own=event is not None)
+            outcomes = self.agreement.gather(outcome)
+            chosen_events = recorders(outcomes)
+            mine = chosen_events.get(trainer.global_rank)
+            if mine is not None:
+                try:
+                    mine = self._merged(mine, findings, outcomes, lockstep)
+                except Exception as caught:  # the event as found is recorded instead
+                    log.warning("NanGuard: could not merge the ranks' findings: %r", caught, exc_info=True)
+            mine = self._save_bundles(trainer, pl_module, mine, chosen_events, diagnosis, chosen)
+        if mine is None:
+            return None, False
+        return mine, set(mine.kinds) <= set(SPIKE_KINDS)
+
+    def _base_event(
+        self,
+        trainer: Trainer,
+        findings: Sequence[Finding],
+        event: NanEvent | None,
+        spiked: bool,
+        threshold: float | None,
+        grad_norm: float,
+    ) -> NanEvent:
+        """The event this rank's search fills: its own, or one made from what every rank found."""
+        if threshold is not None:  # a spike search: the rank's own spike event (its peers' are the same)
+            if event is not None and spiked:
+                return event
+            return NanEvent.at_step(trainer, self.window.batch_idx, ("loss_spike",), grad_norm=grad_norm)
+        if event is not None and not spiked:
+            return event
+        possible: tuple[EventKind, ...] = ("loss", "grad", "bn_stats")
+        kinds = [k for k in possible if any(k in f.kinds for f in findings)] or ["grad"]
+        names = tuple(sorted({n for f in findings for n in f.nonfinite_grads}))
+        losses = [float(loss.float().sum()) for loss in self.window.losses]
+        return NanEvent.at_step(
+            trainer,
+            self.window.batch_idx,
+            kinds,
+            nonfinite_grads=names,
+            loss=losses[-1] if losses else None,
+            grad_norm=grad_norm,
+        )
+
+    def _dummy(self, trainer: Trainer, pl_module: LightningModule) -> Callable[[], None]:
+        """The pass a rank runs while others search: a healthy reference sub-batch (identical across peers).
+
+        Never raises: without a batch to run, the returned pass raises, and the first tick that needs
+        it stops the diagnosis on every rank.
+        """
+        slicer = self.settings.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
+        batch = self.window.reference
+        if batch is None and self.window.micro_batches:
+            first = self.window.micro_batches[0].batch
+            try:
+                batch = (slicer or slice_batch)(first, list(range(DUMMY_SIZE)))
+            except Exception:  # an unsliceable batch: the whole batch
+                batch = first
+        try:
+            runner = SubBatchRunner(
+                pl_module,
+                batch,
+                training_step_of(pl_module),
+                self.window.batch_idx,
+                slicer,
+                trainer.precision_plugin.train_step_context,
+                grads_from_graph=True,
+            )
+        except Exception as error:
+            reason = f"no batch for the passes of a rank that does not search: {error!r}"
+
+            def cannot() -> None:
+                raise RuntimeError(reason)
+
+            return cannot
+
+        def run() -> None:
+            runner.run(*runner.prepare(range(runner.size)))
+
+        return run
+
+    def _search(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        lockstep: Lockstep,
+        threshold: float | None,
+        weights: Sequence[str],
+    ) -> tuple[Diagnosis | None, MicroBatch | None]:
+        """:func:`diagnose` each micro-batch, every pass a tick; the first that holds the incident."""
+        settings = self.settings
+        if not (settings.bisect or settings.localize):
+            return None, self.window.micro_batches[-1] if self.window.micro_batches else None
+        slicer = settings.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
+        factory = functools.partial(LockstepRunner, lockstep=lockstep)
+        diagnosis: Diagnosis | None = None
+        chosen: MicroBatch | None = None
+        for micro in self.window.micro_batches:
+            found = diagnose(
+                pl_module,
+                micro.batch,
+                step_fn=training_step_of(pl_module),
+                batch_idx=micro.batch_idx,
+                slicer=slicer,
+                context=trainer.precision_plugin.train_step_context,
+                bisect=settings.bisect,
+                localize_origin=settings.localize,
+                max_passes=settings.max_bisect_passes,
+                reference_batch=self.window.reference,
+                loss_threshold=threshold,
+                source_root=settings.source_root,
+                runner_factory=factory,
+                nonfinite_weights=weights,
+            )
+            # peers share every verdict, so these tests (not the origin, found on one shard) keep them in step
+            if diagnosis is None or found.offending is not None or found.cause is not None:
+                diagnosis, chosen = found, micro
+            if found.offending is not None or found.cause is not None or found.error:
+                break
+        return diagnosis, chosen
+
+    def _outcome(
+        self,
+        trainer: Trainer,
+        base: NanEvent,
+        diagnosis: Diagnosis | None,
+        chosen: MicroBatch | None,
+        threshold: float | None,
+    ) -> Outcome:
+        rank, peers = trainer.global_rank, self.layout.peers
+        if diagnosis is None or chosen is None:
+            return Outcome(rank, peers, True, holds=False, event=base)
+        event = event_with_diagnosis(base, diagnosis, dataset_indices=chosen.dataset_indices)
+        event = event.replace(batch_idx=chosen.batch_idx)
+        if len(self.window.micro_batches) > 1:
+            position = next(i for i, m in enumerate(self.window.micro_batches) if m is chosen)
+            event = event.replace(details={**event.details, "micro_batch": position})
+        located = diagnosis.localization is not None and diagnosis.localization.phase is not None
+        holds = (
+            diagnosis.error is None
+            and diagnosis.reproduced
+            and (diagnosis.cause is not None or diagnosis.offending is not None or located)
+        )
+        if threshold is not None and diagnosis.offending is None and diagnosis.cause is None:
+            holds = False
+        return Outcome(rank, peers, True, holds=holds, event=event)
+
+    def _merged(
+        self, event: NanEvent, findings: Sequence[Finding], outcomes: Sequence[Outcome], lockstep: Lockstep
+    ) -> NanEvent:
+        """The recorded event: the gradient names every rank found, the diagnosis's cost and any rank's failure."""
+        details = dict(event.details)
+        grads = sorted({*event.nonfinite_grads, *(n for f in findings for n in f.nonfinite_grads)})
+        details["sharding"] = {
+            "kind": self.layout.kind,
+            "data_parallel": self.layout.data_parallel_size,
+            "tensor_parallel": self.layout.tensor_parallel_size,
+            "lockstep_passes": lockstep.passes,
+            "searched_ranks": [o.rank for o in outcomes if o.searched],
+        }
+        errors = [f"rank {o.rank}: {o.error}" for o in outcomes if o.error]
+        if errors:
+            previous = details.get("diagnosis_error")
+            details["diagnosis_error"] = "; ".join([*([previous] if previous else []), *errors])
+        return event.replace(nonfinite_grads=tuple(grads), details=details)
+
+    # ------------------------------------------------------------------ bundles
+
+    def _save_bundles(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        mine: NanEvent | None,
+        chosen_events: Mapping[int, NanEvent],
+        diagnosis: Diagnosis | None,
+        micro: MicroBatch | None,
+    ) -> NanEvent | None:
+        """The recording ranks' context and bundles (their event, naming the bundle); every rank gathers the state."""
+        bundle_dir = self.recorder.sinks.nanguard_dir
+        if bundle_dir is None or not chosen_events:
+            return mine
+        settings = self.settings
+        saving = settings.save_repro and settings.max_repro_bundles > 0
+        state: Mapping[str, Any] | str | None = None
+        if saving:  # a collective: every rank gathers, the recording ranks keep it
+            state = gathered_state(pl_module, keep=mine is not None)
+        if mine is None:
+            return None
+        if micro is None and self.window.micro_batches:
+            micro = self.window.micro_batches[-1]
+        localization = diagnosis.localization if diagnosis is not None else None
+        batch = micro.batch if micro is not None else None
+        save_incident_context(
+            bundle_dir, mine, getattr(localization, "source_path", None), batch, mine.offending_samples
+        )
+        if saving and micro is not None:
+            mine = self._bundle(pl_module, mine, micro, diagnosis, bundle_dir, state)
+        return mine
+
+    def _bundle(
+        self,
+        pl_module: LightningModule,
+        event: NanEvent,
+        micro: MicroBatch,
+        diagnosis: Diagnosis | None,
+        bundle_dir: str,
+        state: Mapping[str, Any] | str | None,
+    ) -> NanEvent:
+        """Save the offending samples (and a known-good one) of ``micro`` with the gathered state; never raises."""
+        slicer = self.settings.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
+        positions = list(event.offending_samples) if event.offending_samples is not None else None
+        reference: list[int] = []
+        if positions is not None and diagnosis is not None:
+            good = [p for p in diagnosis.known_good if p not in positions]
+            if good:
+                positions, reference = [good[0], *positions], [0]
+        try:
+            samples = micro.batch if positions is None else (slicer or slice_batch)(micro.batch, positions)
+            indices = micro.dataset_indices
+            if positions is not None:
+                known = indices is not None and len(indices) > max(positions)
+                indices = [indices[p] for p in positions] if known and indices is not None else None
+            full = diagnosis.full_details if diagnosis is not None else None
+            path = save_bundle(
+                bundle_dir,
+                event,
+                pl_module,
+                samples,
+                micro.batch_idx,
+                positions,
+                indices,
+                reference,
+                full,
+                self.settings.source_root,
+                module_state=state if state is not None else "not gathered",
+            )
+            prune_bundles(bundle_dir, self.settings.max_repro_bundles)
+        except Exception as error:  # a bundle must never kill training
+            log.warning("NanGuard: could not save the repro bundle: %r", error)
+            return event
+        return event.replace(repro_path=str(path)) if Path(path).exists() else event
+
+
+def gathered_state(module: nn.Module, keep: bool, limit: int = GATHER_LIMIT_BYTES) -> Mapping[str, Any] | str:
+    """The module's full state on the host, gathered from the shards (every rank calls this, in step).
+
+    ``keep``: this rank keeps the tensors (the others take part in the gathers and drop them). A
+    model whose full state exceeds ``limit`` bytes is not gathered (the decision is the same on
+    every rank: it is read off the global shapes): the reason is returned instead.
+    """
+    state = module.state_dict()
+    total = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, Tensor))
+    if total > limit:
+        return (
+            f"the sharded model holds {total / 2**30:.1f} GiB in full, above the {limit / 2**30:.0f} GiB a bundle "
+            "gathers; every rank's shards are in the run's checkpoints"
+        )
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, tensor in state.items():
+            full = tensor.full_tensor() if is_dtensor(tensor) else tensor  # a collective over its mesh
+            if keep and isinstance(full, Tensor):
+                out[name] = full.detach().to("cpu", copy=True)
+    return out if keep else "gathered by another rank"
