@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,10 +26,10 @@ from lightning_nanguard.adapter.after_step import AfterStep
 from lightning_nanguard.adapter.check import step_flags
 from lightning_nanguard.adapter.config import GuardSettings
 from lightning_nanguard.adapter.failsafe import fail
-from lightning_nanguard.adapter.incidents import IncidentInspector, check_module, loss_scale_event
-from lightning_nanguard.adapter.recovery import grad_scaler, training_parts
+from lightning_nanguard.adapter.incidents import check_module, loss_scale_event
+from lightning_nanguard.adapter.recovery import grad_scaler, next_loss_scale, training_parts
 from lightning_nanguard.adapter.reporting import IncidentRecorder
-from lightning_nanguard.adapter.sharded_incidents import ShardedIncidentInspector
+from lightning_nanguard.adapter.sharded_incidents import inspector_for
 from lightning_nanguard.adapter.sharding import ShardingLayout, announce_sharding, sharding_notice
 from lightning_nanguard.adapter.spikes import SpikeWatch
 from lightning_nanguard.adapter.state import GuardState
@@ -61,7 +60,6 @@ __all__ = ["StepController"]
 
 DONE: dict[str, EventAction] = {"skip": "skipped", "raise": "raised", "warn": "warned", "rollback": "skipped"}
 REFERENCE_EVERY_N_STEPS = 100
-EVENTS_KEPT_IN_CHECKPOINT = 100
 
 
 class StepController:
@@ -82,7 +80,7 @@ class StepController:
         self.spikes: SpikeWatch | None = None
         self.sync = SyncFreeSteps()
         self._resolving: DeferredStep | None = None
-        self._spike_state: dict[str, Any] = {}  # loaded before the detectors exist
+        self.spike_state: dict[str, Any] = {}  # loaded before the detectors exist
         self.agreement = RankAgreement(None, 1)
         self.after_step = AfterStep(self.state, self.recovery, self.recorder, self.window)
         self.named_params: list[tuple[str, nn.Parameter]] = []
@@ -108,7 +106,7 @@ class StepController:
         if settings.spikes is None:
             self.spikes = None
         elif not unchanged or current is None or (current.grad_norm is not None) != self.with_norm:
-            state = current.state_dict() if current is not None else self._spike_state
+            state = current.state_dict() if current is not None else self.spike_state
             self.spikes = SpikeWatch(settings.spikes, watch_grad_norm=self.with_norm)
             self.spikes.load_state_dict(state)
 
@@ -195,7 +193,9 @@ class StepController:
         report, event = self._inspect(trainer, pl_module, optimizer, health, grads)
         reports = self.agreement.gather(report) if self._collective(pl_module) else [report]
         policy = self._policy(pl_module, optimizer)
-        decision, after = decide(reports, self.state.counters, policy, self._next_scale(trainer))
+        decision, after = decide(
+            reports, self.state.counters, policy, next_loss_scale(trainer, updated=self._resolving is not None)
+        )
         self._carry_out(trainer, pl_module, optimizer, decision, after, event, grads, health)
 
     def _collective(self, pl_module: LightningModule) -> bool:
@@ -285,7 +285,7 @@ class StepController:
     def _policy(self, pl_module: LightningModule, optimizer: Optimizer) -> Policy:
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
         can_skip = pl_module.automatic_optimization and not isinstance(inner, torch.optim.LBFGS)
-        return self.policy if can_skip == self.policy.can_skip else _with(self.policy, can_skip=can_skip)
+        return self.policy if can_skip == self.policy.can_skip else dataclasses.replace(self.policy, can_skip=can_skip)
 
     def _inspect(
         self,
@@ -300,31 +300,14 @@ class StepController:
         if self.state.failing:
             return RankReport(rank, failed=True), None
         try:
-            inspector = IncidentInspector(self.diagnosis, self.window, self.named_params, self.recorder, self.spikes)
-            if self.sharding is not None and self.sharding.diagnoses_together:  # every rank takes part
-                inspector = ShardedIncidentInspector(
-                    self.diagnosis,
-                    self.window,
-                    self.named_params,
-                    self.recorder,
-                    self.spikes,
-                    layout=self.sharding,
-                    agreement=self.agreement,
-                )
+            parts = (self.diagnosis, self.window, self.named_params, self.recorder, self.spikes)
+            inspector = inspector_for(*parts, sharding=self.sharding, agreement=self.agreement)
             return inspector.inspect(trainer, pl_module, health, grads)
         except NonFiniteTrainingError:
             raise
         except Exception as error:
             self.fail(error, "the check of a bad step")
             return RankReport(rank, failed=True), None
-
-    def _next_scale(self, trainer: Trainer) -> float | None:
-        scaler = grad_scaler(trainer)
-        if scaler is None or not scaler.is_enabled():
-            return None
-        if self._resolving is not None:  # a step resolved late: the scaler has updated since
-            return float(scaler.get_scale())
-        return float(scaler.get_scale()) * scaler.get_backoff_factor()  # what update() sets after an overflow
 
     def _carry_out(
         self,
@@ -394,7 +377,11 @@ class StepController:
             return event
         overflows = self.state.counters.consecutive_overflows
         return loss_scale_event(
-            trainer, self.window.batch_idx, self._next_scale(trainer), overflows, self.state.last_grad_norm
+            trainer,
+            self.window.batch_idx,
+            next_loss_scale(trainer, updated=self._resolving is not None),
+            overflows,
+            self.state.last_grad_norm,
         )
 
     def metrics(self, counters: Counters) -> dict[str, float | None]:
@@ -404,30 +391,6 @@ class StepController:
     def after_optimizer_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The after-step work (rollback, weight check, snapshot), on every rank."""
         self.after_step.run(trainer, pl_module, self._collective(pl_module))
-
-    def state_dict(self) -> dict[str, Any]:
-        """Counters, the last gradient norm, the spike statistic, remedy state and the last 100 events."""
-        return {
-            **dataclasses.asdict(self.state.counters),
-            "last_grad_norm": self.state.last_grad_norm,
-            "spikes": self.spikes.state_dict() if self.spikes is not None else self._spike_state,
-            "events": [event.to_dict() for event in self.recorder.events[-EVENTS_KEPT_IN_CHECKPOINT:]],
-            "recovery": self.recovery.state_dict(),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; keys added in later versions default sensibly."""
-        self.state.counters = Counters(**{name: int(state.get(name, 0)) for name in Counters.__dataclass_fields__})
-        norm = state.get("last_grad_norm")
-        self.state.last_grad_norm = float(norm) if norm is not None else None
-        self.recorder.events[:] = [NanEvent.from_dict(summary) for summary in state.get("events", [])]
-        self._spike_state = dict(state.get("spikes", {}))
-        if self.spikes is not None:
-            self.spikes.load_state_dict(self._spike_state)
-        self.recovery.load_state_dict(state.get("recovery", {}))
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -466,7 +429,3 @@ class StepController:
 def _optimizer_params(optimizer: Optimizer) -> list[Tensor]:
     """The parameters ``optimizer`` updates, in its order."""
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _with(policy: Policy, **changes: Any) -> Policy:
-    return dataclasses.replace(policy, **changes)

@@ -19,12 +19,13 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_nanguard.adapter._compat import CALLBACK_BASES
+from lightning_nanguard.adapter.checkpoint import guard_state, load_guard_state, make_checkpoint_finite
 from lightning_nanguard.adapter.config import GuardSettings, validate_arguments, warn_what_cannot_be_skipped
 from lightning_nanguard.adapter.controller import StepController
 from lightning_nanguard.adapter.failsafe import CounterView, failsafe
 from lightning_nanguard.adapter.indices import indices_from_batch, next_recorded_indices
 from lightning_nanguard.adapter.reporting import IncidentRecorder
-from lightning_nanguard.adapter.sharding import make_sharded_checkpoint_finite_, own_rank_state, share_rank_states_
+from lightning_nanguard.adapter.sharding import own_rank_state
 from lightning_nanguard.adapter.strategy import (
     StrategyHooks,
     apply_nanguard_strategy,
@@ -384,14 +385,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """Never save non-finite weights: save the last good snapshot instead, or refuse."""
         try:
-            sharding = self.controller.sharding
-            if sharding is not None and sharding.diagnoses_together:  # every rank's shards, the strategy's format
-                substituted = make_sharded_checkpoint_finite_(
-                    trainer, pl_module, self.recovery, checkpoint, self.controller.agreement
-                )
-                share_rank_states_(checkpoint, self.state_key, self.state_dict(), self.controller.agreement)
-            else:
-                substituted = self.recovery.make_checkpoint_finite_(checkpoint)
+            substituted = make_checkpoint_finite(self.controller, trainer, pl_module, checkpoint, self.state_key)
         except NonFiniteTrainingError as error:
             raise NonFiniteTrainingError(str(error), self.events[-1:]) from None
         if substituted is not None:
@@ -401,12 +395,12 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     @override
     def state_dict(self) -> dict[str, Any]:
         """Counters, remedy state and the last 100 events, as primitives (``weights_only``-safe)."""
-        return self.controller.state_dict()
+        return guard_state(self.controller)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore counters, remedies and events; keys added in later versions default sensibly."""
-        self.controller.load_state_dict(own_rank_state(state_dict))
+        load_guard_state(self.controller, own_rank_state(state_dict))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -30,7 +30,7 @@ from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_nam
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
-__all__ = ["IncidentInspector", "check_module", "loss_scale_event"]
+__all__ = ["IncidentInspector", "check_module", "event_cause", "loss_scale_event"]
 
 
 def _any_inf(tensors: Sequence[Tensor]) -> bool:
@@ -39,7 +39,7 @@ def _any_inf(tensors: Sequence[Tensor]) -> bool:
     return bool(torch.stack(flags).any()) if flags else False
 
 
-def _cause(event: NanEvent | None) -> str | None:
+def event_cause(event: NanEvent | None) -> str | None:
     """The event's verdict; samples named without a verdict (an older diagnosis) count as ``"data"``."""
     if event is None:
         return None
@@ -167,7 +167,7 @@ class IncidentInspector:
             incident=event is not None and not spiked,
             overflow=overflow,
             spike=spiked,
-            cause=_cause(event),
+            cause=event_cause(event),
             quarantine=tuple(event.dataset_indices or ()) if event is not None else (),
             culprit_module=event.culprit_module if event is not None and event.phase is not None else None,
         )

@@ -15,12 +15,25 @@ from lightning_nanguard.recover.recovery import TrainingParts
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
-__all__ = ["grad_scaler", "lr_schedulers", "training_parts"]
+__all__ = ["grad_scaler", "lr_schedulers", "next_loss_scale", "training_parts"]
 
 
 def grad_scaler(trainer: Trainer) -> Any:
     """The Trainer's GradScaler (``16-mixed``), or ``None`` (32-bit, bf16)."""
     return getattr(trainer.precision_plugin, "scaler", None)
+
+
+def next_loss_scale(trainer: Trainer, updated: bool = False) -> float | None:
+    """The loss scale the GradScaler uses after this step's overflow (``None``: no active scaler).
+
+    ``updated``: the scaler has updated since the step (a step resolved one step late): its scale now.
+    """
+    scaler = grad_scaler(trainer)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    if updated:
+        return float(scaler.get_scale())
+    return float(scaler.get_scale()) * scaler.get_backoff_factor()  # what update() sets after an overflow
 
 
 def lr_schedulers(trainer: Trainer) -> list[Any]:

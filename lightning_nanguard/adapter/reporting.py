@@ -210,10 +210,18 @@ class IncidentRecorder:
             for step, values in self._scalars.plan(metrics, trainer.global_step, previous=previous):
                 self.sinks.write_scalars(trainer, values, step)
 
-    def save_incident_files(self, pl_module: nn.Module, found: StepDiagnosis, settings: DiagnosisSettings) -> NanEvent:
+    def save_incident_files(
+        self,
+        pl_module: nn.Module,
+        found: StepDiagnosis,
+        settings: DiagnosisSettings,
+        module_state: Mapping[str, Any] | str | None = None,
+    ) -> NanEvent:
         """Write a bad step's dashboard context and (with ``save_repro``) its repro bundle; never raises.
 
-        Returns the event, with ``repro_path`` when a bundle was saved.
+        ``module_state``: the state to save instead of ``pl_module.state_dict()`` (a sharded model's
+        gathered state), or why there is none. Returns the event, with ``repro_path`` when a bundle
+        was saved.
         """
         event, micro = found.event, found.micro_batch
         directory = self.sinks.nanguard_dir
@@ -223,7 +231,8 @@ class IncidentRecorder:
         source_path = getattr(localization, "source_path", None)
         save_incident_context(directory, event, source_path, micro.batch, event.offending_samples)
         if settings.save_repro and settings.max_repro_bundles > 0:
-            event = _save_bundle(pl_module, found, directory, settings.max_repro_bundles, settings.source_root)
+            max_bundles, root = settings.max_repro_bundles, settings.source_root
+            event = _save_bundle(pl_module, found, directory, max_bundles, root, module_state)
         return event
 
     @staticmethod
@@ -239,7 +248,12 @@ def default_tags() -> list[str]:
 
 
 def _save_bundle(
-    pl_module: nn.Module, found: StepDiagnosis, directory: str, max_bundles: int, source_root: str | None
+    pl_module: nn.Module,
+    found: StepDiagnosis,
+    directory: str,
+    max_bundles: int,
+    source_root: str | None,
+    module_state: Mapping[str, Any] | str | None = None,
 ) -> NanEvent:
     """Save the offending samples (or the whole batch) of the step's diagnosed micro-batch; never raises.
 
@@ -264,7 +278,17 @@ def _save_bundle(
             indices = [indices[p] for p in positions] if indices is not None and len(indices) > max(positions) else None
         full = diagnosis.full_details if diagnosis is not None else None
         path = save_bundle(
-            directory, event, pl_module, samples, micro.batch_idx, positions, indices, reference, full, source_root
+            directory,
+            event,
+            pl_module,
+            samples,
+            micro.batch_idx,
+            positions,
+            indices,
+            reference,
+            full,
+            source_root,
+            module_state=module_state,
         )
         prune_bundles(directory, max_bundles)
     except Exception as error:  # a bundle must never kill training

@@ -32,142 +32,33 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from lightning_nanguard.adapter.diagnosis import MicroBatch, training_step_of
-from lightning_nanguard.adapter.incidents import IncidentInspector, _cause
+from lightning_nanguard.adapter.diagnosis import MicroBatch, StepDiagnosis, training_step_of
+from lightning_nanguard.adapter.incidents import IncidentInspector, event_cause
 from lightning_nanguard.adapter.sharding import ShardingLayout
-from lightning_nanguard.core.dtensor import is_dtensor
+from lightning_nanguard.core.dtensor import gathered_state
 from lightning_nanguard.core.events import SPIKE_KINDS, EventKind, NanEvent
 from lightning_nanguard.decide.agreement import RankAgreement
 from lightning_nanguard.decide.policy import RankReport, StepHealth
+from lightning_nanguard.decide.sharded import Finding, Outcome, plan_search, recorders
 from lightning_nanguard.detect.confirm import nonfinite_names
 from lightning_nanguard.diagnose.batching import slice_batch
 from lightning_nanguard.diagnose.diagnosis import Diagnosis, diagnose
 from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
 from lightning_nanguard.diagnose.lockstep import Lockstep, LockstepRunner
 from lightning_nanguard.diagnose.runner import SubBatchRunner
-from lightning_nanguard.reporting.context import save_incident_context
-from lightning_nanguard.reporting.repro import prune_bundles, save_bundle
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
-__all__ = ["GATHER_LIMIT_BYTES", "Finding", "Outcome", "ShardedIncidentInspector", "plan_search", "recorders"]
+__all__ = ["ShardedIncidentInspector", "inspector_for"]
 
 log = logging.getLogger("lightning_nanguard")
 
-GATHER_LIMIT_BYTES = 2 * 2**30
-"""A repro bundle gathers a sharded model's full state only below this size (2 GiB): a model
-sharded because it does not fit one device must not be gathered onto one for a bundle."""
-
 DUMMY_SIZE = 2  # samples of a dummy pass (BatchNorm in train mode refuses one)
-
-
-@dataclass(frozen=True)
-class Finding:
-    """What one rank found before the diagnosis (gathered from every rank).
-
-    Attributes:
-        rank: global rank.
-        peers: the ranks sharing its batch.
-        nonfinite: it confirmed NaN/Inf of its own (loss, gradient shards or BatchNorm statistics).
-        origin: its loss or BatchNorm statistics are non-finite: its batch holds the incident.
-        spike: its loss spiked.
-        threshold: the loss above which a (sub-)batch counts as a spike.
-        kinds: the event's kinds.
-        nonfinite_grads: names of its non-finite gradient shards.
-        nonfinite_weights: names of its non-finite weight shards.
-    """
-
-    rank: int
-    peers: tuple[int, ...]
-    nonfinite: bool = False
-    origin: bool = False
-    spike: bool = False
-    threshold: float | None = None
-    kinds: tuple[str, ...] = ()
-    nonfinite_grads: tuple[str, ...] = ()
-    nonfinite_weights: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What one rank's search gave (gathered from every rank).
-
-    Attributes:
-        rank: global rank.
-        peers: the ranks sharing its batch.
-        searched: its batch was searched.
-        holds: the search reproduced the incident in its batch.
-        event: its event after the diagnosis (``None``: none).
-        error: why its part of the diagnosis could not run.
-        own: the rank found NaN/Inf (or a spike) of its own before the search (else its event was made
-            for the search only, and is recorded only where the search reproduced the incident).
-    """
-
-    rank: int
-    peers: tuple[int, ...]
-    searched: bool = False
-    holds: bool = False
-    event: NanEvent | None = field(default=None, compare=False)
-    error: str | None = None
-    own: bool = True
-
-
-def plan_search(findings: Sequence[Finding]) -> dict[tuple[int, ...], float | None]:
-    """The batches to search (by their ranks) and the loss threshold of each (``None``: NaN/Inf).
-
-    Example:
-        >>> found = [Finding(0, (0,)), Finding(1, (1,), nonfinite=True, origin=True)]
-        >>> plan_search(found)
-        {(1,): None}
-        >>> plan_search([Finding(0, (0,), nonfinite=True), Finding(1, (1,))])  # gradients only: every batch
-        {(0,): None, (1,): None}
-    """
-    groups = list(dict.fromkeys(f.peers for f in findings))
-    origins = {f.peers for f in findings if f.nonfinite and f.origin}
-    gradients_only = not origins and any(f.nonfinite for f in findings)
-    plan: dict[tuple[int, ...], float | None] = {}
-    for group in groups:
-        members = [f for f in findings if f.peers == group]
-        if group in origins or gradients_only:
-            plan[group] = None
-        elif any(f.spike and f.threshold is not None for f in members):
-            plan[group] = min(f.threshold for f in members if f.spike and f.threshold is not None)
-    return plan
-
-
-def recorders(outcomes: Sequence[Outcome]) -> dict[int, NanEvent]:
-    """Which ranks record which event (see module docs).
-
-    Example:
-        >>> event = NanEvent(1, 0, 1, 0, ("grad",), "warned")
-        >>> out = [Outcome(0, (0,), True, False, event), Outcome(1, (1,), True, True, event.replace(rank=1))]
-        >>> {rank: e.rank for rank, e in recorders(out).items()}
-        {1: 1}
-    """
-    groups_seen = list(dict.fromkeys(o.peers for o in outcomes))
-    holding = [group for group in groups_seen if any(o.holds for o in outcomes if o.peers == group)]
-    chosen: dict[int, NanEvent] = {}
-    groups = holding or groups_seen
-    for group in groups:
-        members = sorted((o for o in outcomes if o.peers == group and o.event is not None), key=lambda o: o.rank)
-        if not members:
-            continue
-        members = [o for o in members if o.searched] if holding else [o for o in members if o.own]
-        if not members:
-            continue
-        located = next((o for o in members if o.event is not None and o.event.phase is not None), members[0])
-        leader = members[0].rank
-        assert located.event is not None
-        chosen[leader] = located.event.replace(rank=leader)
-    return chosen
 
 
 class ShardedIncidentInspector(IncidentInspector):
@@ -256,7 +147,7 @@ class ShardedIncidentInspector(IncidentInspector):
             incident=event is not None and not spiked,
             spike=spiked and event is not None,
             failed=failed,
-            cause=_cause(event),
+            cause=event_cause(event),
             quarantine=tuple(event.dataset_indices or ()) if event is not None else (),
             culprit_module=event.culprit_module if event is not None and event.phase is not None else None,
         )
@@ -472,89 +363,28 @@ class ShardedIncidentInspector(IncidentInspector):
         micro: MicroBatch | None,
     ) -> NanEvent | None:
         """The recording ranks' context and bundles (their event, naming the bundle); every rank gathers the state."""
-        bundle_dir = self.recorder.sinks.nanguard_dir
-        if bundle_dir is None or not chosen_events:
+        if self.recorder.sinks.nanguard_dir is None or not chosen_events:
             return mine
         settings = self.settings
-        saving = settings.save_repro and settings.max_repro_bundles > 0
         state: Mapping[str, Any] | str | None = None
-        if saving:  # a collective: every rank gathers, the recording ranks keep it
+        if settings.save_repro and settings.max_repro_bundles > 0:  # a collective: every rank gathers
             state = gathered_state(pl_module, keep=mine is not None)
         if mine is None:
             return None
         if micro is None and self.window.micro_batches:
             micro = self.window.micro_batches[-1]
-        localization = diagnosis.localization if diagnosis is not None else None
-        batch = micro.batch if micro is not None else None
-        save_incident_context(
-            bundle_dir, mine, getattr(localization, "source_path", None), batch, mine.offending_samples
+        slicer = settings.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
+        found = StepDiagnosis(mine, diagnosis, micro, slicer)
+        return self.recorder.save_incident_files(
+            pl_module, found, settings, module_state=state if state is not None else "not gathered"
         )
-        if saving and micro is not None:
-            mine = self._bundle(pl_module, mine, micro, diagnosis, bundle_dir, state)
-        return mine
-
-    def _bundle(
-        self,
-        pl_module: LightningModule,
-        event: NanEvent,
-        micro: MicroBatch,
-        diagnosis: Diagnosis | None,
-        bundle_dir: str,
-        state: Mapping[str, Any] | str | None,
-    ) -> NanEvent:
-        """Save the offending samples (and a known-good one) of ``micro`` with the gathered state; never raises."""
-        slicer = self.settings.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
-        positions = list(event.offending_samples) if event.offending_samples is not None else None
-        reference: list[int] = []
-        if positions is not None and diagnosis is not None:
-            good = [p for p in diagnosis.known_good if p not in positions]
-            if good:
-                positions, reference = [good[0], *positions], [0]
-        try:
-            samples = micro.batch if positions is None else (slicer or slice_batch)(micro.batch, positions)
-            indices = micro.dataset_indices
-            if positions is not None:
-                known = indices is not None and len(indices) > max(positions)
-                indices = [indices[p] for p in positions] if known and indices is not None else None
-            full = diagnosis.full_details if diagnosis is not None else None
-            path = save_bundle(
-                bundle_dir,
-                event,
-                pl_module,
-                samples,
-                micro.batch_idx,
-                positions,
-                indices,
-                reference,
-                full,
-                self.settings.source_root,
-                module_state=state if state is not None else "not gathered",
-            )
-            prune_bundles(bundle_dir, self.settings.max_repro_bundles)
-        except Exception as error:  # a bundle must never kill training
-            log.warning("NanGuard: could not save the repro bundle: %r", error)
-            return event
-        return event.replace(repro_path=str(path)) if Path(path).exists() else event
 
 
-def gathered_state(module: nn.Module, keep: bool, limit: int = GATHER_LIMIT_BYTES) -> Mapping[str, Any] | str:
-    """The module's full state on the host, gathered from the shards (every rank calls this, in step).
+def inspector_for(*parts: Any, sharding: ShardingLayout | None, agreement: RankAgreement) -> IncidentInspector:
+    """The inspector of a bad step: every rank in lockstep under ``ModelParallelStrategy``, else each rank alone.
 
-    ``keep``: this rank keeps the tensors (the others take part in the gathers and drop them). A
-    model whose full state exceeds ``limit`` bytes is not gathered (the decision is the same on
-    every rank: it is read off the global shapes): the reason is returned instead.
+    ``parts`` are :class:`~lightning_nanguard.adapter.incidents.IncidentInspector`'s arguments.
     """
-    state = module.state_dict()
-    total = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, Tensor))
-    if total > limit:
-        return (
-            f"the sharded model holds {total / 2**30:.1f} GiB in full, above the {limit / 2**30:.0f} GiB a bundle "
-            "gathers; every rank's shards are in the run's checkpoints"
-        )
-    out: dict[str, Any] = {}
-    with torch.no_grad():
-        for name, tensor in state.items():
-            full = tensor.full_tensor() if is_dtensor(tensor) else tensor  # a collective over its mesh
-            if keep and isinstance(full, Tensor):
-                out[name] = full.detach().to("cpu", copy=True)
-    return out if keep else "gathered by another rank"
+    if sharding is not None and sharding.diagnoses_together:  # every rank takes part
+        return ShardedIncidentInspector(*parts, layout=sharding, agreement=agreement)
+    return IncidentInspector(*parts)

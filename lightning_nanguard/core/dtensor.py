@@ -21,12 +21,22 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
-__all__ = ["any_dtensor", "dtensor_class", "is_dtensor", "local_tensor", "local_tensors", "replicas"]
+__all__ = [
+    "GATHER_LIMIT_BYTES",
+    "any_dtensor",
+    "dtensor_class",
+    "gathered_state",
+    "is_dtensor",
+    "local_tensor",
+    "local_tensors",
+    "replicas",
+]
 
 
 def dtensor_class() -> type | None:
@@ -83,3 +93,31 @@ def replicas(tensor: Tensor, world_size: int) -> int:
         if placement.is_replicate():
             count *= mesh.size(dim)
     return count
+
+
+GATHER_LIMIT_BYTES = 2 * 2**30
+"""A repro bundle gathers a sharded model's full state only below this size (2 GiB): a model
+sharded because it does not fit one device must not be gathered onto one for a bundle."""
+
+
+def gathered_state(module: nn.Module, keep: bool, limit: int = GATHER_LIMIT_BYTES) -> Mapping[str, Any] | str:
+    """The module's full state on the host, gathered from the shards (every rank calls this, in step).
+
+    ``keep``: this rank keeps the tensors (the others take part in the gathers and drop them). A
+    model whose full state exceeds ``limit`` bytes is not gathered (the decision is the same on
+    every rank: it is read off the global shapes): the reason is returned instead.
+    """
+    state = module.state_dict()
+    total = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, Tensor))
+    if total > limit:
+        return (
+            f"the sharded model holds {total / 2**30:.1f} GiB in full, above the {limit / 2**30:.0f} GiB a bundle "
+            "gathers; every rank's shards are in the run's checkpoints"
+        )
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, tensor in state.items():
+            full = tensor.full_tensor() if is_dtensor(tensor) else tensor  # a collective over its mesh
+            if keep and isinstance(full, Tensor):
+                out[name] = full.detach().to("cpu", copy=True)
+    return out if keep else "gathered by another rank"

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from fake_mesh import fake_world
 
-from lightning_nanguard.adapter.sharded_incidents import Finding, Outcome, plan_search, recorders
 from lightning_nanguard.adapter.sharding import (
     ShardingLayout,
     own_rank_state,
@@ -17,6 +16,7 @@ from lightning_nanguard.adapter.sharding import (
 )
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.decide.policy import StepHealth, local_vector
+from lightning_nanguard.decide.sharded import Finding, Outcome, plan_search, recorders
 
 
 class SummingAgreement:
