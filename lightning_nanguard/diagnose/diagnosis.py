@@ -300,8 +300,9 @@ def _state_diagnosis(
     localization, error = _localized(
         runner, None, localize_origin and _spike_localizes(runner, nonfinite), common["source_root"]
     )
-    if localization is not None and localization.phase is not None:
-        # every sample fails: an op's own hint ("pow at 0", "check the input data") would mislead
+    if localization is not None and localization.phase is not None and not localization.from_infinity:
+        # every sample fails: an op's own hint ("pow at 0", "check the input data") would mislead;
+        # a NaN made of deliberate infinities (a mask met a zero) keeps its own: finite weights cannot make it
         localization = replace(localization, hint=hint_for("<state>", localization.phase))
     return Diagnosis(
         runner.size,

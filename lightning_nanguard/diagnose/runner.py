@@ -20,7 +20,7 @@ from lightning_nanguard.detect.batchnorm import batchnorm_buffers, batchnorm_run
 from lightning_nanguard.detect.check import fused_health_check
 from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_names
 from lightning_nanguard.diagnose.batching import BatchSlicer, batch_size, slice_batch
-from lightning_nanguard.diagnose.isolation import isolated
+from lightning_nanguard.diagnose.isolation import gradients, isolated
 
 __all__ = ["StepFn", "SubBatchRunner", "loss_from_output"]
 
@@ -139,7 +139,7 @@ class SubBatchRunner:
                 return False
             grads: Sequence[Tensor | None] = ()
             if loss.requires_grad and self.params:
-                grads = torch.autograd.grad(loss.sum(), [p for _, p in self.params], allow_unused=True)
+                grads = gradients(loss.sum(), [p for _, p in self.params])
             bad = self._nonfinite(loss, [g for g in grads if g is not None])
         self.saw_nonfinite = self.saw_nonfinite or bad
         if not bad and self.loss_threshold is not None:
