@@ -48,6 +48,20 @@ def _cause(event: NanEvent | None) -> str | None:
     return "data" if event.offending_samples is not None else None
 
 
+def _quarantine(event: NanEvent | None) -> tuple[int, ...]:
+    """The dataset indices to quarantine (one training loader)."""
+    if event is None or event.sample_loaders is not None:
+        return ()
+    return tuple(event.dataset_indices or ())
+
+
+def _quarantine_items(event: NanEvent | None) -> tuple[tuple[str | int, int], ...]:
+    """``(loader key, dataset index)`` to quarantine (several training loaders: each in its own loader)."""
+    if event is None or event.sample_loaders is None or event.dataset_indices is None:
+        return ()
+    return tuple(zip(event.sample_loaders, event.dataset_indices, strict=True))
+
+
 def check_module(trainer: Any, module: nn.Module, loss: Tensor | None, batch_idx: int) -> NanEvent | None:
     """The event of ``module``'s NaN/Inf gradients, BatchNorm statistics, weights or ``loss`` now (``None``: none).
 
@@ -145,8 +159,9 @@ class IncidentInspector:
             overflow=overflow,
             spike=spiked,
             cause=_cause(event),
-            quarantine=tuple(event.dataset_indices or ()) if event is not None else (),
+            quarantine=_quarantine(event),
             culprit_module=event.culprit_module if event is not None and event.phase is not None else None,
+            quarantine_items=_quarantine_items(event),
         )
         return report, event
 

@@ -34,6 +34,7 @@ from lightning_nanguard.detect.confirm import nonfinite_names
 from lightning_nanguard.diagnose.batching import BatchField, BatchSlicer
 from lightning_nanguard.diagnose.bisection import NOT_REPRODUCED, BisectionResult, find_offending
 from lightning_nanguard.diagnose.cause import InputCheck, StateCheck, check_input, check_state, describe_fields
+from lightning_nanguard.diagnose.combined import CombinedLayout, LoaderKey, LoaderSplit
 from lightning_nanguard.diagnose.compact import compact_channels
 from lightning_nanguard.diagnose.hints import hint_for
 from lightning_nanguard.diagnose.isolation import isolated
@@ -68,6 +69,9 @@ class Diagnosis:
         loss_threshold: the loss above which a (sub-)batch counted as bad (loss-spike mode).
         reproduced: ``False`` when the whole batch re-ran finite on the same weights. The re-run
             does not scale the loss: under a GradScaler that says the NaN/Inf came from the scaling.
+        loaders: with several training loaders, the loaders holding samples and their sizes:
+            positions (``offending``, ``smallest_bad``, ``known_good``) are flat over their parts
+            (:mod:`~lightning_nanguard.diagnose.combined`); ``None`` for one loader.
     """
 
     batch_size: int | None
@@ -84,6 +88,7 @@ class Diagnosis:
     source_root: str | None = None
     loss_threshold: float | None = None
     reproduced: bool = True
+    loaders: LoaderSplit | None = None
 
     @property
     def full_details(self) -> dict[str, Any]:
@@ -138,6 +143,7 @@ def diagnose(
     loss_threshold: float | None = None,
     source_root: str | None = None,
     state_check: bool = True,
+    layout: CombinedLayout | None = None,
 ) -> Diagnosis:
     """Decide the cause of a bad ``batch``, find its offending samples and localise the origin, leaving no trace.
 
@@ -162,6 +168,9 @@ def diagnose(
             directory at ``fit`` start); default: the current working directory.
         state_check: decide whether the model state is at fault (off for a batch already known to
             be a subset of the samples at fault, e.g. a repro bundle's).
+        layout: where each training loader's part sits in a batch of several loaders: each part is
+            cut on its own and positions are flat over the parts (``Diagnosis.loaders`` maps them
+            back to loaders); ``None`` for one loader.
 
     Compiled code (``torch.compile``) runs eagerly throughout (see :func:`eager`).
 
@@ -183,9 +192,10 @@ def diagnose(
         log.warning("NanGuard: loss_threshold=%r is not a finite number; diagnosing NaN/Inf only", loss_threshold)
     common: dict[str, Any] = {"source_root": source_root, "loss_threshold": threshold}
     try:
-        runner = SubBatchRunner(module, batch, step_fn, batch_idx, slicer, context, threshold)
+        runner = SubBatchRunner(module, batch, step_fn, batch_idx, slicer, context, threshold, layout)
     except Exception as error:  # an unsliceable batch or a failing user hook: report, never raise
         return Diagnosis(None, None, reason=str(error), error=str(error) or repr(error), **common)
+    common["loaders"] = runner.loaders
     runner.known_good = [int(p) for p in known_good]
     whole = list(range(runner.size))
     if runner.size == 0:
@@ -210,6 +220,8 @@ def diagnose(
         state = check_state(runner, reference, max_passes - runner.passes, what) if state_check else StateCheck(False)
         if state.state or state.reproduced is False:
             return _state_diagnosis(runner, reference, state, inputs, localize_origin, common)
+        if not runner.find_fillers(max_passes - runner.passes - (reference.passes if reference is not None else 0)):
+            return _without_fillers(runner, reference, state, inputs, common)
         spent = runner.passes + (reference.passes if reference is not None else 0)
         result = find_offending(runner.size, runner.is_bad, max_passes=max_passes, known=state.known, spent=spent)
     except Exception as error:  # the guard must never kill training
@@ -237,6 +249,7 @@ def _reference_runner(runner: SubBatchRunner, reference_batch: Any) -> SubBatchR
             runner.slicer if runner.custom_slicer else None,
             runner.context,
             runner.loss_threshold,
+            runner.layout,
         )
     except Exception as error:  # an unreadable reference: decide without it
         log.warning("NanGuard: the reference sub-batch cannot be used, deciding without it: %r", error)
@@ -270,6 +283,32 @@ def _input_diagnosis(runner: SubBatchRunner, inputs: InputCheck, common: dict[st
         smallest_bad=list(inputs.samples),
         known_good=list(runner.known_good),
         cause="input",
+        input_fields=inputs.fields,
+        **common,
+    )
+
+
+def _without_fillers(
+    runner: SubBatchRunner,
+    reference: SubBatchRunner | None,
+    state: StateCheck,
+    inputs: InputCheck,
+    common: dict[str, Any],
+) -> Diagnosis:
+    """Several loaders, and no group of one sample per loader re-ran finite: no sub-batch can be run cleanly."""
+    keys = list(runner.combined.keys) if runner.combined is not None else []
+    reason = (
+        f"no group of one sample of each training loader ({keys}) re-ran finite, so no loader's part can be "
+        "searched next to healthy samples of the others"
+    )
+    passes = runner.passes + (reference.passes if reference is not None else 0)
+    return Diagnosis(
+        runner.size,
+        None,
+        reason,
+        passes,
+        known_good=list(runner.known_good),
+        state_passes=state.passes,
         input_fields=inputs.fields,
         **common,
     )
@@ -390,16 +429,19 @@ def _localize_batch(
     runner: SubBatchRunner, rows: list[int] | None, source_root: str | None, scan_input: bool
 ) -> Localization:
     """One instrumented forward/backward of the full batch, isolated, as training ran it."""
+    fields: list[Any] | None = None if scan_input else []
+    if scan_input and runner.combined is not None:  # each loader's part has its own size
+        fields = list(runner.nonfinite_fields())
     with isolated(runner.module), runner.mode(False):
         return localize(
             runner.module,
             lambda: loss_from_output(runner.step_fn(runner.batch, runner.batch_idx)),
             batch=runner.batch,
             params=runner.params,
-            rows=rows,
+            rows=runner.rows(rows),
             batch_size=runner.size,
             source_root=source_root,
-            input_fields=None if scan_input else (),
+            input_fields=fields,
         )
 
 
@@ -407,39 +449,68 @@ def event_with_diagnosis(
     event: NanEvent,
     diagnosis: Diagnosis,
     positions: Sequence[int] | None = None,
-    dataset_indices: Sequence[int] | None = None,
+    dataset_indices: Sequence[int | None] | None = None,
     batch_size: int | None = None,
+    indices_note: str | None = None,
 ) -> NanEvent:
     """Fill the forensic fields of ``event`` (and its ``cause``) from ``diagnosis``.
 
     Per-channel details are kept short (:mod:`~lightning_nanguard.diagnose.compact`); the full lists are in
-    ``diagnosis.full_details``, for the repro bundle.
+    ``diagnosis.full_details``, for the repro bundle. With several training loaders
+    (``diagnosis.loaders``) each offending sample is named by its loader (``sample_loaders``) and its
+    position in that loader's part (``offending_samples``), and ``dataset_indices`` are indices in
+    each sample's own loader's dataset, or ``None`` with ``details["dataset_indices_unknown"]``
+    saying why when one of them is unknown.
 
     Args:
         event: the event of the bad step.
         diagnosis: what :func:`diagnose` found.
         positions: maps the diagnosed batch's positions to positions of the original batch
-            (replay diagnoses a saved sub-batch); identity when ``None``.
-        dataset_indices: dataset index of every sample of the diagnosed batch, when known.
+            (replay diagnoses a saved sub-batch; with several loaders, to positions in the sample's
+            loader's part); identity when ``None``.
+        dataset_indices: dataset index of every sample of the diagnosed batch (flat over the loaders'
+            parts with several loaders; ``None`` entries: unknown), when known.
         batch_size: size of the original batch (default: the diagnosed batch's size).
+        indices_note: why the dataset indices of the batch are unknown, when they are.
 
     Example:
         >>> event = NanEvent(3, 0, 3, 0, ("loss",), "skipped")
         >>> filled = event_with_diagnosis(event, Diagnosis(8, [2], cause="data"), dataset_indices=range(10, 18))
         >>> filled.cause, filled.offending_samples, filled.dataset_indices
         ('data', (2,), (12,))
+        >>> two = Diagnosis(7, [5], cause="data", loaders=LoaderSplit(("a", "b"), (4, 3)))
+        >>> filled = event_with_diagnosis(event, two, dataset_indices=[0, 1, 2, 3, 40, 41, 42])
+        >>> filled.offending_samples, filled.sample_loaders, filled.dataset_indices
+        ((1,), ('b',), (41,))
     """
     details = dict(event.details)
     details["batch_size"] = batch_size if batch_size is not None else diagnosis.batch_size
     details["bisect_passes"] = diagnosis.passes
     if diagnosis.cause is not None or diagnosis.state_passes:
         details["state_passes"] = diagnosis.state_passes
+    loaders = diagnosis.loaders
+    if loaders is not None:
+        details["loader_batch_sizes"] = [[key, size] for key, size in zip(loaders.keys, loaders.sizes, strict=True)]
     offending: tuple[int, ...] | None = None
     indices: tuple[int, ...] | None = None
+    sample_loaders: tuple[LoaderKey, ...] | None = None
     if diagnosis.offending is not None:
-        offending = tuple(positions[p] if positions is not None else p for p in diagnosis.offending)
-        if dataset_indices is not None and all(p < len(dataset_indices) for p in diagnosis.offending):
-            indices = tuple(int(dataset_indices[p]) for p in diagnosis.offending)
+        found = list(diagnosis.offending)
+        if loaders is None:
+            offending = tuple(positions[p] if positions is not None else p for p in found)
+        else:
+            places = [loaders.locate(p) for p in found]
+            offending = tuple(
+                positions[p] if positions is not None else local for p, (_, local) in zip(found, places, strict=True)
+            )
+            sample_loaders = tuple(key for key, _ in places)
+        known = dataset_indices is not None and all(
+            p < len(dataset_indices) and dataset_indices[p] is not None for p in found
+        )
+        if known and dataset_indices is not None:
+            indices = tuple(int(dataset_indices[p]) for p in found)  # type: ignore[arg-type]
+        elif loaders is not None and (indices_note or dataset_indices is not None):
+            details["dataset_indices_unknown"] = indices_note or "not recorded for some of these loaders"
     elif diagnosis.reason:
         details["not_attributable"] = diagnosis.reason
     if diagnosis.offending is not None and diagnosis.reason:
@@ -451,6 +522,8 @@ def event_with_diagnosis(
     if diagnosis.loss_threshold is not None:
         details["loss_threshold"] = diagnosis.loss_threshold
     changes: dict[str, Any] = {"offending_samples": offending, "dataset_indices": indices, "cause": diagnosis.cause}
+    if loaders is not None:
+        changes["sample_loaders"] = sample_loaders
     loc = diagnosis.localization
     if loc is not None and loc.phase is not None:
         changes.update(culprit_module=loc.module, culprit_op=loc.op, source_line=loc.source_line, phase=loc.phase)
