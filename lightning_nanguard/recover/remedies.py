@@ -249,7 +249,7 @@ class RemedyBook:
             "module_eps": dict(self.module_eps),
             "healthy_norms": list(self.healthy_norms),
             "quarantined_by_loader": [
-                [key, sorted(found)] for key, found in sorted(self.quarantined_by_loader.items(), key=_by_key)
+                [key, sorted(found)] for key, found in sorted(self.quarantined_by_loader.items(), key=_by_key) if found
             ],
         }
 
