@@ -168,9 +168,7 @@ def _context_samples(event: NanEvent, micro: MicroBatch) -> tuple[Any, list[int]
     return layout.part(micro.batch, layout.keys.index(keys.pop())), positions
 
 
-def _saved_selection(
-    event: NanEvent, micro: MicroBatch, diagnosis: Diagnosis | None
-) -> tuple[list[int] | None, list[int]]:
+def _saved_selection(event: NanEvent, diagnosis: Diagnosis | None) -> tuple[list[int] | None, list[int]]:
     """Positions of the samples to save (``None``: the whole batch) and which of them are known good."""
     if event.offending_samples is None or diagnosis is None or diagnosis.offending is None:
         return None, []
@@ -211,7 +209,7 @@ def _save(
     """
     if max_bundles == 0:
         return event
-    positions, reference = _saved_selection(event, micro, diagnosis)
+    positions, reference = _saved_selection(event, diagnosis)
     try:
         layout, sample_loaders = None, None
         if micro.loaders is not None and diagnosis is not None and diagnosis.loaders is not None:

@@ -29,7 +29,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,9 +73,6 @@ class Exclusion(Container[int]):
 
     def __bool__(self) -> bool:
         return any(self.sets)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(set().union(*self.sets))
 
 
 def _is_leaf(node: Any) -> bool:
