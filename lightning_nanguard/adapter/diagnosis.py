@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_nanguard.adapter.batch_samples import bundle_samples, context_samples, fill_event
 from lightning_nanguard.adapter.window import MicroBatch
 from lightning_nanguard.core.events import NanEvent
-from lightning_nanguard.diagnose.batching import slice_batch
-from lightning_nanguard.diagnose.combined import CombinedBatch
-from lightning_nanguard.diagnose.diagnosis import Diagnosis, diagnose, event_with_diagnosis
+from lightning_nanguard.diagnose.diagnosis import Diagnosis, diagnose
 from lightning_nanguard.reporting.context import save_incident_context
 from lightning_nanguard.reporting.repro import prune_bundles, save_bundle
 
@@ -124,7 +123,7 @@ def diagnose_step(
     if loss_scaled and loss_threshold is None and diagnosis is not None and not diagnosis.reproduced:
         return event, diagnosis  # the GradScaler's overflow, not an incident: no bundle, no context
     if diagnosis is not None:
-        event = _with_diagnosis(event, diagnosis, chosen)
+        event = fill_event(event, diagnosis, chosen)
         event = event.replace(batch_idx=chosen.batch_idx)
         if len(micro_batches) > 1:
             event = event.replace(
@@ -132,7 +131,7 @@ def diagnose_step(
             )
     if bundle_dir is not None:
         localization = diagnosis.localization if diagnosis is not None else None
-        context_batch, context_positions = _context_samples(event, chosen)
+        context_batch, context_positions = context_samples(event, chosen)
         save_incident_context(
             bundle_dir, event, getattr(localization, "source_path", None), context_batch, context_positions
         )
@@ -141,51 +140,6 @@ def diagnose_step(
             pl_module, event, chosen, slicer, bundle_dir, settings.max_repro_bundles, diagnosis, settings.source_root
         )
     return event, diagnosis
-
-
-def _with_diagnosis(event: NanEvent, diagnosis: Diagnosis, micro: MicroBatch) -> NanEvent:
-    """The event filled from the diagnosis of ``micro``: with several loaders, each sample's loader and index."""
-    if micro.loaders is None or diagnosis.loaders is None:
-        event = event_with_diagnosis(event, diagnosis, dataset_indices=micro.dataset_indices)
-        if micro.loaders_note:
-            event = event.replace(details={**event.details, "sample_loaders_unknown": micro.loaders_note})
-        return event
-    flat = micro.loaders.flat(diagnosis.loaders)
-    offending_keys = [diagnosis.loaders.locate(p)[0] for p in diagnosis.offending or ()]
-    note = micro.loaders.why_unknown(offending_keys)
-    return event_with_diagnosis(event, diagnosis, dataset_indices=flat, indices_note=note)
-
-
-def _context_samples(event: NanEvent, micro: MicroBatch) -> tuple[Any, list[int] | None]:
-    """The batch and positions the dashboard's thumbnails are cut from: one loader's part with several."""
-    positions = list(event.offending_samples) if event.offending_samples is not None else None
-    if micro.loaders is None:
-        return micro.batch, positions
-    keys = set(event.sample_loaders or ())
-    if len(keys) != 1:  # samples of several loaders (or none named): no one image batch to show them from
-        return None, positions
-    layout = micro.loaders.layout
-    return layout.part(micro.batch, layout.keys.index(keys.pop())), positions
-
-
-def _saved_selection(event: NanEvent, diagnosis: Diagnosis | None) -> tuple[list[int] | None, list[int]]:
-    """Positions of the samples to save (``None``: the whole batch) and which of them are known good."""
-    if event.offending_samples is None or diagnosis is None or diagnosis.offending is None:
-        return None, []
-    if diagnosis.loaders is None:
-        positions = list(event.offending_samples)
-        good = [p for p in diagnosis.known_good if p not in positions]
-        return ([good[0], *positions], [0]) if good else (positions, [])
-    # several loaders, flat positions: every loader's part needs samples (two under BatchNorm: a good one more)
-    split = diagnosis.loaders
-    chosen = list(diagnosis.offending)
-    fillers: list[int] = []
-    for part in range(len(split.keys)):
-        mine = [p for p in chosen if split.part_of(p) == part]
-        good = [g for g in diagnosis.known_good if split.part_of(g) == part and g not in chosen]
-        fillers += good[: 1 if mine else 2] or ([] if mine else [split.start(part)])
-    ordered = sorted([*chosen, *fillers])
-    return ordered, [ordered.index(f) for f in fillers if f in diagnosis.known_good]
 
 
 def _save(
@@ -200,52 +154,28 @@ def _save(
 ) -> NanEvent:
     """Save the offending samples (or the whole batch) of ``micro``; never raises.
 
-    A known-good sample of the same batch is saved first and named in the bundle: the origin was
-    localised in the context of healthy samples (an op can be non-finite only on a batch of
-    offending samples alone, e.g. a mean over zero tokens), and with BatchNorm in train mode a
-    single sample only reproduces next to another one. With several training loaders every
-    loader's part keeps samples (known-good ones where it has no offending sample), and the
-    bundle records the layout and each saved sample's loader.
+    Known-good samples are saved next to them (see
+    :func:`~lightning_nanguard.adapter.batch_samples.bundle_samples`); with several training loaders
+    the bundle records the layout and each saved sample's loader.
     """
     if max_bundles == 0:
         return event
-    positions, reference = _saved_selection(event, diagnosis)
     try:
-        layout, sample_loaders = None, None
-        if micro.loaders is not None and diagnosis is not None and diagnosis.loaders is not None:
-            layout = micro.loaders.layout
-            combined = CombinedBatch(micro.batch, layout, slicer)
-            samples = micro.batch if positions is None else combined.cut(positions)
-            flat = micro.loaders.flat(diagnosis.loaders)
-            places = [diagnosis.loaders.locate(p) for p in positions] if positions is not None else None
-            sample_loaders = [key for key, _ in places] if places is not None else None
-            local = [p for _, p in places] if places is not None else None
-            indices: list[int] | None = None
-            if positions is not None and all(flat[p] is not None for p in positions):
-                indices = [int(flat[p]) for p in positions]  # type: ignore[arg-type]
-            saved_positions = local
-        else:
-            samples = micro.batch if positions is None else (slicer or slice_batch)(micro.batch, positions)
-            indices = micro.dataset_indices
-            if positions is not None:
-                indices = (
-                    [indices[p] for p in positions] if indices is not None and len(indices) > max(positions) else None
-                )
-            saved_positions = positions
+        chosen = bundle_samples(event, micro, diagnosis, slicer)
         full = diagnosis.full_details if diagnosis is not None else None
         path = save_bundle(
             bundle_dir,
             event,
             pl_module,
-            samples,
+            chosen.samples,
             micro.batch_idx,
-            saved_positions,
-            indices,
-            reference,
+            chosen.positions,
+            chosen.dataset_indices,
+            chosen.reference,
             full,
             source_root,
-            layout=layout,
-            sample_loaders=sample_loaders,
+            layout=chosen.layout,
+            sample_loaders=chosen.sample_loaders,
         )
         prune_bundles(bundle_dir, max_bundles)
     except Exception as error:  # a bundle must never kill training
