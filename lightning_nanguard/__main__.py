@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from lightning_nanguard.core.defaults import default_of
+from lightning_nanguard.diagnose.combined import CombinedLayout
 from lightning_nanguard.diagnose.diagnosis import diagnose
 from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
 from lightning_nanguard.reporting import TerminalReporter
@@ -42,6 +43,7 @@ _DIAGNOSIS_DETAILS = (
     "function",
     "source_path",
     "stack",
+    "dataset_indices_unknown",
 )
 
 
@@ -60,6 +62,7 @@ def _replay(args: argparse.Namespace) -> int:
         return 2
     positions = bundle.meta.get("positions")
     saved = bundle.event
+    loaders = bundle.meta.get("loaders")
     diagnosis = diagnose(
         bundle.module,
         bundle.batch,
@@ -70,6 +73,7 @@ def _replay(args: argparse.Namespace) -> int:
         source_root=bundle.meta.get("source_root"),
         # a bundle of some samples of the batch: training already found them at fault, not the model state
         state_check=positions is None,
+        layout=CombinedLayout.from_json(loaders) if loaders else None,  # several training loaders
     )
     if diagnosis.error and diagnosis.offending is None:  # with samples found, only the origin is missing
         print(f"replay failed: {diagnosis.error}", file=sys.stderr)
@@ -83,6 +87,7 @@ def _replay(args: argparse.Namespace) -> int:
         culprit_op=None,
         source_line=None,
         phase=None,
+        sample_loaders=None,
         details={k: v for k, v in saved.details.items() if k not in _DIAGNOSIS_DETAILS},
     )
     event = event_with_diagnosis(
@@ -92,6 +97,8 @@ def _replay(args: argparse.Namespace) -> int:
         dataset_indices=bundle.meta.get("sample_dataset_indices"),
         batch_size=saved.details.get("batch_size", diagnosis.batch_size),
     )
+    if "loader_batch_sizes" in saved.details:  # the original batch's loaders, not the saved samples'
+        event = event.replace(details={**event.details, "loader_batch_sizes": saved.details["loader_batch_sizes"]})
     reproduced = diagnosis.offending is not None or (
         diagnosis.localization is not None and diagnosis.localization.phase
     )

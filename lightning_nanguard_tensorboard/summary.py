@@ -20,6 +20,13 @@ Example:
     {'index': 100, 'count': 2, 'steps': [3, 9]}
     >>> summary["origins"][0]["count"], summary["steps_skipped"]
     (2, 2)
+
+With several training loaders an index is an item of one loader's dataset: ranked with its loader.
+
+    >>> two = {"global_step": 4, "rank": 0, "kinds": ["grad"], "action": "skipped", "cause": "data",
+    ...        "dataset_indices": [100], "sample_loaders": ["b"]}
+    >>> run_summary([events[0], two])["dataset_indices"]
+    [{'index': 100, 'count': 1, 'steps': [3]}, {'index': 100, 'loader': 'b', 'count': 1, 'steps': [4]}]
 """
 
 from __future__ import annotations
@@ -48,6 +55,27 @@ def _ints(value: Any) -> list[int]:
     if isinstance(value, Sequence) and not isinstance(value, str):
         return [item for item in value if isinstance(item, int) and not isinstance(item, bool)]
     return []
+
+
+def _items(event: dict[str, Any]) -> list[tuple[str | int | None, int]]:
+    """``(loader, dataset index)`` of an event's samples; the loader is ``None`` with one training loader."""
+    indices = _ints(event.get("dataset_indices"))
+    loaders = event.get("sample_loaders")
+    if isinstance(loaders, list) and len(loaders) == len(indices):
+        return [
+            (loader if isinstance(loader, str | int) else str(loader), i)
+            for loader, i in zip(loaders, indices, strict=True)
+        ]
+    return [(None, i) for i in indices]
+
+
+def _index_entry(item: tuple[str | int | None, int], steps: list[int]) -> dict[str, Any]:
+    loader, index = item
+    entry: dict[str, Any] = {"index": index}
+    if loader is not None:
+        entry["loader"] = loader
+    entry.update(count=len(steps), steps=sorted(set(steps))[:MAX_STEPS_LISTED])
+    return entry
 
 
 def _ranked(counter: Counter[Any]) -> list[list[Any]]:
@@ -88,7 +116,8 @@ def run_summary(events: Sequence[dict[str, Any]], skipped_total: float | None = 
         A JSON-ready dict: ``incidents``, ``first_step``, ``last_step``, ``ranks``, ``by_kind``,
         ``by_cause``, ``by_action``, ``remedies`` (``[[name, count]]``), ``steps_skipped`` (distinct
         steps whose update was dropped: action ``skipped`` or ``rolled_back``), ``skipped_total``,
-        ``rollbacks``, ``dataset_indices`` (``{"index", "count", "steps"}`` ranked by count) and
+        ``rollbacks``, ``dataset_indices`` (``{"index", "count", "steps"}`` ranked by count, with
+        ``"loader"`` for an item of one of several training loaders) and
         ``origins`` (``{"source_line", "module", "op", "phase", "function", "count", "steps"}``).
     """
     kinds: Counter[str] = Counter()
@@ -96,7 +125,7 @@ def run_summary(events: Sequence[dict[str, Any]], skipped_total: float | None = 
     actions: Counter[str] = Counter()
     remedies: Counter[str] = Counter()
     ranks: Counter[int] = Counter()
-    index_steps: dict[int, list[int]] = {}
+    index_steps: dict[tuple[str | int | None, int], list[int]] = {}
     origin_steps: dict[tuple[str, str, str, str], list[int]] = {}
     functions: dict[tuple[str, str, str, str], str] = {}
     for event in events:
@@ -106,15 +135,15 @@ def run_summary(events: Sequence[dict[str, Any]], skipped_total: float | None = 
         actions[str(event.get("action") or "unknown")] += 1
         remedies.update(remedy.split(":", 1)[0].strip() for remedy in _strings(event.get("remedies")))
         ranks[int(event.get("rank", 0))] += 1
-        for index in set(_ints(event.get("dataset_indices"))):
-            index_steps.setdefault(index, []).append(step)
+        for item in set(_items(event)):
+            index_steps.setdefault(item, []).append(step)
         origin = origin_key(event)
         if origin is not None:
             origin_steps.setdefault(origin, []).append(step)
             details = event.get("details")
             if isinstance(details, dict) and isinstance(details.get("function"), str):
                 functions.setdefault(origin, details["function"])
-    ranked_indices = sorted(index_steps.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:TOP]
+    ranked_indices = sorted(index_steps.items(), key=lambda kv: (-len(kv[1]), kv[0][1], str(kv[0][0] or "")))[:TOP]
     ranked_origins = sorted(origin_steps.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:TOP]
     steps = _steps(events)
     return {
@@ -129,10 +158,7 @@ def run_summary(events: Sequence[dict[str, Any]], skipped_total: float | None = 
         "steps_skipped": len(_steps(e for e in events if e.get("action") in STEP_LOST_ACTIONS)),
         "skipped_total": skipped_total,
         "rollbacks": actions.get("rolled_back", 0),
-        "dataset_indices": [
-            {"index": index, "count": len(steps), "steps": sorted(set(steps))[:MAX_STEPS_LISTED]}
-            for index, steps in ranked_indices
-        ],
+        "dataset_indices": [_index_entry(item, steps) for item, steps in ranked_indices],
         "dataset_indices_total": len(index_steps),
         "origins": [
             {

@@ -105,6 +105,30 @@ def guarded_image_run(
     return Path(logger.log_dir), guard
 
 
+LOADERS_RUN = "two_loaders/version_0"
+LOADERS_BLANK = {"a": (13,), "b": (6, 9)}  # a[13] and b[6] in step 1, b[9] in step 2 (no shuffling)
+
+
+def guarded_loaders_run(logdir: Path) -> tuple[Path, NanGuard]:
+    """Fit a two-task model on ``{"a": loader_a, "b": loader_b}`` (batch sizes 8 and 4) under NanGuard.
+
+    Returns the run directory (``logdir/two_loaders/version_0``) and the guard.
+    """
+    import multitask_models as mm
+
+    torch.manual_seed(0)
+    guard = NanGuard(verbose=False)
+    logger = lightning.pytorch.loggers.TensorBoardLogger(str(logdir), name="two_loaders", version=0)
+    data = {
+        "a": mm.blank_dataset(32, LOADERS_BLANK["a"], seed=1),
+        "b": mm.blank_dataset(12, LOADERS_BLANK["b"], seed=2),
+    }
+    loaders = {"a": mm.loader(data["a"], 8, shuffle=False), "b": mm.loader(data["b"], 4, shuffle=False)}
+    trainer = build_trainer("lightning", logdir, callbacks=[guard], logger=logger)
+    trainer.fit(mm.MultiTaskModule(), loaders)
+    return Path(logger.log_dir), guard
+
+
 # ------------------------------------------------------------------------------------ TensorBoard server
 
 

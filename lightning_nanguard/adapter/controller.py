@@ -352,6 +352,7 @@ class StepController:
             quarantine=decision.quarantine,
             culprit_module=decision.culprit_module,
             rolled_back=decision.rollback_due,
+            quarantine_items=decision.quarantine_items,
         )
         event = self._shared_event(trainer, decision, event)
         if event is not None:

@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lightning_nanguard.adapter.batch_samples import fill_event
 from lightning_nanguard.adapter.window import MicroBatch
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.diagnose.diagnosis import Diagnosis, diagnose
-from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -129,13 +129,14 @@ def diagnose_step(
                 reference_batch=reference_batch,
                 loss_threshold=loss_threshold,
                 source_root=settings.source_root,
+                layout=micro.loaders.layout if micro.loaders is not None else None,
             )
             if diagnosis is None or found.offending is not None or _localized(found):
                 diagnosis, chosen = found, micro
             if found.offending is not None or _localized(found) or found.error:
                 break
     if diagnosis is not None:
-        event = event_with_diagnosis(event, diagnosis, dataset_indices=chosen.dataset_indices)
+        event = fill_event(event, diagnosis, chosen)
         event = event.replace(batch_idx=chosen.batch_idx)
         if len(micro_batches) > 1:
             event = event.replace(

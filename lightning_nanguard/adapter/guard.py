@@ -23,7 +23,7 @@ from lightning_nanguard.adapter.checkpoint import guard_state, load_guard_state,
 from lightning_nanguard.adapter.config import GuardSettings, validate_arguments, warn_what_cannot_be_skipped
 from lightning_nanguard.adapter.controller import StepController
 from lightning_nanguard.adapter.failsafe import CounterView, failsafe
-from lightning_nanguard.adapter.indices import indices_from_batch, next_recorded_indices
+from lightning_nanguard.adapter.indices import indices_from_batch
 from lightning_nanguard.adapter.reporting import IncidentRecorder
 from lightning_nanguard.adapter.sharding import own_rank_state
 from lightning_nanguard.adapter.strategy import (
@@ -264,6 +264,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             self.records_indices,
             self.recovery.book.quarantined,
             self.clock,
+            exclude_by_loader=self.recovery.book.quarantined_by_loader,
         )
         apply_nanguard_strategy(trainer.strategy, self._hooks)
 
@@ -305,9 +306,9 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     @override
     @failsafe
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Make this epoch's training loader record its dataset indices (if the strategy did not already)."""
+        """Make this epoch's training loaders record their dataset indices (if the strategy did not already)."""
         if self._hooks is not None:
-            self._hooks.record(trainer.train_dataloader)
+            self._hooks.start_epoch(trainer.train_dataloader)  # one loader or several (their keys, quarantines)
 
     # ------------------------------------------------------------------ per batch
 
@@ -316,10 +317,10 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Open the step's window at its first micro-batch (every batch in manual optimisation)."""
         window = self.controller.window
-        if self.index_key is not None:
-            indices = indices_from_batch(batch, self.index_key)
+        if self._hooks is not None:  # per loader with several training loaders
+            indices = self._hooks.batch_indices(batch, self.index_key)
         else:
-            indices = next_recorded_indices(self._hooks.samplers if self._hooks is not None else [])
+            indices = indices_from_batch(batch, self.index_key) if self.index_key is not None else None
         # a new optimizer step: the first micro-batch, or a window left open by a step Lightning never took
         # (training_step returned None); every batch in manual optimisation
         first = batch_idx % max(1, getattr(trainer, "accumulate_grad_batches", 1)) == 0

@@ -30,7 +30,14 @@ from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_nam
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
-__all__ = ["IncidentInspector", "check_module", "event_cause", "loss_scale_event"]
+__all__ = [
+    "IncidentInspector",
+    "check_module",
+    "event_cause",
+    "loss_scale_event",
+    "quarantine_items_of",
+    "quarantine_of",
+]
 
 
 def _any_inf(tensors: Sequence[Tensor]) -> bool:
@@ -46,6 +53,20 @@ def event_cause(event: NanEvent | None) -> str | None:
     if event.cause is not None:
         return event.cause
     return "data" if event.offending_samples is not None else None
+
+
+def quarantine_of(event: NanEvent | None) -> tuple[int, ...]:
+    """The dataset indices to quarantine (one training loader)."""
+    if event is None or event.sample_loaders is not None:
+        return ()
+    return tuple(event.dataset_indices or ())
+
+
+def quarantine_items_of(event: NanEvent | None) -> tuple[tuple[str | int, int], ...]:
+    """``(loader key, dataset index)`` to quarantine (several training loaders: each in its own loader)."""
+    if event is None or event.sample_loaders is None or event.dataset_indices is None:
+        return ()
+    return tuple(zip(event.sample_loaders, event.dataset_indices, strict=True))
 
 
 def check_module(trainer: Any, module: nn.Module, loss: Tensor | None, batch_idx: int) -> NanEvent | None:
@@ -168,8 +189,9 @@ class IncidentInspector:
             overflow=overflow,
             spike=spiked,
             cause=event_cause(event),
-            quarantine=tuple(event.dataset_indices or ()) if event is not None else (),
+            quarantine=quarantine_of(event),
             culprit_module=event.culprit_module if event is not None and event.phase is not None else None,
+            quarantine_items=quarantine_items_of(event),
         )
         return report, event
 

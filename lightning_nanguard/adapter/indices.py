@@ -4,7 +4,13 @@ Lightning does not track which dataset items form a batch. :func:`record_batch_i
 class of a ``DataLoader``'s ``batch_sampler`` for a subclass that also appends every index list
 it yields to a FIFO. The batch sampler runs in the main process even with worker processes, but
 several batches ahead of training (prefetching), so the FIFO is popped once per training batch,
-in order, rather than read as "the last list yielded".
+in order, rather than read as "the last list yielded". A pass over the data that was cut short
+(the epoch ended first) leaves indices that will never be trained on: the next pass drops them,
+as it drops what is left after :func:`mark_epoch_end` (an epoch that stopped early while workers
+had already read the whole pass). A pass that ran to its end, mid-epoch, leaves only batches still
+to be trained on: with several training loaders Lightning starts the next pass of a shorter loader
+while the last batch of its previous pass may still be waiting (``CombinedLoader(mode="max_size_cycle")``),
+so those stay.
 
 Not available for an ``IterableDataset`` or ``batch_size=None`` (no batch sampler); name an index
 field of the batch instead (``NanGuard(index_key=...)``).
@@ -13,7 +19,7 @@ field of the batch instead (``NanGuard(index_key=...)``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -24,6 +30,7 @@ from lightning_nanguard.core.timing import GuardClock
 __all__ = [
     "RecordingBatchSampler",
     "indices_from_batch",
+    "mark_epoch_end",
     "next_recorded_indices",
     "record_batch_indices",
     "stop_recording",
@@ -36,12 +43,12 @@ _IDLE_CLOCK = GuardClock()
 class RecordingBatchSampler(Protocol):
     """A batch sampler whose class :func:`record_batch_indices` swapped: it records what it yields.
 
-    ``nanguard_exclude`` (a set of dataset indices, shared with the guard's quarantine) is dropped
-    from every batch it yields from then on.
+    ``nanguard_exclude`` (dataset indices, shared with the guard's quarantine) is dropped from every
+    batch it yields from then on.
     """
 
     nanguard_fifo: deque[list[int] | None]
-    nanguard_exclude: set[int]
+    nanguard_exclude: Container[int]
     nanguard_clock: GuardClock
 
     def __iter__(self) -> Iterator[list[int]]: ...
@@ -57,8 +64,10 @@ def _as_ints(indices: Any) -> list[int] | None:
 
 def _recording_iter(self: Any) -> Iterator[list[int]]:
     fifo = self.nanguard_fifo
-    fifo.clear()  # a new pass over the data starts a new record
-    exclude: set[int] = getattr(self, "nanguard_exclude", set())
+    if not getattr(self, "nanguard_pass_done", True) or getattr(self, "nanguard_stale", False):
+        fifo.clear()  # the last pass was cut short, or an epoch ended since: its leftovers will never be trained on
+    self.nanguard_pass_done, self.nanguard_stale = False, False
+    exclude: Container[int] = getattr(self, "nanguard_exclude", set())
     clock: GuardClock = getattr(self, "nanguard_clock", None) or _IDLE_CLOCK
     for indices in self._nanguard_base_iter():
         with clock.measure("batch_sampler"):
@@ -70,6 +79,7 @@ def _recording_iter(self: Any) -> Iterator[list[int]]:
                 indices, as_ints = [indices[k] for k in kept], [as_ints[k] for k in kept]
             fifo.append(as_ints)  # one entry per batch (None: unknown) keeps the FIFO aligned
         yield indices
+    self.nanguard_pass_done = True
 
 
 def _recording_class(cls: type) -> type:
@@ -88,7 +98,7 @@ def _recording_class(cls: type) -> type:
 
 
 def record_batch_indices(
-    loader: Any, exclude: set[int] | None = None, clock: GuardClock | None = None
+    loader: Any, exclude: Container[int] | None = None, clock: GuardClock | None = None
 ) -> RecordingBatchSampler | None:
     """Make ``loader`` record the dataset indices of its batches; return the recording sampler.
 
@@ -135,6 +145,27 @@ def next_recorded_indices(samplers: Sequence[RecordingBatchSampler]) -> list[int
     return None
 
 
+def mark_epoch_end(sampler: Any) -> None:
+    """A new epoch starts: what the last pass left in the FIFO is dropped when the next pass starts.
+
+    Only a sampler between passes is marked: one whose pass started already (Lightning creates the
+    first epoch's iterator, and workers begin prefetching, before ``on_train_epoch_start``) keeps its
+    record, and a pass cut short is dropped anyway.
+
+    Example:
+        >>> from torch.utils.data import TensorDataset
+        >>> loader = DataLoader(TensorDataset(torch.arange(4)), batch_size=2)
+        >>> sampler = record_batch_indices(loader)
+        >>> _ = list(loader)  # a whole pass, never trained on (the epoch stopped early)
+        >>> mark_epoch_end(sampler)
+        >>> _ = next(iter(loader))
+        >>> list(sampler.nanguard_fifo)
+        [[0, 1]]
+    """
+    if getattr(sampler, "nanguard_pass_done", True):
+        sampler.nanguard_stale = True
+
+
 def stop_recording(sampler: Any) -> None:
     """Give a sampler made to record by :func:`record_batch_indices` its own class back.
 
@@ -149,7 +180,7 @@ def stop_recording(sampler: Any) -> None:
     original = next((base for base, recording in _RECORDING_CLASSES.items() if type(sampler) is recording), None)
     if original is not None:
         sampler.__class__ = original
-    for attr in ("nanguard_fifo", "nanguard_exclude", "nanguard_clock"):
+    for attr in ("nanguard_fifo", "nanguard_exclude", "nanguard_clock", "nanguard_pass_done", "nanguard_stale"):
         vars(sampler).pop(attr, None)
 
 

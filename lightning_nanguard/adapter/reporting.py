@@ -22,8 +22,8 @@ from rich.console import Console
 from torch import nn
 
 from lightning_nanguard.adapter._compat import TENSORBOARD_LOGGER_TYPES
+from lightning_nanguard.adapter.batch_samples import bundle_samples, context_samples
 from lightning_nanguard.core.events import NanEvent
-from lightning_nanguard.diagnose.batching import slice_batch
 from lightning_nanguard.reporting.context import save_incident_context
 from lightning_nanguard.reporting.jsonl import EVENTS_FILENAME, JsonlEventLog
 from lightning_nanguard.reporting.notices import RankNotices
@@ -229,7 +229,8 @@ class IncidentRecorder:
             return event
         localization = found.diagnosis.localization if found.diagnosis is not None else None
         source_path = getattr(localization, "source_path", None)
-        save_incident_context(directory, event, source_path, micro.batch, event.offending_samples)
+        context_batch, context_positions = context_samples(event, micro)  # one loader's part with several
+        save_incident_context(directory, event, source_path, context_batch, context_positions)
         if settings.save_repro and settings.max_repro_bundles > 0:
             max_bundles, root = settings.max_repro_bundles, settings.source_root
             event = _save_bundle(pl_module, found, directory, max_bundles, root, module_state)
@@ -257,38 +258,29 @@ def _save_bundle(
 ) -> NanEvent:
     """Save the offending samples (or the whole batch) of the step's diagnosed micro-batch; never raises.
 
-    A known-good sample of the same batch is saved first and named in the bundle: the origin was
-    localised in the context of healthy samples (an op can be non-finite only on a batch of
-    offending samples alone, e.g. a mean over zero tokens), and with BatchNorm in train mode a
-    single sample only reproduces next to another one.
+    Known-good samples are saved next to them (see
+    :func:`~lightning_nanguard.adapter.batch_samples.bundle_samples`); with several training loaders
+    the bundle records the layout and each saved sample's loader.
     """
-    event, micro, diagnosis = found.event, found.micro_batch, found.diagnosis
+    event, micro = found.event, found.micro_batch
     assert micro is not None
-    positions = list(event.offending_samples) if event.offending_samples is not None else None
-    reference: list[int] = []
-    if positions is not None and diagnosis is not None:
-        good = [p for p in diagnosis.known_good if p not in positions]
-        if good:
-            positions = [good[0], *positions]
-            reference = [0]
     try:
-        samples = micro.batch if positions is None else (found.slicer or slice_batch)(micro.batch, positions)
-        indices = micro.dataset_indices
-        if positions is not None:
-            indices = [indices[p] for p in positions] if indices is not None and len(indices) > max(positions) else None
-        full = diagnosis.full_details if diagnosis is not None else None
+        chosen = bundle_samples(event, micro, found.diagnosis, found.slicer)
+        full = found.diagnosis.full_details if found.diagnosis is not None else None
         path = save_bundle(
             directory,
             event,
             pl_module,
-            samples,
+            chosen.samples,
             micro.batch_idx,
-            positions,
-            indices,
-            reference,
+            chosen.positions,
+            chosen.dataset_indices,
+            chosen.reference,
             full,
             source_root,
             module_state=module_state,
+            layout=chosen.layout,
+            sample_loaders=chosen.sample_loaders,
         )
         prune_bundles(directory, max_bundles)
     except Exception as error:  # a bundle must never kill training

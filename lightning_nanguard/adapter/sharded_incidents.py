@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from lightning_nanguard.adapter.diagnosis import MicroBatch, StepDiagnosis, training_step_of
-from lightning_nanguard.adapter.incidents import IncidentInspector, event_cause
+from lightning_nanguard.adapter.incidents import IncidentInspector, event_cause, quarantine_items_of, quarantine_of
 from lightning_nanguard.adapter.sharding import ShardingLayout
 from lightning_nanguard.core.dtensor import gathered_state
 from lightning_nanguard.core.events import SPIKE_KINDS, EventKind, NanEvent
@@ -148,8 +148,9 @@ class ShardedIncidentInspector(IncidentInspector):
             spike=spiked and event is not None,
             failed=failed,
             cause=event_cause(event),
-            quarantine=tuple(event.dataset_indices or ()) if event is not None else (),
+            quarantine=quarantine_of(event),
             culprit_module=event.culprit_module if event is not None and event.phase is not None else None,
+            quarantine_items=quarantine_items_of(event),
         )
 
     # ------------------------------------------------------------------ the search, on every rank

@@ -17,7 +17,9 @@ The mixin owns what happens around the optimizer step on every rank:
   guard's after-step work (parameter check, snapshot, rollback) on every rank;
 - ``process_dataloader``: makes each *training* loader record the dataset indices of its batches
   (and drop quarantined items) before Lightning first iterates it; validation, test and predict
-  loaders are left alone, and every swap is undone at teardown.
+  loaders are left alone, and every swap is undone at teardown. With several training loaders,
+  :meth:`StrategyHooks.start_epoch` then learns each loader's key (and quarantine) from the
+  collection Lightning built (:mod:`~lightning_nanguard.adapter.loaders`).
 
 The wrapper touches nothing of the guard's: it is given a :class:`StrategyHooks` with what it needs.
 """
@@ -31,9 +33,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, SupportsIndex
 
-from lightning_nanguard.adapter.indices import RecordingBatchSampler, record_batch_indices, stop_recording
+from lightning_nanguard.adapter.indices import (
+    RecordingBatchSampler,
+    indices_from_batch,
+    next_recorded_indices,
+    record_batch_indices,
+    stop_recording,
+)
+from lightning_nanguard.adapter.loaders import Exclusion, TrainingLoaders
 from lightning_nanguard.core.events import NonFiniteTrainingError
 from lightning_nanguard.core.timing import GuardClock
+from lightning_nanguard.diagnose.combined import CombinedIndices, LoaderKey
 
 __all__ = [
     "NanGuardStrategyMixin",
@@ -53,9 +63,13 @@ class StrategyHooks:
         after_optimizer_step: called on every rank after each optimizer step (rollback, weight check).
         active: whether the guard still acts (``False``: the wrapper passes everything through).
         record_indices: whether training loaders record the dataset indices of their batches.
-        exclude: dataset indices never to yield again (quarantine), shared with the guard.
+        exclude: dataset indices never to yield again (quarantine), shared with the guard: the training
+            loader's, or with several loaders those of every loader (an older checkpoint's flat list).
         clock: measures the time spent in the wrapper's work.
         samplers: the batch samplers made to record (undone by :func:`remove_nanguard_strategy`).
+        exclude_by_loader: with several training loaders, each loader's own quarantine, by its key
+            (shared with the guard).
+        loaders: the training loaders of the current epoch (:meth:`start_epoch`).
     """
 
     after_optimizer_step: Callable[[Any], None]
@@ -64,18 +78,45 @@ class StrategyHooks:
     exclude: set[int] = field(default_factory=set)
     clock: GuardClock = field(default_factory=GuardClock)
     samplers: list[RecordingBatchSampler] = field(default_factory=list)
+    exclude_by_loader: dict[LoaderKey, set[int]] = field(default_factory=dict)
+    loaders: TrainingLoaders | None = None
 
-    def record(self, loader: Any) -> None:
+    def record(self, loader: Any) -> RecordingBatchSampler | None:
         """Make a training ``loader`` record its dataset indices and drop the excluded ones (idempotent)."""
         if not self.record_indices:
-            return
+            return None
         sampler = record_batch_indices(loader, exclude=self.exclude, clock=self.clock)
         if sampler is not None and sampler not in self.samplers:
             self.samplers.append(sampler)
+        return sampler
+
+    def exclusion(self, key: LoaderKey) -> Exclusion:
+        """What loader ``key`` of several must never yield: its own quarantine and the shared one."""
+        return Exclusion(self.exclude, self.exclude_by_loader.setdefault(key, set()))
+
+    def start_epoch(self, collection: Any) -> None:
+        """Read the epoch's training loaders (``trainer.train_dataloader``) before its first batch is fetched.
+
+        Every loader records (if the strategy did not already), each of several gets its own
+        quarantine, and what the last epoch recorded ahead and never trained on is dropped.
+        """
+        if collection is None:
+            return
+        self.loaders = TrainingLoaders.of(collection, self.record, self.exclusion)
+        self.loaders.mark_epoch_end()
+
+    def batch_indices(self, batch: Any, index_key: int | str | None) -> list[int] | CombinedIndices | None:
+        """The dataset indices of the training batch that starts now (see :meth:`TrainingLoaders.batch_indices`)."""
+        if self.loaders is not None:
+            return self.loaders.batch_indices(batch, index_key)
+        if index_key is not None:
+            return indices_from_batch(batch, index_key)
+        return next_recorded_indices(self.samplers)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["samplers"] = []  # loaders belong to the process that iterates them
+        state["loaders"] = None
         return state
 
 

@@ -4,7 +4,7 @@ A step's window opens at the first micro-batch of an optimizer step (``on_train_
 and closes at the check (``on_before_optimizer_step``). It owns everything the guard needs to
 keep, or to undo, about that step, and is the only place that touches the BatchNorm snapshot:
 
-- the micro-batches (for the diagnosis) and their dataset indices;
+- the micro-batches (for the diagnosis) and their dataset indices (per loader with several);
 - the losses (for the check and the loss-spike statistic);
 - the BatchNorm buffers as they were before the first forward: captured when the window opens,
   restored when the step is discarded or diagnosed;
@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from lightning_nanguard.adapter.logged_values import LoggedValues
 from lightning_nanguard.detect.batchnorm import batchnorm_running_vars
 from lightning_nanguard.diagnose.batching import slice_batch
+from lightning_nanguard.diagnose.combined import CombinedBatch, CombinedIndices
 from lightning_nanguard.recover.batchnorm import BatchNormSnapshot
 from lightning_nanguard.recover.metrics import MetricStates
 
@@ -51,11 +52,17 @@ REFERENCE_SIZE = 2  # BatchNorm in train mode refuses a single sample
 
 @dataclass
 class MicroBatch:
-    """A (micro-)batch of the current optimizer step, kept until the step is checked."""
+    """A (micro-)batch of the current optimizer step, kept until the step is checked.
+
+    ``loaders``: with several training loaders, where each loader's part sits and its dataset indices
+    (``dataset_indices`` is then ``None``); ``loaders_note``: why the loader of a sample is unknown.
+    """
 
     batch: Any
     batch_idx: int
     dataset_indices: list[int] | None
+    loaders: CombinedIndices | None = None
+    loaders_note: str | None = None
 
 
 class StepWindow:
@@ -104,10 +111,19 @@ class StepWindow:
         if trainer is not None:
             self.logged.capture(trainer)
 
-    def add_batch(self, batch: Any, batch_idx: int, dataset_indices: list[int] | None, keep: bool) -> None:
-        """Note a micro-batch (kept by reference for a diagnosis when ``keep``)."""
+    def add_batch(
+        self, batch: Any, batch_idx: int, dataset_indices: list[int] | CombinedIndices | None, keep: bool
+    ) -> None:
+        """Note a micro-batch (kept by reference for a diagnosis when ``keep``); indices per loader with several."""
         self.batch_idx = batch_idx
-        if keep and self.checking:
+        if not (keep and self.checking):
+            return
+        if isinstance(dataset_indices, CombinedIndices):
+            if dataset_indices.mismatch:
+                self.micro_batches.append(MicroBatch(batch, batch_idx, None, loaders_note=dataset_indices.mismatch))
+            else:
+                self.micro_batches.append(MicroBatch(batch, batch_idx, None, loaders=dataset_indices))
+        else:
             self.micro_batches.append(MicroBatch(batch, batch_idx, dataset_indices))
 
     def add_loss(self, loss: Tensor) -> None:
@@ -196,7 +212,12 @@ class StepWindow:
         if self.reference_step is not None and global_step - self.reference_step < every_n_steps:
             return
         self.reference_step = global_step
+        first = self.micro_batches[0]
         try:
-            self.reference = (slicer or slice_batch)(self.micro_batches[0].batch, list(range(REFERENCE_SIZE)))
+            if first.loaders is not None:  # several training loaders: the first samples of each
+                combined = CombinedBatch(first.batch, first.loaders.layout, slicer)
+                self.reference = combined.cut(combined.first_rows(REFERENCE_SIZE))
+            else:
+                self.reference = (slicer or slice_batch)(first.batch, list(range(REFERENCE_SIZE)))
         except Exception:  # unsliceable, or fewer than two samples: no reference
             self.reference = None

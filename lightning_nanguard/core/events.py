@@ -2,7 +2,8 @@
 
 ``NanEvent`` and its ``to_dict()`` keys are a public contract: ``events.jsonl`` holds one
 ``to_dict()`` object per line, and dashboards and scripts read those keys. Fields may be added,
-never renamed or removed.
+never renamed or removed. ``sample_loaders`` (several training loaders) is written only when set,
+so the events of a run with one training loader are the same as before it existed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ EventCause = Literal["data", "input", "state", "interaction"]
 EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
 EVENT_CAUSES: tuple[EventCause, ...] = get_args(EventCause)
 SPIKE_KINDS: tuple[EventKind, ...] = ("loss_spike", "grad_spike")
+
+
+_OMITTED_WHEN_NONE = frozenset({"sample_loaders"})
 
 
 def _json_float(value: float | None) -> float | str | None:
@@ -77,6 +81,12 @@ class NanEvent:
             it), ``"input"`` (the batch itself holds NaN/Inf), ``"state"`` (the weights or optimizer
             state are at fault: no sample is to blame), ``"interaction"`` (samples that fail only
             together), or ``None`` (not investigated).
+        sample_loaders: with several training loaders (a dict or list of loaders, a
+            ``CombinedLoader``), the loader of each offending sample, aligned with
+            ``offending_samples``: its dict key or list position (a dotted path when nested, e.g.
+            ``"tasks.0"``). ``offending_samples`` are then positions in that loader's part of the
+            batch, and ``dataset_indices`` indices in that loader's dataset. ``None`` with one
+            loader (and then absent from :meth:`to_dict`).
 
     Example:
         >>> event = NanEvent(global_step=3, epoch=0, batch_idx=3, rank=0, kinds=("loss",),
@@ -108,6 +118,7 @@ class NanEvent:
     nonfinite_params: tuple[str, ...] = ()
     details: Mapping[str, Any] = field(default_factory=dict)
     cause: EventCause | None = None
+    sample_loaders: tuple[str | int, ...] | None = None
 
     @classmethod
     def at_step(cls, trainer: Any, batch_idx: int, kinds: Sequence[EventKind], **fields: Any) -> NanEvent:
@@ -139,10 +150,22 @@ class NanEvent:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict: tuples become lists, non-finite floats become ``"nan"``/``"inf"``."""
+        """A JSON-safe dict: tuples become lists, non-finite floats become ``"nan"``/``"inf"``.
+
+        ``sample_loaders`` is left out when ``None`` (one training loader).
+
+        Example:
+            >>> two = NanEvent(3, 0, 3, 0, ("loss",), "skipped", offending_samples=(1,), sample_loaders=("b",))
+            >>> two.to_dict()["sample_loaders"]
+            ['b']
+            >>> "sample_loaders" in NanEvent(3, 0, 3, 0, ("loss",), "skipped").to_dict()
+            False
+        """
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name in _OMITTED_WHEN_NONE and value is None:
+                continue
             if isinstance(value, tuple):
                 value = list(value)
             elif isinstance(value, Mapping):

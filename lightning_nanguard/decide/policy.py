@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -181,6 +181,8 @@ class RankReport:
         cause: the diagnosis verdict of this rank's incident (``None``: not investigated).
         quarantine: dataset indices of the offending samples (cause ``data``/``input``).
         culprit_module: module where the first NaN/Inf was produced (for ``raise_eps``).
+        quarantine_items: with several training loaders, ``(loader key, dataset index)`` of the
+            offending samples, instead of ``quarantine``.
     """
 
     rank: int
@@ -191,6 +193,7 @@ class RankReport:
     cause: str | None = None
     quarantine: tuple[int, ...] = ()
     culprit_module: str | None = None
+    quarantine_items: tuple[tuple[str | int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,7 @@ class StepDecision:
         cause: the shared verdict of the incident.
         quarantine: dataset indices to quarantine (union over ranks).
         culprit_module: module for ``raise_eps`` (lowest reporting rank).
+        quarantine_items: ``(loader key, dataset index)`` to quarantine, several loaders (union over ranks).
         rebaseline: the spike statistic must start over (several spikes in a row).
         disable: some rank's guard failed: every rank disables its guard after this step.
     """
@@ -262,11 +266,18 @@ class StepDecision:
     rebaseline: bool = False
     disable: bool = False
     reports: tuple[RankReport, ...] = field(default=(), repr=False)
+    quarantine_items: tuple[tuple[str | int, int], ...] = ()
 
     @property
     def bad(self) -> bool:
         """An incident (NaN/Inf or a collapsed loss scale), counted toward escalation."""
         return self.outcome in ("incident", "loss_scale")
+
+
+def _items(reports: Iterable[RankReport]) -> tuple[tuple[str | int, int], ...]:
+    """The union of the reports' ``(loader key, dataset index)`` items, in a stable order."""
+    found = {item for r in reports for item in r.quarantine_items}
+    return tuple(sorted(found, key=lambda item: (str(item[0]), item[1])))
 
 
 def _shared_cause(reports: Sequence[RankReport]) -> str | None:
@@ -334,6 +345,7 @@ def decide(
             discard=skip,
             cause=_shared_cause([dataclasses.replace(r, incident=True) for r in reports if r.spike]),
             quarantine=tuple(sorted({i for r in reports if r.spike for i in r.quarantine})),
+            quarantine_items=_items(r for r in reports if r.spike),
             rebaseline=rebaseline,
             disable=disable,
             reports=tuple(reports),
@@ -387,6 +399,7 @@ def _incident(
         rollback_due=rollback_due,
         cause=cause,
         quarantine=tuple(sorted({i for r in reports if r.cause in ("data", "input") for i in r.quarantine})),
+        quarantine_items=_items(r for r in reports if r.cause in ("data", "input")),
         culprit_module=next((r.culprit_module for r in sorted(reports, key=_rank) if r.culprit_module), None),
         disable=disable,
         reports=tuple(reports),

@@ -10,7 +10,8 @@ to blame for the model, or the samples are found without running the model:
   fault: a known-good reference sub-batch kept from a recent healthy step fails with the current
   weights (1 pass), or, without a reference, the whole batch re-runs bad and each of
   :data:`PROBES` single samples spread over the batch fails on its own (at most
-  :data:`MAX_STATE_PASSES` passes). One or two bad samples can never pass this test: three
+  :data:`MAX_STATE_PASSES` passes; with several training loaders, each probe is one sample of
+  every loader, since no loader's part may be empty). One or two bad samples can never pass this test: three
   distinct samples must each fail alone. Any probe that runs finite ends the check at once: that
   sample is healthy, so the weights are not at fault, and the search goes on with the results
   already known.
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_nanguard.diagnose.batching import BatchField, nonfinite_fields
+from lightning_nanguard.diagnose.batching import BatchField
 from lightning_nanguard.diagnose.runner import SubBatchRunner
 
 __all__ = [
@@ -80,11 +81,10 @@ def check_input(runner: SubBatchRunner, reference_batch: Any = None, max_passes:
         >>> found.fields, found.samples, found.confirmed, found.passes
         (('<batch>',), (1,), True, 1)
     """
-    slicer = runner.slicer if runner.custom_slicer else None
-    fields = nonfinite_fields(runner.batch, runner.size, slicer)
+    fields = runner.nonfinite_fields()
     if fields and reference_batch is not None:
         try:
-            deliberate = set(nonfinite_fields(reference_batch, None, slicer))
+            deliberate = set(runner.nonfinite_fields(reference_batch))
         except TypeError:
             deliberate = set()
         fields = {name: samples for name, samples in fields.items() if name not in deliberate}
@@ -95,12 +95,29 @@ def check_input(runner: SubBatchRunner, reference_batch: Any = None, max_passes:
     if shared or not samples:  # NaN/Inf that no sample carries: the batch is at fault, no sample is
         return InputCheck(tuple(fields), tuple(samples), shared, confirmed=True)
     others = [p for p in range(runner.size) if p not in samples]
-    if not others:
+    if not others or _empties_a_loader(runner, samples):  # no healthy sample (of some loader) to run the others with
         return InputCheck(tuple(fields), tuple(samples), (), confirmed=True)
     if max_passes < 1:
         return InputCheck(tuple(fields), tuple(samples), ())
     healthy = not runner.is_bad(others)
     return InputCheck(tuple(fields), tuple(samples), (), confirmed=healthy, passes=1)
+
+
+def _probe_groups(runner: SubBatchRunner) -> list[list[int]]:
+    """Single samples spread over the batch; with several training loaders, one sample of every loader."""
+    combined = getattr(runner, "combined", None)
+    if combined is None:
+        return [[p] for p in probe_positions(runner.size)]
+    rows: list[list[int]] = combined.rows(PROBES)
+    return rows
+
+
+def _empties_a_loader(runner: SubBatchRunner, samples: Sequence[int]) -> bool:
+    """With several training loaders: whether ``samples`` are every sample of some loader's part."""
+    combined = getattr(runner, "combined", None)
+    if combined is None:
+        return False
+    return any(len(group) == size for group, size in zip(combined.group(samples), combined.sizes, strict=True))
 
 
 def probe_positions(n: int) -> list[int]:
@@ -198,22 +215,30 @@ def check_state(
     known[tuple(whole)] = reproduced
     if not reproduced or runner.known_good:  # known-good samples (a bundle's reference): not the state
         return StateCheck(False, runner.passes - start, reproduced=reproduced, known=known)
-    probes: list[int] = []
-    for position in probe_positions(runner.size):
+    probes: list[tuple[int, ...]] = []
+    for group in _probe_groups(runner):
         if runner.passes - start >= budget:
             break
-        probes.append(position)
-        known[(position,)] = runner.is_bad([position])
-        if not known[(position,)]:
+        probes.append(tuple(group))
+        known[tuple(group)] = runner.is_bad(group)
+        if not known[tuple(group)]:
             break
-    state = len(probes) == PROBES and all(known[(p,)] for p in probes)
+    state = len(probes) == PROBES and all(known[group] for group in probes)
     reason = ""
-    if state:
+    combined = getattr(runner, "combined", None)
+    if state and combined is None:
         reason = (
-            f"every sample tried is {what} on its own (positions {probes} of {runner.size}): the model state "
-            "(weights, optimizer) is at fault, not the data"
+            f"every sample tried is {what} on its own (positions {[g[0] for g in probes]} of {runner.size}): the "
+            "model state (weights, optimizer) is at fault, not the data"
         )
-    return StateCheck(state, runner.passes - start, reason, True, known, tuple(probes))
+    elif state and combined is not None:
+        reason = (
+            f"every combination of one sample per training loader tried is {what} (positions "
+            f"{[list(g) for g in probes]} of {runner.size}, numbered over the loaders {list(combined.keys)}): "
+            "the model state (weights, optimizer) is at fault, not the data"
+        )
+    singles = tuple(p for group in probes for p in group)
+    return StateCheck(state, runner.passes - start, reason, True, known, singles)
 
 
 def describe_fields(fields: Sequence[BatchField]) -> str:

@@ -35,6 +35,7 @@ from lightning_nanguard.detect.confirm import nonfinite_names
 from lightning_nanguard.diagnose.batching import BatchField, BatchSlicer
 from lightning_nanguard.diagnose.bisection import NOT_REPRODUCED, BisectionResult, find_offending
 from lightning_nanguard.diagnose.cause import InputCheck, StateCheck, check_input, check_state, describe_fields
+from lightning_nanguard.diagnose.combined import CombinedLayout, LoaderSplit
 from lightning_nanguard.diagnose.hints import hint_for
 from lightning_nanguard.diagnose.isolation import isolated
 from lightning_nanguard.diagnose.localization import Localization, localize
@@ -68,6 +69,9 @@ class Diagnosis:
         loss_threshold: the loss above which a (sub-)batch counted as bad (loss-spike mode).
         reproduced: ``False`` when the whole batch re-ran finite on the same weights. The re-run
             does not scale the loss: under a GradScaler that says the NaN/Inf came from the scaling.
+        loaders: with several training loaders, the loaders holding samples and their sizes:
+            positions (``offending``, ``smallest_bad``, ``known_good``) are flat over their parts
+            (:mod:`~lightning_nanguard.diagnose.combined`); ``None`` for one loader.
     """
 
     batch_size: int | None
@@ -84,6 +88,7 @@ class Diagnosis:
     source_root: str | None = None
     loss_threshold: float | None = None
     reproduced: bool = True
+    loaders: LoaderSplit | None = None
 
     @property
     def full_details(self) -> dict[str, Any]:
@@ -142,6 +147,7 @@ def diagnose(
     state_check: bool = True,
     runner_factory: RunnerFactory | None = None,
     nonfinite_weights: Sequence[str] | None = None,
+    layout: CombinedLayout | None = None,
 ) -> Diagnosis:
     """Decide the cause of a bad ``batch``, find its offending samples and localise the origin, leaving no trace.
 
@@ -171,6 +177,9 @@ def diagnose(
             (:class:`~lightning_nanguard.diagnose.lockstep.LockstepRunner`).
         nonfinite_weights: the names of the non-finite weights, when the caller knows them (a
             sharded model: any rank's shards); default: read off ``module``.
+        layout: where each training loader's part sits in a batch of several loaders: each part is
+            cut on its own and positions are flat over the parts (``Diagnosis.loaders`` maps them
+            back to loaders); ``None`` for one loader.
 
     Compiled code (``torch.compile``) runs eagerly throughout (see :func:`eager`).
 
@@ -193,9 +202,10 @@ def diagnose(
     common: dict[str, Any] = {"source_root": source_root, "loss_threshold": threshold}
     factory: RunnerFactory = runner_factory if runner_factory is not None else SubBatchRunner
     try:
-        runner = factory(module, batch, step_fn, batch_idx, slicer, context, threshold)
+        runner = factory(module, batch, step_fn, batch_idx, slicer, context, threshold, layout)
     except Exception as error:  # an unsliceable batch or a failing user hook: report, never raise
         return Diagnosis(None, None, reason=str(error), error=str(error) or repr(error), **common)
+    common["loaders"] = runner.loaders
     runner.known_good = [int(p) for p in known_good]
     whole = list(range(runner.size))
     if runner.size == 0:
@@ -223,6 +233,8 @@ def diagnose(
         state = check_state(runner, reference, max_passes - runner.passes, what) if state_check else StateCheck(False)
         if state.state or state.reproduced is False:
             return _state_diagnosis(runner, reference, state, inputs, localize_origin, common)
+        if not runner.find_fillers(max_passes - runner.passes - (reference.passes if reference is not None else 0)):
+            return _without_fillers(runner, reference, state, inputs, common)
         spent = runner.passes + (reference.passes if reference is not None else 0)
         result = find_offending(runner.size, runner.is_bad, max_passes=max_passes, known=state.known, spent=spent)
     except Exception as error:  # the guard must never kill training
@@ -250,6 +262,7 @@ def _reference_runner(runner: SubBatchRunner, reference_batch: Any, factory: Run
             runner.slicer if runner.custom_slicer else None,
             runner.context,
             runner.loss_threshold,
+            runner.layout,
         )
     except Exception as error:  # an unreadable reference: decide without it
         log.warning("NanGuard: the reference sub-batch cannot be used, deciding without it: %r", error)
@@ -288,6 +301,32 @@ def _input_diagnosis(runner: SubBatchRunner, inputs: InputCheck, common: dict[st
     )
 
 
+def _without_fillers(
+    runner: SubBatchRunner,
+    reference: SubBatchRunner | None,
+    state: StateCheck,
+    inputs: InputCheck,
+    common: dict[str, Any],
+) -> Diagnosis:
+    """Several loaders, and no group of one sample per loader re-ran finite: no sub-batch can be run cleanly."""
+    keys = list(runner.combined.keys) if runner.combined is not None else []
+    reason = (
+        f"no group of one sample of each training loader ({keys}) re-ran finite, so no loader's part can be "
+        "searched next to healthy samples of the others"
+    )
+    passes = runner.passes + (reference.passes if reference is not None else 0)
+    return Diagnosis(
+        runner.size,
+        None,
+        reason,
+        passes,
+        known_good=list(runner.known_good),
+        state_passes=state.passes,
+        input_fields=inputs.fields,
+        **common,
+    )
+
+
 def _state_diagnosis(
     runner: SubBatchRunner,
     reference: SubBatchRunner | None,
@@ -313,8 +352,9 @@ def _state_diagnosis(
     localization, error = _localized(
         runner, None, localize_origin and _spike_localizes(runner, nonfinite), common["source_root"]
     )
-    if localization is not None and localization.phase is not None:
-        # every sample fails: an op's own hint ("pow at 0", "check the input data") would mislead
+    if localization is not None and localization.phase is not None and not localization.from_infinity:
+        # every sample fails: an op's own hint ("pow at 0", "check the input data") would mislead;
+        # a NaN made of deliberate infinities (a mask met a zero) keeps its own: finite weights cannot make it
         localization = replace(localization, hint=hint_for("<state>", localization.phase))
     return Diagnosis(
         runner.size,
@@ -402,15 +442,18 @@ def _localize_batch(
     runner: SubBatchRunner, rows: list[int] | None, source_root: str | None, scan_input: bool
 ) -> Localization:
     """One instrumented forward/backward of the full batch, isolated, as training ran it."""
+    fields: list[Any] | None = None if scan_input else []
+    if scan_input and runner.combined is not None:  # each loader's part has its own size
+        fields = list(runner.nonfinite_fields())
     with isolated(runner.module), runner.mode(False):
         return localize(
             runner.module,
             lambda: loss_from_output(runner.step_fn(runner.batch, runner.batch_idx)),
             batch=runner.batch,
             params=runner.params,
-            rows=rows,
+            rows=runner.rows(rows),
             batch_size=runner.size,
             source_root=source_root,
-            input_fields=None if scan_input else (),
+            input_fields=fields,
             grads_from_graph=runner.grads_from_graph,
         )

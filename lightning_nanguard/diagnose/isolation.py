@@ -10,22 +10,24 @@ value, so that after a bisection training continues bitwise as if it never happe
 - torchmetrics states (``metric_state``, ``_update_count``, ``_computed``, ``_forward_cache``) of metrics
   in the module.
 
-Gradients are left alone by design: the re-run uses ``torch.autograd.grad``, never ``backward``.
+Gradients are left alone by design: the re-run computes them with :func:`gradients`
+(``torch.autograd.grad``; ``backward`` with every ``.grad`` saved and put back only where
+``torch.autograd.grad`` is refused, as by reentrant activation checkpointing).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_nanguard.core.rng import RngState
 
-__all__ = ["isolated", "muted_logging"]
+__all__ = ["gradients", "isolated", "muted_logging"]
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:
@@ -106,3 +108,47 @@ def isolated(module: nn.Module) -> Iterator[None]:
             for name, value in fields.items():
                 setattr(metric, name, value)
         rng.restore()
+
+
+def _refuses_grad(loss: Tensor) -> bool:
+    """Whether the graph of ``loss`` holds a node that refuses ``torch.autograd.grad`` (reentrant checkpointing)."""
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.name() in _REFUSE_GRAD:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+_REFUSE_GRAD = frozenset({"CheckpointFunctionBackward"})  # torch.utils.checkpoint(..., use_reentrant=True)
+
+
+def gradients(loss: Tensor, params: Sequence[Tensor]) -> list[Tensor | None]:
+    """The gradients of ``loss`` with respect to ``params``, leaving every ``.grad`` as it was.
+
+    ``torch.autograd.grad`` where it works. Reentrant activation checkpointing
+    (``torch.utils.checkpoint(..., use_reentrant=True)``, Hugging Face's gradient checkpointing by
+    default) refuses it: there ``backward`` runs with every ``.grad`` set aside and put back after.
+
+    Example:
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> w.grad = torch.full((2,), 7.0)
+        >>> gradients((3 * w).sum(), [w])[0].tolist(), w.grad.tolist()
+        ([3.0, 3.0], [7.0, 7.0])
+    """
+    if not _refuses_grad(loss):
+        return list(torch.autograd.grad(loss, list(params), allow_unused=True))
+    saved = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        loss.backward()
+        return [p.grad for p in params]
+    finally:
+        for p, grad in zip(params, saved, strict=True):
+            p.grad = grad

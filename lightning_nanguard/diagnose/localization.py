@@ -6,8 +6,11 @@
 - forward: a ``TorchFunctionMode`` sees every torch op; forward hooks keep a stack of the modules
   being run. Each op's output gets its autograd node tagged with the innermost module, the torch
   function and the user's source line and short stack (:mod:`~lightning_nanguard.diagnose.frames`). The
-  first op turning finite inputs into a NaN/Inf output is the *forward origin* (constants such as
-  a ``masked_fill(-inf)`` attention mask are deliberate and ignored).
+  first op that gives birth to a non-finite value is the *forward origin*: NaN/Inf from finite
+  inputs, or NaN from inputs that hold infinities but no NaN (the softmax of a row masked entirely,
+  ``inf - inf``, ``0 * inf``). Ops that write infinities on purpose (a ``masked_fill(-inf)``
+  attention mask) or carry them on are not origins (:mod:`~lightning_nanguard.diagnose.tracing`).
+  A custom autograd Function is one op, named at its ``.apply(...)`` call.
 - backward: a hook on every node of the graph finds the first node that turns finite incoming
   gradients into NaN **or Inf** (anomaly mode checks NaN only, and only reports the node that
   *returned* it): the *backward origin*, e.g. ``SqrtBackward0`` at an exact 0.
@@ -42,6 +45,7 @@ from torch.utils._pytree import tree_leaves
 from lightning_nanguard.diagnose.batching import BatchField, nonfinite_fields
 from lightning_nanguard.diagnose.frames import display_path
 from lightning_nanguard.diagnose.hints import hint_for
+from lightning_nanguard.diagnose.isolation import gradients
 from lightning_nanguard.diagnose.tracing import (
     BackwardTracer,
     ForwardTracer,
@@ -83,6 +87,8 @@ class Localization:
             non-finite, readable (``"torch.div"``), when known.
         stack: the short user stack of the op, innermost last: ``(display path, line, function)``.
         input_fields: batch fields holding NaN/Inf (see :func:`~lightning_nanguard.diagnose.batching.nonfinite_fields`).
+        from_infinity: the forward origin made NaN of inputs holding infinities but no NaN (a mask
+            or padding value met another infinity or a zero).
     """
 
     phase: Literal["forward", "backward"] | None = None
@@ -101,6 +107,7 @@ class Localization:
     function: str | None = None
     stack: tuple[tuple[str, int, str], ...] = ()
     input_fields: tuple[BatchField, ...] = ()
+    from_infinity: bool = False
 
 
 def localize(
@@ -108,7 +115,7 @@ def localize(
     run_forward: Callable[[], Tensor | None],
     batch: Any = None,
     params: Sequence[tuple[str, nn.Parameter]] | None = None,
-    rows: Sequence[int] | None = None,
+    rows: Sequence[int] | Rows | None = None,
     batch_size: int | None = None,
     source_root: str | None = None,
     input_fields: Sequence[BatchField] | None = None,
@@ -125,7 +132,8 @@ def localize(
         run_forward: computes and returns the loss of the bad (sub-)batch.
         batch: the (sub-)batch, to tell a non-finite input from an origin inside the model.
         params: named parameters to differentiate (default: every parameter requiring grad).
-        rows: follow only these samples (positions in ``batch``; see the module docs).
+        rows: follow only these samples (positions in ``batch``; see the module docs), or a
+            :class:`~lightning_nanguard.diagnose.tracing.Rows` (several loaders' parts).
         batch_size: number of samples of ``batch`` (needed with ``rows``).
         source_root: show source paths relative to this directory when under it (default: the
             working directory).
@@ -149,10 +157,15 @@ def localize(
     named = [(n, p) for n, p in (params if params is not None else module.named_parameters()) if p.requires_grad]
     fields = list(input_fields) if input_fields is not None else _input_fields(batch, batch_size)
     bad_params = tuple(n for n, p in named if not finite([p.detach()]))
-    follow = Rows(rows, batch_size)
+    follow = rows if isinstance(rows, Rows) else Rows(rows, batch_size)
     tracer = ForwardTracer(module, follow)
     try:
-        with torch.enable_grad(), torch.autograd.set_detect_anomaly(True, check_nan=False), tracer:
+        with (
+            torch.enable_grad(),
+            torch.autograd.set_detect_anomaly(True, check_nan=False),
+            tracer,
+            tracer.custom_functions(),
+        ):
             loss = run_forward()
     finally:
         tracer.remove()
@@ -172,7 +185,7 @@ def localize(
     try:
         targets = graph_leaves(loss) if grads_from_graph else [p for _, p in named]
         if backward is not None and targets:
-            grads = torch.autograd.grad(loss.sum(), targets, allow_unused=True)
+            grads = gradients(loss.sum(), targets)
             grads_finite = finite([g for g in grads if g is not None])
     finally:
         if backward is not None:
@@ -208,15 +221,16 @@ def _verdict(
         op, site = tracer.first_nonfinite
         located = _result("forward", op, site, common, source_root)
         return replace(located, hint=hint_for("<parameters>", "forward"))
+    infinity = tracer.origin_from_infinity
     if not loss_finite and tracer.origin is not None:
         op, site = tracer.origin
-        return _result("forward", op, site, common, source_root)
+        return _result("forward", op, site, common, source_root, from_infinity=infinity)
     if not grads_finite and backward is not None and backward.origin is not None:
         op, maybe_site = backward.origin
         return _result("backward", op, maybe_site, common, source_root)
     if tracer.origin is not None and (not loss_finite or not grads_finite):
         op, site = tracer.origin
-        return _result("forward", op, site, common, source_root)
+        return _result("forward", op, site, common, source_root, from_infinity=infinity)
     if common["bn_channels"]:
         bn_site = tracer.bn_origin
         name = bn_site.module if bn_site is not None else next(iter(common["bn_channels"]))
@@ -231,6 +245,7 @@ def _result(
     site: Site | None,
     common: dict[str, Any],
     source_root: str | None,
+    from_infinity: bool = False,
 ) -> Localization:
     frames = site.frames if site is not None else ()
     source_line = source_text = source_path = None
@@ -247,9 +262,16 @@ def _result(
         op=op,
         source_line=source_line,
         source_text=source_text,
-        hint=hint_for(op, phase, masked_forward=masked_forward),
+        hint=hint_for(
+            op,
+            phase,
+            masked_forward=masked_forward,
+            from_infinity=from_infinity,
+            custom_function=site is not None and site.custom_function,
+        ),
         source_path=source_path,
         function=site.function if site is not None else None,
         stack=tuple((display_path(f.path, source_root), f.line, f.function) for f in reversed(frames)),
+        from_infinity=from_infinity,
         **common,
     )

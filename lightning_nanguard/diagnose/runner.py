@@ -20,9 +20,11 @@ from lightning_nanguard.core.dtensor import local_tensor, local_tensors
 from lightning_nanguard.detect.batchnorm import batchnorm_buffers, batchnorm_running_vars
 from lightning_nanguard.detect.check import fused_health_check
 from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_names
-from lightning_nanguard.diagnose.batching import BatchSlicer, batch_size, slice_batch
+from lightning_nanguard.diagnose.batching import BatchField, BatchSlicer, batch_size, nonfinite_fields, slice_batch
+from lightning_nanguard.diagnose.combined import CombinedBatch, CombinedLayout, LoaderSplit
+from lightning_nanguard.diagnose.isolation import gradients as gradients_of
 from lightning_nanguard.diagnose.isolation import isolated
-from lightning_nanguard.diagnose.tracing import graph_leaves
+from lightning_nanguard.diagnose.tracing import Rows, graph_leaves
 
 __all__ = ["StepFn", "SubBatchRunner", "graph_leaves", "loss_from_output"]
 
@@ -63,6 +65,7 @@ class SubBatchRunner:
             ``nanguard_batch_size(batch)`` method.
         context: returns a context manager entered around each run (e.g. autocast).
         loss_threshold: also call a sub-batch bad when its (finite) loss exceeds this value.
+        layout: where each training loader's part sits in a combined batch (``None``: one loader).
         grads_from_graph: differentiate with respect to the leaves of the loss's graph
             (:func:`graph_leaves`) instead of ``module``'s parameters: the parameters a sharded
             forward really used (FSDP2).
@@ -88,6 +91,7 @@ class SubBatchRunner:
         slicer: BatchSlicer | None = None,
         context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         loss_threshold: float | None = None,
+        layout: CombinedLayout | None = None,
         grads_from_graph: bool = False,
     ) -> None:
         self.module = module
@@ -98,7 +102,15 @@ class SubBatchRunner:
         self.custom_slicer = slicer is not None
         self.slicer: BatchSlicer = slicer if slicer is not None else slice_batch
         self.context = context if context is not None else contextlib.nullcontext
-        self.size = batch_size(batch) if slicer is None else _user_batch_size(batch, slicer, module)
+        self.layout = layout
+        self.combined: CombinedBatch | None = None
+        if layout is not None:
+            user = slicer
+            size_of = (lambda part: _user_batch_size(part, user, module)) if user is not None else None
+            self.combined = CombinedBatch(batch, layout, slicer, size_of)
+            self.size = self.combined.total
+        else:
+            self.size = batch_size(batch) if slicer is None else _user_batch_size(batch, slicer, module)
         self.params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.has_train_bn = any(isinstance(m, _BatchNorm) and m.training for m in module.modules())
         self.loss_threshold = loss_threshold
@@ -106,19 +118,86 @@ class SubBatchRunner:
         self.passes = 0
         self.saw_nonfinite = False  # some run was non-finite (not only above the loss threshold)
 
+    @property
+    def loaders(self) -> LoaderSplit | None:
+        """The loaders holding samples and their sizes (``None``: one loader)."""
+        return self.combined.split if self.combined is not None else None
+
     def padded(self, positions: Sequence[int]) -> tuple[list[int], bool]:
         """Positions to run and whether BatchNorm must run in eval mode."""
         positions = list(positions)
+        if self.combined is not None:
+            return self._padded_parts(positions)
         if len(positions) == 1 and self.has_train_bn:
             if self.known_good:
                 return [*positions, self.known_good[0]], False
             return positions, True
         return positions, False
 
+    def _padded_parts(self, positions: list[int]) -> tuple[list[int], bool]:
+        """Every loader's part gets samples: fillers where it has none, two under BatchNorm in train mode."""
+        assert self.combined is not None
+        run, bn_eval = list(positions), False
+        need = 2 if self.has_train_bn else 1
+        for part, mine in enumerate(self.combined.group(positions)):
+            if len(mine) >= need:
+                continue
+            taken = [self.combined.flat(part, p) for p in mine]
+            fillers = self.fillers(part, need - len(mine), exclude=taken)
+            if not mine and not fillers:
+                fillers = [self.combined.flat(part, 0)]  # no sample of this loader known to be good yet
+            run.extend(fillers)
+            bn_eval = bn_eval or len(mine) + len(fillers) < need
+        return run, bn_eval
+
+    def fillers(self, part: int, count: int = 1, exclude: Sequence[int] = ()) -> list[int]:
+        """Up to ``count`` samples of loader ``part`` known to be good (flat positions), not in ``exclude``."""
+        assert self.combined is not None
+        good = [g for g in self.known_good if self.combined.part_of(g) == part and g not in exclude]
+        return good[:count]
+
+    def fillers_known(self) -> bool:
+        """Whether every loader's part has a sample known to be good (always true for one loader)."""
+        return self.combined is None or all(self.fillers(part) for part in range(len(self.combined.sizes)))
+
+    def find_fillers(self, max_passes: int) -> bool:
+        """Run groups of one sample per loader until one is good: its samples are fillers. ``False``: none found.
+
+        At most ``max_passes`` passes (and 3): a group is bad when it holds a bad sample, so with few
+        bad samples the first group is good.
+        """
+        if self.combined is None or self.fillers_known():
+            return True
+        start = self.passes
+        for group in self.combined.rows(3, spread=False):
+            if self.passes - start >= max_passes or self.fillers_known():
+                break
+            self.is_bad(group)
+        return self.fillers_known()
+
+    def nonfinite_fields(self, batch: Any = None) -> dict[BatchField, list[int] | None]:
+        """Fields of the batch (or of ``batch``: a reference) holding NaN/Inf, with the samples holding it."""
+        slicer = self.slicer if self.custom_slicer else None
+        if self.layout is not None:
+            combined = self.combined if batch is None else CombinedBatch(batch, self.layout, slicer)
+            assert combined is not None
+            return combined.nonfinite_fields(slicer)
+        if batch is not None:
+            return nonfinite_fields(batch, None, slicer)
+        return nonfinite_fields(self.batch, self.size, slicer)
+
+    def rows(self, positions: Sequence[int] | None) -> Rows | list[int] | None:
+        """What a localisation follows for the samples ``positions`` (``None``: the whole batch)."""
+        if positions is None or self.combined is None:
+            return list(positions) if positions is not None else None
+        return Rows.per_size(self.combined.rows_by_size(positions))
+
     def sub_batch(self, positions: Sequence[int]) -> Any:
         """The batch cut to ``positions`` (the batch itself for every position in order)."""
         if len(positions) == self.size and list(positions) == list(range(self.size)):
             return self.batch
+        if self.combined is not None:
+            return self.combined.cut(positions)
         return self.slicer(self.batch, list(positions))
 
     @contextlib.contextmanager
@@ -153,7 +232,7 @@ class SubBatchRunner:
         if not targets:
             return []
         with torch.enable_grad():  # the caller may run under no_grad: the forward had grad on
-            grads = torch.autograd.grad(loss.sum(), targets, allow_unused=True)
+            grads = gradients_of(loss.sum(), targets)  # also under reentrant checkpointing
         return [g for g in grads if g is not None]
 
     def run(self, batch: Any, bn_eval: bool) -> tuple[bool, bool] | None:

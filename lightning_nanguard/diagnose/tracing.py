@@ -5,12 +5,30 @@ op's output with the innermost module, the torch function and the user's source 
 the first forward origin; :class:`BackwardTracer` hooks every node of the graph and keeps the first
 node that turns finite gradients into NaN/Inf. :func:`~lightning_nanguard.diagnose.localization.localize`
 runs them and turns what they found into a verdict.
+
+The forward origin is the first op that gives birth to a non-finite value:
+
+- NaN/Inf from finite inputs (``log(0)``, ``0 / 0``, an overflowing ``exp``), or
+- NaN from inputs that hold infinities but no NaN: a deliberate ``-inf`` (a mask, a padding value)
+  met another infinity or a zero (the softmax of a row masked entirely, ``inf - inf``, ``0 * inf``).
+
+Ops that write infinities on purpose (``masked_fill``, ``full``, ``where``...) are never origins, and
+an op that merely carries an infinity on (``scores + mask``) is not one either. A NaN born inside a
+composite function that the mode sees as one call (``F.multi_head_attention_forward``) is named by
+the autograd node whose saved result first holds it (``SoftmaxBackward0``), when there is one.
+
+Custom autograd Functions (``torch.autograd.Function`` subclasses) are not seen by a
+``TorchFunctionMode``: :meth:`ForwardTracer.custom_functions` wraps ``Function.apply`` for the
+duration of the run, so a Function defined outside torch is treated as one op, named
+``<module>.<Class>.apply`` at the line that calls ``.apply(...)``, and its backward node is tagged
+with that site (the ops inside its forward belong to it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -39,11 +57,10 @@ __all__ = [
 
 
 _TAG = "nanguard"
-# Ops that create deliberate infinities (attention masks, sentinels), or uninitialised memory (FSDP2's
-# all-gather buffers, allocated inside the traced forward): never an "origin".
+# Ops that create deliberate infinities (attention masks, sentinels): never an "origin".
 _CONSTANT_OPS = frozenset(
     {
-        "empty",
+        "empty",  # uninitialised memory (FSDP2's all-gather buffers, allocated inside the traced forward)
         "empty_like",
         "empty_strided",
         "new_empty",
@@ -128,64 +145,101 @@ def user_frame(frame: FrameType | None, skip_dirs: tuple[str, ...] | None = None
 
 @dataclass(frozen=True)
 class Site:
-    """Where an op ran: the innermost module, its class, the user's frames and the torch function."""
+    """Where an op ran: the innermost module, its class, the user's frames and the torch function.
+
+    ``custom_function``: the op is a custom autograd Function (``function`` is ``<module>.<Class>.apply``).
+    """
 
     module: str
     module_type: str
     frames: tuple[Frame, ...]
     function: str | None = None
     forward_nonfinite: bool = False
+    custom_function: bool = False
+
+
+def _floating(t: Any) -> bool:
+    return isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())
 
 
 def finite(tensors: Sequence[Any]) -> bool:
     """Whether every floating-point (or complex) tensor among ``tensors`` is finite (one read per device).
 
-    A ``DTensor`` is read on its local shard (no collective inside a traced pass).
+    A ``DTensor`` is read on its local shard (no collective inside a traced pass); a sparse tensor on
+    the values it stores.
     """
-    checks = [
-        torch.isfinite(_stored(local_tensor(t))).all()
-        for t in tensors
-        if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())
-    ]
-    return all_true(checks)
+    return all_true([torch.isfinite(_stored(t)).all() for t in tensors if _floating(t)])
 
 
 def _stored(tensor: Tensor) -> Tensor:
-    """The values a tensor stores: a sparse tensor's non-zero values (``isfinite`` refuses sparse layouts)."""
+    """The values of a tensor this rank holds: a ``DTensor``'s local shard, a sparse tensor's stored values."""
+    tensor = local_tensor(tensor)
     return tensor.detach().coalesce().values() if tensor.is_sparse else tensor
 
 
 class Rows:
     """Finiteness of the rows of chosen samples (tensors whose first dimension is the batch), or of whole tensors.
 
+    With several training loaders each loader's part of the batch has its own size:
+    :meth:`per_size` follows the chosen rows of each part by its size, and skips tensors whose first
+    dimension is the size of a part without chosen rows (a healthy loader's).
+
     Example:
         >>> x = torch.tensor([[1.0], [float("nan")], [2.0]])
         >>> Rows([0, 2], 3).finite([x]), Rows(None, 3).finite([x])
         (True, False)
+        >>> Rows.per_size({3: [1], 2: []}).finite([x]), Rows.per_size({3: [0], 2: []}).finite([x, x[:2] / 0])
+        (False, True)
+        >>> Rows(None, 3).nan_free([torch.tensor([float("-inf"), 1.0])])
+        True
     """
 
     def __init__(self, rows: Sequence[int] | None, size: int | None) -> None:
         self.rows = list(rows) if rows is not None and size is not None else None
         self.size = size
-        self._index: dict[torch.device, Tensor] = {}
+        self._by_size: dict[int, list[int]] | None = (
+            {size: self.rows} if self.rows is not None and size is not None else None
+        )
+        self._index: dict[tuple[int, torch.device], Tensor] = {}
 
-    def _index_on(self, device: torch.device) -> Tensor:
-        if device not in self._index:
-            self._index[device] = torch.as_tensor(self.rows, dtype=torch.long, device=device)
-        return self._index[device]
+    @classmethod
+    def per_size(cls, rows_by_size: Mapping[int, Sequence[int]]) -> Rows:
+        """Follow ``rows_by_size[n]`` in tensors whose first dimension is ``n`` (an empty list: skip them)."""
+        follow = cls(None, None)
+        follow._by_size = {int(n): list(rows) for n, rows in rows_by_size.items()}
+        return follow
 
-    def finite(self, tensors: Sequence[Any]) -> bool:
-        if self.rows is None:
-            return finite(tensors)
+    def _view(self, t: Tensor) -> Tensor | None:
+        """The part of ``t`` to test: its chosen rows, the whole tensor, or ``None`` (a healthy part's)."""
+        t = local_tensor(t)
+        if self._by_size is None or t.dim() == 0 or t.is_sparse:
+            return _stored(t)
+        rows = self._by_size.get(t.shape[0])
+        if rows is None:
+            return t
+        if not rows:
+            return None
+        key = (t.shape[0], t.device)
+        if key not in self._index:
+            self._index[key] = torch.as_tensor(rows, dtype=torch.long, device=t.device)
+        return t.detach().index_select(0, self._index[key])
+
+    def _all(self, tensors: Sequence[Any], test: Callable[[Tensor], Tensor]) -> bool:
         checks = []
         for t in tensors:
-            if not isinstance(t, Tensor) or not (t.is_floating_point() or t.is_complex()):
-                continue
-            t = local_tensor(t)
-            if t.dim() > 0 and t.shape[0] == self.size and not t.is_sparse:
-                t = t.detach().index_select(0, self._index_on(t.device))
-            checks.append(torch.isfinite(_stored(t)).all())
+            if _floating(t):
+                view = self._view(t)
+                if view is not None:
+                    checks.append(test(view))
         return all_true(checks)
+
+    def finite(self, tensors: Sequence[Any]) -> bool:
+        """Whether the followed rows of every floating-point tensor are finite."""
+        return self._all(tensors, lambda t: torch.isfinite(t).all())
+
+    def nan_free(self, tensors: Sequence[Any]) -> bool:
+        """Whether the followed rows of every floating-point tensor hold no NaN (infinities allowed)."""
+        return self._all(tensors, lambda t: ~torch.isnan(t).any())
 
 
 def _nodes(root: Any, stop: Callable[[Any], bool] | None = None) -> Iterator[Any]:
@@ -247,6 +301,9 @@ class ForwardTracer(TorchFunctionMode):
         self.first_nonfinite: tuple[str, Site] | None = None
         # First BatchNorm whose running statistics a forward turned non-finite, and its call site.
         self.bn_origin: Site | None = None
+        # The origin's inputs held infinities (a mask, a padding value) and it made NaN of them.
+        self.origin_from_infinity = False
+        self._inside_function = 0  # depth inside custom autograd Functions' forwards
         files: dict[type, frozenset[str]] = {}
         self.code = UserCode(root_files=_module_files(root, files))
         self._handles: list[Any] = []
@@ -285,38 +342,164 @@ class ForwardTracer(TorchFunctionMode):
             handle.remove()
         self._handles.clear()
 
-    def _site(self, func: Any, nonfinite: bool) -> Site:
+    def _site(self, frame: FrameType | None, function: str, nonfinite: bool, custom: bool = False) -> Site:
         name, type_name, _ = self.stack[-1] if self.stack else ("", type(self.root).__name__, frozenset())
-        return Site(name, type_name, self._frames(sys._getframe(2)), function_name(func), nonfinite)
+        return Site(name, type_name, self._frames(frame), function, nonfinite, custom)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        outputs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
-        if not outputs:
+        if self._inside_function:  # an op of a custom Function's forward: the Function is the op
             return out
-        func_name = getattr(func, "__name__", str(func))
+        outputs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+        if outputs:
+            name = getattr(func, "__name__", str(func))
+            self._observe(name, lambda: function_name(func), (args, kwargs or {}), outputs, sys._getframe(1))
+        return out
+
+    def _observe(
+        self,
+        name: str,
+        label: Callable[[], str],
+        inputs: Any,
+        outputs: list[Tensor],
+        frame: FrameType | None,
+        custom: bool = False,
+    ) -> None:
+        """Tag the autograd nodes an op created and decide whether it is the origin.
+
+        Args:
+            name: the op's short name (``"masked_fill"``), to recognise ops that write infinities on purpose.
+            label: the readable torch function, computed only when needed.
+            inputs: the op's arguments (any nesting).
+            outputs: the tensors it returned.
+            frame: the frame that called the op (the user's frames are read from it outwards).
+            custom: the op is a custom autograd Function.
+        """
         nonfinite = not self.rows.finite(outputs)
         site: Site | None = None
+        created: list[Any] = []
         for tensor in outputs:
             node = tensor.grad_fn
             if node is None:
                 continue
-            site = site or self._site(func, nonfinite)
+            site = site or self._site(frame, label(), nonfinite, custom)
             # nodes created by this op are exactly the untagged ones; a tagged node's ancestors are all
             # tagged already (they were walked when it was), so stopping there keeps this linear
             for inner in _nodes(node, stop=_tagged):
                 inner.metadata[_TAG] = site
-        if nonfinite and self.first_nonfinite is None and func_name not in _CONSTANT_OPS:
-            tracked = next((t.grad_fn for t in outputs if t.grad_fn is not None), None)
-            if tracked is not None:
-                self.first_nonfinite = (tracked.name(), site or self._site(func, True))
-        if nonfinite and self.origin is None and func_name not in _CONSTANT_OPS:
-            inputs = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, Tensor)]
-            if inputs and self.rows.finite(inputs):  # an op of no tensor makes a constant, not a NaN/Inf of the run
-                grad_fn = next((t.grad_fn for t in outputs if t.grad_fn is not None), None)
-                op = grad_fn.name() if grad_fn is not None else func_name
-                self.origin = (op, site or self._site(func, True))
-        return out
+                created.append(inner)
+        if not nonfinite or name in _CONSTANT_OPS:
+            return
+        tracked = next((t.grad_fn for t in outputs if t.grad_fn is not None), None)
+        if self.first_nonfinite is None and tracked is not None:
+            self.first_nonfinite = (tracked.name(), site or self._site(frame, label(), True, custom))
+        if self.origin is not None:
+            return
+        tensors = [t for t in tree_leaves(inputs) if isinstance(t, Tensor)]
+        if not tensors:  # an op of no tensor makes a constant, not a NaN/Inf of the run
+            return
+        if self.rows.finite(tensors):  # NaN/Inf from finite inputs
+            born = _birth_node(created, nan_only=False)
+        elif self.rows.nan_free(tensors) and not self.rows.nan_free(outputs):  # NaN from infinities
+            born = _birth_node(created, nan_only=True)
+            self.origin_from_infinity = True
+        else:  # infinities carried on (scores + mask), or a NaN that was there already
+            return
+        op = born or (tracked.name() if tracked is not None else name)
+        self.origin = (op, site or self._site(frame, label(), True, custom))
+
+    @contextlib.contextmanager
+    def custom_functions(self) -> Iterator[None]:
+        """Within the block, every ``Function.apply`` is an op of this tracer (see the module docs)."""
+        function_class = torch.autograd.Function
+        original = function_class.__dict__["apply"]
+        apply = original.__func__
+        tracer = self
+
+        def traced_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+            if _torch_owned(cls):  # torch's own Functions (checkpointing) stay transparent: their ops are seen
+                out = apply(cls, *args, **kwargs)
+                tracer._tag_function(cls, args, kwargs, out, sys._getframe(1), observe=False)
+                return out
+            tracer._inside_function += 1
+            try:
+                out = apply(cls, *args, **kwargs)
+            finally:
+                tracer._inside_function -= 1
+            if not tracer._inside_function:
+                tracer._tag_function(cls, args, kwargs, out, sys._getframe(1), observe=True)
+            return out
+
+        function_class.apply = classmethod(traced_apply)  # type: ignore[assignment,method-assign]
+        try:
+            yield
+        finally:
+            function_class.apply = original  # type: ignore[method-assign]
+
+    def _tag_function(
+        self, cls: type, args: Any, kwargs: Any, out: Any, frame: FrameType | None, observe: bool
+    ) -> None:
+        outputs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+        if not outputs or self._inside_function:
+            return
+        label = f"{cls.__module__}.{cls.__qualname__}.apply"
+        if observe:
+            self._observe("apply", lambda: label, (args, kwargs), outputs, frame, custom=True)
+            return
+        site: Site | None = None  # transparent: only the Function's own node gets the call's site
+        for tensor in outputs:
+            node: Any = tensor.grad_fn
+            if node is not None and not _tagged(node):
+                site = site or self._site(frame, label, False)
+                node.metadata[_TAG] = site
+
+
+def _torch_owned(cls: type) -> bool:
+    module = getattr(cls, "__module__", "") or ""
+    return module == "torch" or module.startswith("torch.")
+
+
+def _birth_node(created: Sequence[Any], nan_only: bool) -> str | None:
+    """The node, among those one composite op created, whose saved result first holds the NaN (or Inf).
+
+    A composite function the mode sees as one call (``F.multi_head_attention_forward``, ``F.ctc_loss``)
+    creates several autograd nodes; the one that was born non-finite is the earliest (by sequence
+    number) whose saved result is non-finite. ``None`` when no node saved such a result, or when an
+    earlier node saved a non-finite input (the value was born in a node that keeps no result).
+
+    Args:
+        created: the nodes the op created.
+        nan_only: look for NaN only (the op's inputs held infinities already).
+    """
+    if len(created) < 2:
+        return None
+    first: tuple[int, str] | None = None
+    earliest_input: int | None = None
+    for node in created:
+        try:
+            order = int(node._sequence_nr())
+        except (AttributeError, RuntimeError):
+            return None
+        for attr in dir(node):
+            if not attr.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, attr)
+            except RuntimeError:  # freed, or not a tensor
+                continue
+            if not _floating(value):
+                continue
+            bad = torch.isnan(value).any() if nan_only else ~torch.isfinite(value).all()
+            if not bool(bad):
+                continue
+            if attr.startswith("_saved_result"):
+                if first is None or order < first[0]:
+                    first = (order, node.name())
+            elif earliest_input is None or order < earliest_input:
+                earliest_input = order
+    if first is None or (earliest_input is not None and earliest_input < first[0]):
+        return None
+    return first[1]
 
 
 class BackwardTracer:

@@ -151,6 +151,7 @@ class Recovery:
         quarantine: Sequence[int] = (),
         culprit_module: str | None = None,
         rolled_back: bool = False,
+        quarantine_items: Sequence[tuple[str | int, int]] = (),
     ) -> list[str]:
         """Apply the remedies that fit the shared verdict of an incident; return their descriptions.
 
@@ -163,14 +164,15 @@ class Recovery:
             quarantine: dataset indices of the offending samples (all ranks').
             culprit_module: where the first NaN/Inf was produced (its ``eps`` is raised).
             rolled_back: a rollback happens at this step (clip and back off whatever the cause).
+            quarantine_items: with several training loaders, ``(loader key, dataset index)`` of the
+                offending samples: each index is quarantined in its own loader only.
         """
         done: list[str] = []
-        if cause in ("data", "input") and quarantine and self.book.can_apply("quarantine"):
-            new = set(quarantine) - self.book.quarantined
-            if new:
-                self.book.quarantined.update(new)  # shared with the recording batch samplers
+        if cause in ("data", "input") and (quarantine or quarantine_items) and self.book.can_apply("quarantine"):
+            change = self.book.quarantine(quarantine, quarantine_items)  # shared with the recording batch samplers
+            if change:
                 self.book.record("quarantine")
-                done.append(f"quarantine: dataset indices {sorted(new)} will not be trained on again")
+                done.append(change)
         if culprit_module is not None and self.book.can_apply("raise_eps"):
             culprit = _submodule(parts.module, culprit_module)
             change = raise_eps_(culprit, parts.optimizers, self.eps_factor, self.max_eps)

@@ -176,6 +176,10 @@ def _flattened(schedulers: Sequence[Any]) -> list[Any]:
     return out
 
 
+def _by_key(item: tuple[str | int, Any]) -> str:
+    return str(item[0])
+
+
 @dataclass
 class RemedyBook:
     """Which remedies are enabled, how often each was applied, and their state.
@@ -183,6 +187,12 @@ class RemedyBook:
     Args:
         enabled: remedies to apply after an incident, in order.
         max_applications: cap per remedy.
+
+    Attributes:
+        quarantined: dataset indices the training loader never yields again; with several training
+            loaders, indices every loader drops (a checkpoint of a version that kept one list).
+        quarantined_by_loader: with several training loaders, each loader's own quarantine, by the
+            loader's key (the same sets are held by the loaders' batch samplers).
     """
 
     enabled: tuple[str, ...] = ()
@@ -192,6 +202,34 @@ class RemedyBook:
     quarantined: set[int] = field(default_factory=set)
     module_eps: dict[str, float] = field(default_factory=dict)
     healthy_norms: deque[float] = field(default_factory=lambda: deque(maxlen=100))
+    quarantined_by_loader: dict[str | int, set[int]] = field(default_factory=dict)
+
+    def quarantine(self, indices: Iterable[int] = (), items: Iterable[tuple[str | int, int]] = ()) -> str | None:
+        """Quarantine dataset ``indices`` (one loader) and ``items`` (``(loader key, index)``, several loaders).
+
+        The sets are changed in place: the batch samplers hold them. Returns what was done, ``None``
+        when everything was quarantined already.
+
+        Example:
+            >>> book = RemedyBook(enabled=("quarantine",))
+            >>> book.quarantine(items=[("b", 7), ("b", 9), ("a", 7)])
+            "quarantine: dataset indices [7] of loader 'a', [7, 9] of loader 'b' will not be trained on again"
+            >>> book.quarantine([3])
+            'quarantine: dataset indices [3] will not be trained on again'
+            >>> book.quarantine(items=[("b", 7)]) is None
+            True
+        """
+        new = set(indices) - self.quarantined
+        self.quarantined.update(new)
+        by_loader: dict[str | int, set[int]] = {}
+        for key, index in items:
+            own = self.quarantined_by_loader.setdefault(key, set())
+            if index not in own:
+                own.add(index)
+                by_loader.setdefault(key, set()).add(index)
+        parts = [f"{sorted(new)}"] if new else []
+        parts += [f"{sorted(found)} of loader {key!r}" for key, found in sorted(by_loader.items(), key=_by_key)]
+        return f"quarantine: dataset indices {', '.join(parts)} will not be trained on again" if parts else None
 
     def can_apply(self, remedy: str) -> bool:
         """Enabled and below its cap."""
@@ -214,6 +252,9 @@ class RemedyBook:
             "quarantined": sorted(self.quarantined),
             "module_eps": dict(self.module_eps),
             "healthy_norms": list(self.healthy_norms),
+            "quarantined_by_loader": [
+                [key, sorted(found)] for key, found in sorted(self.quarantined_by_loader.items(), key=_by_key) if found
+            ],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -222,5 +263,11 @@ class RemedyBook:
         self.clip_threshold = state.get("clip_threshold")
         self.quarantined.clear()  # in place: the batch samplers hold this very set
         self.quarantined.update(int(i) for i in state.get("quarantined", []))
+        for found in self.quarantined_by_loader.values():  # the same sets too (a checkpoint without them: emptied)
+            found.clear()
+        for key, found in state.get("quarantined_by_loader", []):
+            self.quarantined_by_loader.setdefault(key if isinstance(key, int) else str(key), set()).update(
+                int(i) for i in found
+            )
         self.module_eps = {str(k): float(v) for k, v in state.get("module_eps", {}).items()}
         self.healthy_norms = deque((float(v) for v in state.get("healthy_norms", [])), maxlen=100)

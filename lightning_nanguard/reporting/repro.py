@@ -13,7 +13,8 @@ A bundle is a directory ``<log_dir>/nanguard/step-<N>/`` holding:
   event are still there to read);
 - ``module.json``: how to rebuild the module (class path, the file defining it) and the context
   (batch index, positions of the saved samples in the original batch, dataset indices, reference
-  samples), and the source of the origin: the path as displayed, the absolute path, and the
+  samples; with several training loaders the layout of the batch, ``loaders``, and each saved
+  sample's loader, ``sample_loaders``), and the source of the origin: the path as displayed, the absolute path, and the
   source root the displayed path is relative to (``replay`` displays paths relative to it too, so
   it prints the same line as training did, from any working directory);
 - ``details_full.json``: the event's details with the lists an event keeps short in full (every
@@ -42,6 +43,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from lightning_nanguard.core.events import NanEvent
+from lightning_nanguard.diagnose.combined import CombinedLayout
 
 __all__ = [
     "BundleMissingError",
@@ -82,6 +84,8 @@ def save_bundle(
     full_details: Mapping[str, Any] | None = None,
     source_root: str | None = None,
     module_state: Mapping[str, Any] | str | None = None,
+    layout: CombinedLayout | None = None,
+    sample_loaders: list[str | int] | None = None,
 ) -> Path:
     """Write a bundle for ``event`` and return its path (``directory/step-<global_step>``).
 
@@ -101,6 +105,10 @@ def save_bundle(
         module_state: the state to save instead of ``module.state_dict()`` (a sharded model's full
             tensors, gathered from the shards), or a string: why no state is saved (the reason goes
             into ``module.json`` and ``replay`` says it).
+        layout: with several training loaders, where each loader's part sits in ``batch``
+            (``positions`` are then positions in each saved sample's own loader's part).
+        sample_loaders: with several training loaders, the loader of each saved sample, aligned with
+            ``positions``.
     """
     path = Path(directory) / f"{BUNDLE_PREFIX}{event.global_step}"
     if event.rank:
@@ -123,7 +131,7 @@ def save_bundle(
         module_file: str | None = inspect.getfile(cls)
     except (TypeError, OSError):
         module_file = None
-    meta = {
+    meta: dict[str, Any] = {
         "class_path": _class_path(cls),
         "module_file": module_file,
         "has_hparams": bool(hparams),
@@ -136,6 +144,9 @@ def save_bundle(
         "source": {"line": event.source_line, "path": event.details.get("source_path")},
         "module_state": state_note,
     }
+    if layout is not None:  # several training loaders (a bundle of one loader is unchanged)
+        meta["loaders"] = layout.to_json()
+        meta["sample_loaders"] = sample_loaders
     (path / "module.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
     saved = event.replace(repro_path=str(path)).to_dict()
     (path / "event.json").write_text(json.dumps(saved, indent=2), encoding="utf-8")

@@ -8,7 +8,7 @@ from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.diagnose.compact import channels_text
 from lightning_nanguard.reporting.explain import cause_text, origin_text, stack_text
 
-__all__ = ["event_lines", "event_markdown", "event_text"]
+__all__ = ["event_lines", "event_markdown", "event_text", "loader_samples_text"]
 
 _MAX_NAMES = 8
 
@@ -17,6 +17,38 @@ def _names(names: Sequence[str], quote: str = "") -> str:
     shown = ", ".join(f"{quote}{name}{quote}" for name in names[:_MAX_NAMES])
     hidden = len(names) - _MAX_NAMES
     return shown + (f" (+{hidden} more)" if hidden > 0 else "")
+
+
+def loader_samples_text(event: NanEvent) -> str:
+    """The offending samples of a batch of several training loaders, loader by loader.
+
+    Example:
+        >>> event = NanEvent(3, 0, 3, 0, ("grad",), "skipped", offending_samples=(2, 0, 3),
+        ...                  sample_loaders=("b", "a", "b"), dataset_indices=(7, 30, 9),
+        ...                  details={"loader_batch_sizes": [["a", 8], ["b", 4]]})
+        >>> loader_samples_text(event)
+        "loader 'b': [2, 3] of 4 (dataset indices [7, 9]); loader 'a': [0] of 8 (dataset indices [30])"
+        >>> unknown = {"dataset_indices_unknown": "loader 'b': an IterableDataset"}
+        >>> loader_samples_text(event.replace(dataset_indices=None, details=unknown))
+        "loader 'b': [2, 3]; loader 'a': [0] (dataset indices unknown: loader 'b': an IterableDataset)"
+    """
+    sizes = {str(key): size for key, size in event.details.get("loader_batch_sizes", []) or []}
+    grouped: dict[str | int, list[int]] = {}
+    for position, key in enumerate(event.sample_loaders or ()):
+        grouped.setdefault(key, []).append(position)
+    parts = []
+    for key, places in grouped.items():
+        positions = [event.offending_samples[i] for i in places] if event.offending_samples is not None else []
+        of_n = f" of {sizes[str(key)]}" if str(key) in sizes else ""
+        text = f"loader {key!r}: {positions}{of_n}"
+        if event.dataset_indices is not None:
+            text += f" (dataset indices {[event.dataset_indices[i] for i in places]})"
+        parts.append(text)
+    joined = "; ".join(parts)
+    unknown = event.details.get("dataset_indices_unknown")
+    if event.dataset_indices is None and unknown:
+        joined += f" (dataset indices unknown: {unknown})"
+    return joined
 
 
 def event_lines(event: NanEvent, code: str = "") -> list[tuple[str, str]]:
@@ -50,13 +82,17 @@ def event_lines(event: NanEvent, code: str = "") -> list[tuple[str, str]]:
         rows.append(("grad norm", f"{event.grad_norm:.6g}"))
     batch_size = d.get("batch_size")
     of_n = f" of {batch_size}" if batch_size is not None else ""
-    if event.offending_samples is not None:
+    if event.offending_samples is not None and event.sample_loaders is not None:
+        rows.append(("offending samples", loader_samples_text(event)))
+    elif event.offending_samples is not None:
         samples = f"{list(event.offending_samples)}{of_n}"
         if event.dataset_indices is not None:
             samples += f" (dataset indices {list(event.dataset_indices)})"
         rows.append(("offending samples", samples))
     elif d.get("not_attributable"):
         rows.append(("offending samples", f"not attributable to individual samples: {d['not_attributable']}"))
+    if d.get("sample_loaders_unknown"):
+        rows.append(("training loaders", str(d["sample_loaders_unknown"])))
     origin = origin_text(event, code)
     if origin:
         rows.append(("origin", origin))

@@ -108,3 +108,29 @@ export function clear(node) {
   while (node.firstChild) node.removeChild(node.firstChild);
   return node;
 }
+
+/**
+ * The offending samples of an event in a few words: dataset indices ("idx 7, 9") or positions ("pos 2");
+ * with several training loaders each with its loader ("idx b:7, a:30").
+ */
+export function sampleSummary(event) {
+  const positions = event.offending_samples;
+  if (!positions) return '';
+  const indices = event.dataset_indices;
+  const loaders = event.sample_loaders;
+  if (loaders && loaders.length === positions.length) {
+    return indices ? `idx ${loaders.map((key, i) => `${key}:${indices[i]}`).join(', ')}` :
+      `pos ${loaders.map((key, i) => `${key}[${positions[i]}]`).join(', ')}`;
+  }
+  return indices ? `idx ${indices.join(', ')}` : `pos ${positions.join(', ')}`;
+}
+
+/** The offending samples grouped by training loader: [[key, [i, ...]], ...] (indices into offending_samples). */
+export function samplesByLoader(event) {
+  const groups = new Map();
+  (event.sample_loaders || []).forEach((key, i) => {
+    if (!groups.has(key)) groups.set(key, []);
+    groups.get(key).push(i);
+  });
+  return [...groups.entries()];
+}

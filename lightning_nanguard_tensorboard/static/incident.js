@@ -1,11 +1,11 @@
 // Incident view: everything known about one event, from events.jsonl and its context files.
 
 import {thumbnailUrl} from './api.js';
-import {ACTION_TEXT, actionChip, causeChip, causeTitle, h, kindChips, nameList, num} from './dom.js';
+import {ACTION_TEXT, actionChip, causeChip, causeTitle, h, kindChips, nameList, num, samplesByLoader} from './dom.js';
 
 // details keys shown in their own sections (the rest go to "other details")
 const SHOWN_DETAILS = new Set(['batch_size', 'hint', 'source_text', 'module_type', 'bn_channels', 'stack',
-  'function', 'not_attributable', 'micro_batch']);
+  'function', 'not_attributable', 'micro_batch', 'loader_batch_sizes', 'dataset_indices_unknown', 'sample_loaders_unknown']);
 
 function section(title, ...body) {
   return h('section', {class: 'detail-section', dataset: {section: title}}, h('h4', {}, title), ...body);
@@ -41,7 +41,21 @@ function actionSection(event) {
 function samplesSection(run, index, event, context) {
   const details = event.details || {};
   const body = [];
-  if (event.offending_samples) {
+  if (event.offending_samples && event.sample_loaders) {
+    // several training loaders: each sample is a position in its own loader's part, an index in its loader's dataset
+    const sizes = new Map((details.loader_batch_sizes || []).map(([key, size]) => [String(key), size]));
+    for (const [key, places] of samplesByLoader(event)) {
+      const of = sizes.has(String(key)) ? ` of ${sizes.get(String(key))}` : '';
+      const positions = places.map((i) => event.offending_samples[i]);
+      const indices = event.dataset_indices ? `dataset indices [${places.map((i) => event.dataset_indices[i]).join(', ')}]` :
+        'dataset indices unknown';
+      body.push(h('div', {class: 'kv loader', dataset: {loader: String(key)}}, h('span', {class: 'k'}, `loader ${key}`),
+          h('span', {class: 'v'}, `positions [${positions.join(', ')}]${of} · ${indices}`)));
+    }
+    if (!event.dataset_indices && details.dataset_indices_unknown) {
+      body.push(h('p', {class: 'muted small'}, `Dataset indices unknown: ${details.dataset_indices_unknown}`));
+    }
+  } else if (event.offending_samples) {
     const of = details.batch_size !== undefined ? ` of ${details.batch_size}` : '';
     body.push(row('positions in the batch', `[${event.offending_samples.join(', ')}]${of}`));
     body.push(row('dataset indices', event.dataset_indices ? `[${event.dataset_indices.join(', ')}]` : 'unknown'));
@@ -50,6 +64,7 @@ function samplesSection(run, index, event, context) {
   } else {
     body.push(h('p', {class: 'muted'}, 'The samples were not searched.'));
   }
+  if (details.sample_loaders_unknown) body.push(h('p', {class: 'muted small'}, details.sample_loaders_unknown));
   const thumbs = (context && context.thumbnails) || [];
   if (thumbs.length) {
     body.push(h('div', {class: 'thumbs'}, thumbs.map((t) => h('figure', {class: 'thumb'},

@@ -2,7 +2,7 @@
 // Plain modules, no build step, nothing from the network: everything is served by the plugin.
 
 import * as api from './api.js';
-import {actionChip, chip, clear, h, kindGroup} from './dom.js';
+import {actionChip, chip, clear, h, kindGroup, sampleSummary} from './dom.js';
 import {incidentView} from './incident.js';
 import {summaryColumn} from './summary.js';
 import {timelineCard} from './timeline.js';
@@ -100,8 +100,7 @@ async function renderTimeline(target) {
 
 function incidentRow(run, event) {
   const index = event._dashboard.index;
-  const samples = event.dataset_indices ? `idx ${event.dataset_indices.join(', ')}` :
-    event.offending_samples ? `pos ${event.offending_samples.join(', ')}` : '';
+  const samples = sampleSummary(event);
   const open = state.open && state.open.run === run && state.open.index === index;
   const kinds = (event.kinds || []).join(', ');
   return h('tr', {class: open ? 'incident-row open' : 'incident-row', dataset: {index},

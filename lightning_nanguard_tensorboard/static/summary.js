@@ -33,9 +33,12 @@ function lostSteps(summary) {
 
 function indexTable(summary, onIndex) {
   if (!summary.dataset_indices.length) return h('p', {class: 'muted'}, 'No dataset indices recorded.');
+  const loaders = summary.dataset_indices.some((item) => item.loader !== undefined && item.loader !== null);
   return h('table', {class: 'ranked'},
-      h('thead', {}, h('tr', {}, h('th', {}, 'dataset index'), h('th', {class: 'num'}, 'incidents'), h('th', {}, 'steps'))),
+      h('thead', {}, h('tr', {}, loaders ? h('th', {}, 'loader') : null, h('th', {}, 'dataset index'),
+          h('th', {class: 'num'}, 'incidents'), h('th', {}, 'steps'))),
       h('tbody', {}, summary.dataset_indices.map((item) => h('tr', {},
+          loaders ? h('td', {class: 'loader'}, item.loader === undefined || item.loader === null ? '—' : String(item.loader)) : null,
           h('td', {}, h('code', {}, String(item.index))),
           h('td', {class: 'num'}, String(item.count)),
           h('td', {class: 'muted'}, steps(item.steps, item.count))))));

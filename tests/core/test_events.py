@@ -37,6 +37,8 @@ CONTRACT_KEYS = [
     "details",
     "cause",
 ]
+# Written only when set (several training loaders): one loader's events are unchanged.
+OPTIONAL_KEYS = ["sample_loaders"]
 
 
 def assert_same_event(a: NanEvent, b: NanEvent) -> None:
@@ -52,7 +54,19 @@ def assert_same_event(a: NanEvent, b: NanEvent) -> None:
 
 def test_to_dict_keys_are_the_public_contract() -> None:
     assert list(make_event().to_dict()) == CONTRACT_KEYS
-    assert [f.name for f in dataclasses.fields(NanEvent)] == CONTRACT_KEYS
+    assert [f.name for f in dataclasses.fields(NanEvent)] == CONTRACT_KEYS + OPTIONAL_KEYS
+    two_loaders = make_event(sample_loaders=("b", 0)).to_dict()
+    assert list(two_loaders) == CONTRACT_KEYS + OPTIONAL_KEYS
+    assert two_loaders["sample_loaders"] == ["b", 0]
+
+
+def test_sample_loaders_round_trip_and_absent_key_reads_as_none() -> None:
+    event = make_event(sample_loaders=("b", "tasks.0"), offending_samples=(1, 3), dataset_indices=(41, 7))
+    back = NanEvent.from_dict(json.loads(json.dumps(event.to_dict())))
+    assert back.sample_loaders == ("b", "tasks.0") and back == event.replace(loss=back.loss)
+    single = make_event().to_dict()
+    assert "sample_loaders" not in single
+    assert NanEvent.from_dict(single).sample_loaders is None
 
 
 @pytest.mark.parametrize(

@@ -55,8 +55,10 @@ def test_no_hint_for_other_ops(op: str) -> None:
     assert hint_for(op, "forward") is None
 
 
-def test_a_masked_forward_only_changes_the_division_hint() -> None:
-    assert hint_for("SqrtBackward0", "backward", masked_forward=True) == hint_for("SqrtBackward0", "backward")
+def test_a_masked_forward_changes_the_division_and_domain_hints() -> None:
+    masked_sqrt = hint_for("SqrtBackward0", "backward", masked_forward=True)
+    assert masked_sqrt is not None and "masked after the fact" in masked_sqrt  # torch.where(h > 0, h.sqrt(), 0)
+    assert masked_sqrt != hint_for("SqrtBackward0", "backward")
     assert hint_for("ReciprocalBackward0", "backward", masked_forward=True) == hint_for(
         "DivBackward0", "backward", masked_forward=True
     )

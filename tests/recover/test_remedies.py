@@ -197,6 +197,7 @@ def test_remedy_book_state_round_trips_through_a_weights_only_checkpoint() -> No
     book.record("quarantine")
     book.clip_threshold = 1.25
     book.quarantined.update({11, 3})
+    book.quarantine(items=[("b", 7), (1, 4), ("b", 2)])
     book.healthy_norms.extend([1.0, 2.0])
     buffer = io.BytesIO()
     torch.save(book.state_dict(), buffer)
@@ -205,9 +206,10 @@ def test_remedy_book_state_round_trips_through_a_weights_only_checkpoint() -> No
 
     fresh = RemedyBook(enabled=("clip_grad", "quarantine"))
     shared = fresh.quarantined  # the recording batch samplers hold this very set
+    shared_b = fresh.quarantined_by_loader.setdefault("b", {99})  # ... and each loader's own
     fresh.quarantined.add(99)
     fresh.load_state_dict(state)
-    assert fresh.quarantined is shared
+    assert fresh.quarantined is shared and fresh.quarantined_by_loader["b"] is shared_b
     assert (
         fresh.state_dict()
         == book.state_dict()
@@ -217,9 +219,32 @@ def test_remedy_book_state_round_trips_through_a_weights_only_checkpoint() -> No
             "quarantined": [3, 11],
             "healthy_norms": [1.0, 2.0],
             "module_eps": {},
+            "quarantined_by_loader": [[1, [4]], ["b", [2, 7]]],
         }
     )
+    assert fresh.quarantined_by_loader == {"b": {2, 7}, 1: {4}}  # list positions stay ints
     assert fresh.healthy_norms.maxlen == 100
+
+
+def test_a_checkpoint_with_the_old_flat_quarantine_list_still_loads() -> None:
+    """A state saved before per-loader quarantine: its flat list is the shared one (every loader drops it)."""
+    book = RemedyBook(enabled=("quarantine",))
+    book.quarantined_by_loader["a"] = {5}
+    book.load_state_dict({"applied": {"quarantine": 1}, "quarantined": [8, 2]})
+    assert book.quarantined == {2, 8}
+    assert book.quarantined_by_loader == {"a": set()}  # emptied in place, not replaced
+
+
+def test_quarantine_reports_only_what_is_new() -> None:
+    book = RemedyBook(enabled=("quarantine",))
+    assert book.quarantine([9], [("b", 9)]) == (
+        "quarantine: dataset indices [9], [9] of loader 'b' will not be trained on again"
+    )
+    assert book.quarantine([9], [("b", 9)]) is None
+    assert (
+        book.quarantine(items=[("a", 9)])
+        == "quarantine: dataset indices [9] of loader 'a' will not be trained on again"
+    )
 
 
 def test_remedy_book_loads_an_empty_state_with_defaults() -> None:
@@ -227,7 +252,14 @@ def test_remedy_book_loads_an_empty_state_with_defaults() -> None:
     book.quarantined.add(1)
     book.load_state_dict({})
     state: dict[str, Any] = book.state_dict()
-    assert state == {"applied": {}, "clip_threshold": None, "quarantined": [], "healthy_norms": [], "module_eps": {}}
+    assert state == {
+        "applied": {},
+        "clip_threshold": None,
+        "quarantined": [],
+        "healthy_norms": [],
+        "module_eps": {},
+        "quarantined_by_loader": [],
+    }
 
 
 def test_raised_module_eps_survives_a_checkpoint_round_trip(tmp_path) -> None:

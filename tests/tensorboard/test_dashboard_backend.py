@@ -22,8 +22,10 @@ import pytest
 from dashboard_runs import (
     BLANK,
     LEGACY_EVENT,
+    LOADERS_RUN,
     TensorBoardServer,
     guarded_image_run,
+    guarded_loaders_run,
     origin_line,
     tensorboard_server,
     wait_for,
@@ -358,3 +360,27 @@ def test_a_log_directory_that_is_the_run_itself(served: Served) -> None:
     assert [r["run"] for r in client.get("/runs").json] == ["."]
     assert len(client.get("/incidents?run=.").json) == 4
     assert client.get("/incident?run=.&index=0").json["context"]["source"]["line"] == origin_line()
+
+
+# ------------------------------------------------------------------------------------ several training loaders
+
+
+def test_several_loaders_events_incident_and_summary_name_the_loader(tmp_path: Path) -> None:
+    run_dir, guard = guarded_loaders_run(tmp_path)
+    client = plugin_client(tmp_path)
+    incidents = client.get(f"/incidents?run={LOADERS_RUN}").json
+    assert [(e["sample_loaders"], e["offending_samples"], e["dataset_indices"]) for e in incidents] == [
+        (["a", "b"], [5, 2], [13, 6]),
+        (["b"], [1], [9]),
+    ]
+    expected = [dict(e.to_dict(), _dashboard=i["_dashboard"]) for e, i in zip(guard.events, incidents, strict=True)]
+    assert incidents == expected
+    incident = client.get(f"/incident?run={LOADERS_RUN}&index=0").json
+    assert incident["event"]["details"]["loader_batch_sizes"] == [["a", 8], ["b", 4]]
+    summary = client.get(f"/summary?run={LOADERS_RUN}").json
+    assert summary["dataset_indices"] == [
+        {"index": 6, "loader": "b", "count": 1, "steps": [1]},
+        {"index": 9, "loader": "b", "count": 1, "steps": [2]},
+        {"index": 13, "loader": "a", "count": 1, "steps": [1]},
+    ]
+    assert run_dir.name == "version_0"

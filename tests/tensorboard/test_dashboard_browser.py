@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 from dashboard_runs import (
     BLANK,
+    LOADERS_RUN,
     SPIKE_EVENT,
     TensorBoardServer,
     guarded_image_run,
+    guarded_loaders_run,
     origin_line,
     tensorboard_server,
     wait_for,
@@ -29,7 +31,7 @@ CHROMIUM = os.environ.get("NANGUARD_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("NANGUARD_CHROMEDRIVER", "/usr/bin/chromedriver")
 RUNS = ("lightning/version_0", "pytorch_lightning/version_0")  # guarded image runs of both namespaces
 MIXED = "mixed"  # an events.jsonl of an older version next to a loss spike (no TensorBoard scalars)
-ALL_RUNS = (RUNS[0], MIXED, RUNS[1])  # the run list is sorted by name
+ALL_RUNS = (RUNS[0], MIXED, RUNS[1], LOADERS_RUN)  # the run list is sorted by name
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
 if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
@@ -57,6 +59,7 @@ def server(logdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[T
     for ns in ("lightning", "pytorch_lightning"):
         guarded_image_run(ns, logdir)
     write_mixed_run(logdir / MIXED)
+    guarded_loaders_run(logdir)
     with tensorboard_server(logdir, tmp_path_factory.mktemp("tb")) as tb:
         assert wait_for(lambda: json.loads(tb.get(f"/data/plugin/nanguard/timeline?run={RUNS[1]}")[2])["grad_norm"])
         yield tb
@@ -198,10 +201,11 @@ def test_run_selector(tab: WebDriver) -> None:
     boxes = tab.find_elements(By.CSS_SELECTOR, ".run-list input[type=checkbox]")
     assert [box.get_attribute("value") for box in boxes] == list(ALL_RUNS)
     boxes[0].click()
-    wait(tab, lambda d: ready(d, "timeline") and len(d.find_elements(By.CSS_SELECTOR, ".timeline-card")) == 2)
+    wait(tab, lambda d: ready(d, "timeline") and len(d.find_elements(By.CSS_SELECTOR, ".timeline-card")) == 3)
     tab.find_elements(By.CSS_SELECTOR, ".run-list input[type=checkbox]")[1].click()  # the list was redrawn
-    wait(tab, lambda d: ready(d, "timeline") and len(d.find_elements(By.CSS_SELECTOR, ".timeline-card")) == 1)
-    assert tab.find_element(By.CSS_SELECTOR, ".timeline-card").get_attribute("data-run") == RUNS[1]
+    wait(tab, lambda d: ready(d, "timeline") and len(d.find_elements(By.CSS_SELECTOR, ".timeline-card")) == 2)
+    cards = tab.find_elements(By.CSS_SELECTOR, ".timeline-card")
+    assert [card.get_attribute("data-run") for card in cards] == [RUNS[1], LOADERS_RUN]
 
 
 def test_older_events_and_spikes_are_shown(tab: WebDriver) -> None:
@@ -228,6 +232,35 @@ def test_older_events_and_spikes_are_shown(tab: WebDriver) -> None:
     assert rows == {"threshold": "40", "baseline": "2.1"}
     assert "loss_spike" in spike.find_element(By.CSS_SELECTOR, ".chip-spike").text
     assert not tab.find_elements(By.CSS_SELECTOR, ".error")
+
+
+def test_several_loaders_are_named_in_the_list_the_incident_and_the_summary(tab: WebDriver) -> None:
+    show(tab, "incidents")
+    picker = tab.find_element(By.CSS_SELECTOR, "select.run-picker")
+    picker.find_element(By.CSS_SELECTOR, f"option[value='{LOADERS_RUN}']").click()
+    wait(
+        tab,
+        lambda d: (
+            ready(d, "incidents")
+            and d.find_element(By.CSS_SELECTOR, ".incident").get_attribute("data-run") == LOADERS_RUN
+        ),
+    )
+    rows = tab.find_elements(By.CSS_SELECTOR, "tr.incident-row")
+    assert "idx a:13, b:6" in rows[0].text and "idx b:9" in rows[1].text
+    incident = tab.find_element(By.CSS_SELECTOR, ".incident")
+    loaders = {e.get_attribute("data-loader"): e.text for e in incident.find_elements(By.CSS_SELECTOR, ".kv.loader")}
+    assert "positions [5] of 8 · dataset indices [13]" in loaders["a"]
+    assert "positions [2] of 4 · dataset indices [6]" in loaders["b"]
+    assert "loader_batch_sizes" not in incident.text  # shown with the samples, not under "other details"
+    show(tab, "summary")
+    card = tab.find_element(By.CSS_SELECTOR, f".summary-card[data-run='{LOADERS_RUN}']")
+    table = card.find_elements(By.CSS_SELECTOR, "table.ranked")[0]
+    assert [th.text for th in table.find_elements(By.TAG_NAME, "th")][:2] == ["loader", "dataset index"]
+    cells = [
+        [td.text for td in tr.find_elements(By.TAG_NAME, "td")][:2]
+        for tr in table.find_elements(By.CSS_SELECTOR, "tbody tr")
+    ]
+    assert cells == [["b", "6"], ["b", "9"], ["a", "13"]]
 
 
 def open_tab(server: TensorBoardServer, browser: WebDriver) -> WebDriver:

@@ -1,0 +1,217 @@
+"""The training loaders of a fit, one or several, and the dataset indices of each batch they give.
+
+``trainer.fit`` takes one training loader, or several in a collection (a dict, a list, nested
+ones, a ``CombinedLoader``); Lightning then iterates every loader with its own sampler and gives
+``training_step`` their batches in the same collection (``trainer.train_dataloader`` is that
+collection). :class:`TrainingLoaders` reads it once per epoch, before the epoch's first batch is
+fetched:
+
+- the layout of the combined batch (:class:`~lightning_nanguard.diagnose.combined.CombinedLayout`:
+  each loader's key and where its part sits), ``None`` for a bare loader;
+- each loader's recording batch sampler (:mod:`~lightning_nanguard.adapter.indices`), so the indices
+  of a batch are popped from the FIFO of the loader that gave that part, and only when it gave
+  one (an exhausted loader of ``CombinedLoader(mode="max_size")`` gives ``None``);
+- each loader's quarantine: the indices quarantined for that loader, and those of an older
+  checkpoint's flat list (which applied to every loader).
+
+Example:
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> from lightning_nanguard.adapter.indices import record_batch_indices
+    >>> a = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=4)
+    >>> b = DataLoader(TensorDataset(torch.arange(6.0)), batch_size=3)
+    >>> loaders = TrainingLoaders.of({"a": a, "b": b}, record=record_batch_indices)
+    >>> loaders.layout.keys
+    ('a', 'b')
+    >>> batch = {"a": next(iter(a)), "b": next(iter(b))}
+    >>> loaders.batch_indices(batch).indices
+    ([0, 1, 2, 3], [0, 1, 2])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch  # noqa: F401 (doctests)
+from torch.utils._pytree import (
+    SUPPORTED_NODES,
+    GetAttrKey,
+    MappingKey,
+    SequenceKey,
+    _get_node_type,
+    tree_flatten_with_path,
+)
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_nanguard.adapter.indices import (
+    RecordingBatchSampler,
+    indices_from_batch,
+    mark_epoch_end,
+    next_recorded_indices,
+)
+from lightning_nanguard.diagnose.combined import CombinedIndices, CombinedLayout, LoaderKey
+
+__all__ = ["Exclusion", "TrainingLoaders", "loader_paths"]
+
+
+class Exclusion(Container[int]):
+    """The dataset indices one loader must never yield again: its own quarantine and the shared one.
+
+    Example:
+        >>> shared, own = {3}, {7}
+        >>> exclusion = Exclusion(shared, own)
+        >>> 3 in exclusion, 7 in exclusion, 8 in exclusion, bool(exclusion), bool(Exclusion(set(), set()))
+        (True, True, False, True, False)
+    """
+
+    def __init__(self, *sets: set[int]) -> None:
+        self.sets = sets
+
+    def __contains__(self, index: object) -> bool:
+        return any(index in s for s in self.sets)
+
+    def __bool__(self) -> bool:
+        return any(self.sets)
+
+
+def _is_leaf(node: Any) -> bool:
+    """Lightning's rule (``lightning.pytorch.utilities._pytree``): not a container, or a container of primitives."""
+    node_type = _get_node_type(node)
+    if node_type not in SUPPORTED_NODES:
+        return True
+    children, _ = SUPPORTED_NODES[node_type].flatten_fn(node)
+    return all(isinstance(child, int | float | str) for child in children)
+
+
+def _path_part(entry: Any) -> str | int:
+    if isinstance(entry, MappingKey):
+        key = entry.key
+        return key if isinstance(key, str | int) else str(key)
+    if isinstance(entry, SequenceKey):
+        return int(entry.idx)
+    if isinstance(entry, GetAttrKey):
+        return str(entry.name)
+    return str(entry)
+
+
+def loader_paths(collection: Any) -> list[tuple[tuple[str | int, ...], Any]]:
+    """Every loader of a collection with its path of keys and positions, in Lightning's order.
+
+    A bare loader has the empty path. The order is the one Lightning flattens the collection in
+    (``CombinedLoader.flattened``), which is the order of the parts of a combined batch.
+
+    Example:
+        >>> loader = object()
+        >>> [path for path, _ in loader_paths({"x": [loader, loader], "y": loader})]
+        [('x', 0), ('x', 1), ('y',)]
+        >>> loader_paths(loader) == [((), loader)]
+        True
+    """
+    leaves, _ = tree_flatten_with_path(collection, is_leaf=_is_leaf)
+    return [(tuple(_path_part(entry) for entry in path), leaf) for path, leaf in leaves]
+
+
+def _unknown_reason(loader: Any) -> str:
+    if isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
+        return "an IterableDataset has no batch sampler to record (name an index field with index_key=)"
+    if isinstance(loader, DataLoader) and loader.batch_sampler is None:
+        return "batch_size=None: no batch sampler to record (name an index field with index_key=)"
+    return "its batch sampler cannot be recorded (name an index field with index_key=)"
+
+
+@dataclass
+class TrainingLoaders:
+    """The fit's training loaders (see the module docs).
+
+    Attributes:
+        layout: where each loader's part sits in a combined batch; ``None`` for a bare loader.
+        samplers: each loader's recording batch sampler (``None``: not recordable), in layout order.
+        reasons: why a loader's indices are unknown, in layout order (empty when recordable).
+    """
+
+    layout: CombinedLayout | None
+    samplers: list[RecordingBatchSampler | None] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls,
+        collection: Any,
+        record: Callable[[Any], RecordingBatchSampler | None],
+        exclusions: Callable[[LoaderKey], Container[int]] | None = None,
+    ) -> TrainingLoaders:
+        """Read ``trainer.train_dataloader``: make every loader record (``record``), and set its quarantine.
+
+        Args:
+            collection: one loader or a collection of them.
+            record: makes a loader record its indices; returns its recording sampler (or ``None``).
+            exclusions: the indices a loader of a given key must never yield (several loaders only;
+                a bare loader keeps the exclusion ``record`` gave it).
+        """
+        paths = loader_paths(collection)
+        combined = not (len(paths) == 1 and paths[0][0] == ())
+        layout = CombinedLayout.from_paths(path for path, _ in paths) if combined else None
+        samplers: list[RecordingBatchSampler | None] = []
+        reasons: list[str] = []
+        for index, (_, loader) in enumerate(paths):
+            sampler = record(loader)
+            if sampler is not None and layout is not None and exclusions is not None:
+                sampler.nanguard_exclude = exclusions(layout.parts[index].key)
+            samplers.append(sampler)
+            reasons.append("" if sampler is not None else _unknown_reason(loader))
+        return cls(layout, samplers, reasons)
+
+    def mark_epoch_end(self) -> None:
+        """An epoch starts: indices recorded ahead and never trained on are dropped at each loader's next pass.
+
+        See :func:`~lightning_nanguard.adapter.indices.mark_epoch_end`.
+        """
+        for sampler in self.samplers:
+            if sampler is not None:
+                mark_epoch_end(sampler)
+
+    def batch_indices(self, batch: Any, index_key: int | str | None = None) -> list[int] | CombinedIndices | None:
+        """The dataset indices of the batch that starts now, popped from each loader that gave a part.
+
+        Args:
+            batch: the batch ``training_step`` is about to receive.
+            index_key: a batch field holding the indices (read from each loader's part) instead of
+                the recorded samplers.
+
+        Returns:
+            A list (one loader, ``None`` when unknown) or
+            :class:`~lightning_nanguard.diagnose.combined.CombinedIndices` (several; with a
+            ``mismatch`` when the batch is not the loaders' collection, e.g. changed in a hook).
+        """
+        if self.layout is None:
+            if index_key is not None:
+                return indices_from_batch(batch, index_key)
+            return next_recorded_indices([s for s in self.samplers if s is not None])
+        if not self.layout.matches(batch):
+            for sampler in self.samplers:  # keep each loader's FIFO aligned with its batches
+                if sampler is not None and sampler.nanguard_fifo:
+                    sampler.nanguard_fifo.popleft()
+            mismatch = (
+                f"the batch is not the collection of the training loaders {list(self.layout.keys)} (changed in "
+                "a hook such as on_after_batch_transfer?): the loader of each sample is unknown"
+            )
+            return CombinedIndices(self.layout, (), (), mismatch)
+        indices: list[list[int] | None] = []
+        reasons: list[str] = []
+        for index, sampler in enumerate(self.samplers):
+            part = self.layout.part(batch, index)
+            if part is None:  # an exhausted loader (max_size mode) gave nothing: its FIFO stays as it is
+                indices.append(None)
+                reasons.append("no batch from this loader at this step")
+            elif index_key is not None:
+                found = indices_from_batch(part, index_key)
+                indices.append(found)
+                reasons.append("" if found is not None else f"no index field {index_key!r} in its batch")
+            elif sampler is not None:
+                indices.append(sampler.nanguard_fifo.popleft() if sampler.nanguard_fifo else None)
+                reasons.append("" if indices[-1] is not None else "its sampler yielded no integer indices")
+            else:
+                indices.append(None)
+                reasons.append(self.reasons[index])
+        return CombinedIndices(self.layout, tuple(indices), tuple(reasons))

@@ -1,0 +1,136 @@
+"""The fit's training loaders: their keys, the indices popped per loader, per-loader quarantine, the FIFOs' passes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import CombinedLoader
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_nanguard.adapter.indices import mark_epoch_end, record_batch_indices
+from lightning_nanguard.adapter.loaders import Exclusion, TrainingLoaders, loader_paths
+from lightning_nanguard.adapter.strategy import StrategyHooks
+from lightning_nanguard.diagnose.combined import CombinedIndices
+
+
+class Items(Dataset):
+    """Item ``i`` is ``{"x": ..., "idx": offset + i}``: every batch says which items it holds."""
+
+    def __init__(self, n: int, offset: int = 0) -> None:
+        self.n, self.offset = n, offset
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": torch.full((2,), float(i)), "idx": self.offset + i}
+
+
+def test_loader_paths_follow_lightnings_flattening() -> None:
+    a, b, c = (DataLoader(Items(4), batch_size=2) for _ in range(3))
+    collection = {"main": a, "aux": [b, c]}
+    assert [(path, leaf) for path, leaf in loader_paths(collection)] == [
+        (("main",), a),
+        (("aux", 0), b),
+        (("aux", 1), c),
+    ]
+    assert [leaf for _, leaf in loader_paths(collection)] == CombinedLoader(collection).flattened
+    assert loader_paths(a) == [((), a)]
+
+
+def test_indices_are_popped_per_loader_and_only_when_it_gave_a_batch() -> None:
+    """``max_size``: b (2 batches) is exhausted while a (3 batches) goes on; b's part is then None."""
+    a, b = DataLoader(Items(6), batch_size=2), DataLoader(Items(3), batch_size=2)
+    loaders = TrainingLoaders.of({"a": a, "b": b}, record_batch_indices)
+    combined = CombinedLoader({"a": a, "b": b}, mode="max_size")
+    seen = []
+    for batch, _, _ in iter(combined):
+        indices = loaders.batch_indices(batch)
+        assert isinstance(indices, CombinedIndices) and not indices.mismatch
+        seen.append(indices.indices)
+        for key, recorded in zip(("a", "b"), indices.indices, strict=True):
+            assert recorded == (batch[key]["idx"].tolist() if batch[key] is not None else None)
+    assert seen == [([0, 1], [0, 1]), ([2, 3], [2]), ([4, 5], None)]
+
+
+def test_index_key_is_read_from_each_loaders_part() -> None:
+    a, b = DataLoader(Items(4), batch_size=2), DataLoader(Items(4, offset=50), batch_size=4)
+    loaders = TrainingLoaders.of({"a": a, "b": b}, lambda loader: None)
+    batch = {"a": next(iter(a)), "b": next(iter(b))}
+    indices = loaders.batch_indices(batch, index_key="idx")
+    assert isinstance(indices, CombinedIndices) and indices.indices == ([0, 1], [50, 51, 52, 53])
+
+
+def test_a_batch_that_lost_the_layout_is_reported_and_the_fifos_stay_aligned() -> None:
+    a, b = DataLoader(Items(4), batch_size=2), DataLoader(Items(6), batch_size=3)
+    loaders = TrainingLoaders.of({"a": a, "b": b}, record_batch_indices)
+    ia, ib = iter(a), iter(b)
+    first = loaders.batch_indices((next(ia), next(ib)))  # a tuple: not the dict of the loaders
+    assert isinstance(first, CombinedIndices) and "the loader of each sample is unknown" in first.mismatch
+    second = loaders.batch_indices({"a": next(ia), "b": next(ib)})
+    assert isinstance(second, CombinedIndices) and second.indices == ([2, 3], [3, 4, 5])
+
+
+def test_quarantine_is_per_loader_and_the_shared_list_applies_to_every_loader() -> None:
+    shared: set[int] = set()
+    hooks = StrategyHooks(lambda optimizer: None, lambda: True, exclude=shared)
+    a, b = DataLoader(Items(6), batch_size=3), DataLoader(Items(6), batch_size=3)
+    hooks.start_epoch({"a": a, "b": b})
+    hooks.exclude_by_loader["b"].add(4)  # what Recovery does for ("b", 4)
+    assert [batch["idx"].tolist() for batch in a] == [[0, 1, 2], [3, 4, 5]]
+    assert [batch["idx"].tolist() for batch in b] == [[0, 1, 2], [3, 5]]
+    shared.add(1)  # an older checkpoint's flat list
+    assert [batch["idx"].tolist() for batch in a] == [[0, 2], [3, 4, 5]]
+    assert [batch["idx"].tolist() for batch in b] == [[0, 2], [3, 5]]
+    assert 4 in Exclusion(shared, {4}) and not Exclusion(set(), set())
+
+
+def test_one_loader_keeps_the_shared_quarantine_and_a_plain_index_list() -> None:
+    shared = {2}
+    hooks = StrategyHooks(lambda optimizer: None, lambda: True, exclude=shared)
+    loader = DataLoader(Items(6), batch_size=3)
+    hooks.start_epoch(loader)
+    assert hooks.loaders is not None and hooks.loaders.layout is None
+    batch = next(iter(loader))
+    assert batch["idx"].tolist() == [0, 1] and hooks.batch_indices(batch, None) == [0, 1]
+    assert hooks.exclude_by_loader == {}
+
+
+# ------------------------------------------------------------------------------------ passes of a recording sampler
+
+
+def test_a_pass_run_to_its_end_keeps_what_is_still_to_be_trained_on() -> None:
+    """``max_size_cycle`` starts the next pass of a shorter loader while its last batch may still wait."""
+    loader = DataLoader(Items(4), batch_size=2)
+    sampler = record_batch_indices(loader)
+    assert sampler is not None
+    assert len(list(loader)) == 2  # a whole pass; the last batch not popped yet
+    sampler.nanguard_fifo.popleft()
+    next(iter(loader))  # the next pass starts
+    assert list(sampler.nanguard_fifo) == [[2, 3], [0, 1]]
+
+
+def test_a_pass_cut_short_or_an_epochs_leftovers_are_dropped() -> None:
+    loader = DataLoader(Items(6), batch_size=2)
+    sampler = record_batch_indices(loader)
+    assert sampler is not None
+    iterator = iter(loader)
+    next(iterator)  # a pass cut short (limit_train_batches, min_size)
+    next(iter(loader))
+    assert list(sampler.nanguard_fifo) == [[0, 1]]
+    list(iter(loader))  # a whole pass never trained on (workers read ahead, then the epoch stopped)
+    mark_epoch_end(sampler)
+    next(iter(loader))
+    assert list(sampler.nanguard_fifo) == [[0, 1]]
+
+
+def test_a_pass_already_started_when_the_epoch_starts_is_kept() -> None:
+    """Lightning creates the first epoch's iterator (workers prefetch) before ``on_train_epoch_start``."""
+    loader = DataLoader(Items(6), batch_size=2)
+    sampler = record_batch_indices(loader)
+    iterator = iter(loader)
+    next(iterator)
+    mark_epoch_end(sampler)  # mid-pass: not marked
+    next(iterator)
+    assert list(sampler.nanguard_fifo) == [[0, 1], [2, 3]]
