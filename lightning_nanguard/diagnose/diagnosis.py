@@ -20,13 +20,11 @@ It needs no Trainer, so ``replay`` uses it too.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any
 
-import torch
 from torch import nn
 
 from lightning_nanguard.core.defaults import default_of
@@ -37,7 +35,7 @@ from lightning_nanguard.diagnose.bisection import NOT_REPRODUCED, BisectionResul
 from lightning_nanguard.diagnose.cause import InputCheck, StateCheck, check_input, check_state, describe_fields
 from lightning_nanguard.diagnose.combined import CombinedLayout, LoaderSplit
 from lightning_nanguard.diagnose.hints import hint_for
-from lightning_nanguard.diagnose.isolation import isolated
+from lightning_nanguard.diagnose.isolation import eagerly, isolated
 from lightning_nanguard.diagnose.localization import Localization, localize
 from lightning_nanguard.diagnose.runner import StepFn, SubBatchRunner, finite_threshold, loss_from_output
 
@@ -104,32 +102,11 @@ class Diagnosis:
         return full
 
 
-_F = TypeVar("_F", bound=Callable[..., Any])
 RunnerFactory = Callable[..., SubBatchRunner]
 """``factory(module, batch, step_fn, batch_idx, slicer, context, loss_threshold) -> SubBatchRunner``."""
 
 
-def eager() -> contextlib.AbstractContextManager[Any]:
-    """Run ``torch.compile``d code eagerly inside the block (``torch.compiler.set_stance("force_eager")``).
-
-    A diagnosis re-runs the step on sub-batches of new sizes and hooks the modules: compiled, each
-    size would recompile (seconds each, until the recompile limit), dynamo would trace the hooks,
-    and the ops would be named ``CompiledFunctionBackward`` instead of the op at fault.
-    """
-    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
-    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
-
-
-def _eagerly(function: _F) -> _F:
-    @functools.wraps(function)
-    def run_eagerly(*args: Any, **kwargs: Any) -> Any:
-        with eager():
-            return function(*args, **kwargs)
-
-    return run_eagerly  # type: ignore[return-value]
-
-
-@_eagerly
+@eagerly
 def diagnose(
     module: nn.Module,
     batch: Any,

@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from lightning_nanguard.core.rng import RngState
 
-__all__ = ["gradients", "isolated", "muted_logging"]
+__all__ = ["eager", "eagerly", "gradients", "isolated", "muted_logging"]
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:
@@ -152,3 +153,28 @@ def gradients(loss: Tensor, params: Sequence[Tensor]) -> list[Tensor | None]:
     finally:
         for p, grad in zip(params, saved, strict=True):
             p.grad = grad
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager() -> contextlib.AbstractContextManager[Any]:
+    """Run ``torch.compile``d code eagerly inside the block (``torch.compiler.set_stance("force_eager")``).
+
+    A diagnosis re-runs the step on sub-batches of new sizes and hooks the modules: compiled, each
+    size would recompile (seconds each, until the recompile limit), dynamo would trace the hooks,
+    and the ops would be named ``CompiledFunctionBackward`` instead of the op at fault.
+    """
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
+def eagerly(function: _F) -> _F:
+    """Decorate ``function`` to run inside :func:`eager`."""
+
+    @functools.wraps(function)
+    def run_eagerly(*args: Any, **kwargs: Any) -> Any:
+        with eager():
+            return function(*args, **kwargs)
+
+    return run_eagerly  # type: ignore[return-value]

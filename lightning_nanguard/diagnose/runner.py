@@ -22,9 +22,10 @@ from lightning_nanguard.detect.check import fused_health_check
 from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_names
 from lightning_nanguard.diagnose.batching import BatchField, BatchSlicer, batch_size, nonfinite_fields, slice_batch
 from lightning_nanguard.diagnose.combined import CombinedBatch, CombinedLayout, LoaderSplit
+from lightning_nanguard.diagnose.finiteness import Rows
 from lightning_nanguard.diagnose.isolation import gradients as gradients_of
 from lightning_nanguard.diagnose.isolation import isolated
-from lightning_nanguard.diagnose.tracing import Rows, graph_leaves
+from lightning_nanguard.diagnose.tracing import graph_leaves
 
 __all__ = ["StepFn", "SubBatchRunner", "graph_leaves", "loss_from_output"]
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -39,8 +39,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_nanguard.core.dtensor import local_tensor
-from lightning_nanguard.core.host import all_true
+from lightning_nanguard.diagnose.finiteness import Rows, bn_bad_channels, bn_channels_of, finite, floating
 from lightning_nanguard.diagnose.frames import Frame, UserCode, class_files, library_dirs
 
 __all__ = [
@@ -156,90 +155,6 @@ class Site:
     function: str | None = None
     forward_nonfinite: bool = False
     custom_function: bool = False
-
-
-def _floating(t: Any) -> bool:
-    return isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())
-
-
-def finite(tensors: Sequence[Any]) -> bool:
-    """Whether every floating-point (or complex) tensor among ``tensors`` is finite (one read per device).
-
-    A ``DTensor`` is read on its local shard (no collective inside a traced pass); a sparse tensor on
-    the values it stores.
-    """
-    return all_true([torch.isfinite(_stored(t)).all() for t in tensors if _floating(t)])
-
-
-def _stored(tensor: Tensor) -> Tensor:
-    """The values of a tensor this rank holds: a ``DTensor``'s local shard, a sparse tensor's stored values."""
-    tensor = local_tensor(tensor)
-    return tensor.detach().coalesce().values() if tensor.is_sparse else tensor
-
-
-class Rows:
-    """Finiteness of the rows of chosen samples (tensors whose first dimension is the batch), or of whole tensors.
-
-    With several training loaders each loader's part of the batch has its own size:
-    :meth:`per_size` follows the chosen rows of each part by its size, and skips tensors whose first
-    dimension is the size of a part without chosen rows (a healthy loader's).
-
-    Example:
-        >>> x = torch.tensor([[1.0], [float("nan")], [2.0]])
-        >>> Rows([0, 2], 3).finite([x]), Rows(None, 3).finite([x])
-        (True, False)
-        >>> Rows.per_size({3: [1], 2: []}).finite([x]), Rows.per_size({3: [0], 2: []}).finite([x, x[:2] / 0])
-        (False, True)
-        >>> Rows(None, 3).nan_free([torch.tensor([float("-inf"), 1.0])])
-        True
-    """
-
-    def __init__(self, rows: Sequence[int] | None, size: int | None) -> None:
-        self.rows = list(rows) if rows is not None and size is not None else None
-        self.size = size
-        self._by_size: dict[int, list[int]] | None = (
-            {size: self.rows} if self.rows is not None and size is not None else None
-        )
-        self._index: dict[tuple[int, torch.device], Tensor] = {}
-
-    @classmethod
-    def per_size(cls, rows_by_size: Mapping[int, Sequence[int]]) -> Rows:
-        """Follow ``rows_by_size[n]`` in tensors whose first dimension is ``n`` (an empty list: skip them)."""
-        follow = cls(None, None)
-        follow._by_size = {int(n): list(rows) for n, rows in rows_by_size.items()}
-        return follow
-
-    def _view(self, t: Tensor) -> Tensor | None:
-        """The part of ``t`` to test: its chosen rows, the whole tensor, or ``None`` (a healthy part's)."""
-        t = local_tensor(t)
-        if self._by_size is None or t.dim() == 0 or t.is_sparse:
-            return _stored(t)
-        rows = self._by_size.get(t.shape[0])
-        if rows is None:
-            return t
-        if not rows:
-            return None
-        key = (t.shape[0], t.device)
-        if key not in self._index:
-            self._index[key] = torch.as_tensor(rows, dtype=torch.long, device=t.device)
-        return t.detach().index_select(0, self._index[key])
-
-    def _all(self, tensors: Sequence[Any], test: Callable[[Tensor], Tensor]) -> bool:
-        checks = []
-        for t in tensors:
-            if _floating(t):
-                view = self._view(t)
-                if view is not None:
-                    checks.append(test(view))
-        return all_true(checks)
-
-    def finite(self, tensors: Sequence[Any]) -> bool:
-        """Whether the followed rows of every floating-point tensor are finite."""
-        return self._all(tensors, lambda t: torch.isfinite(t).all())
-
-    def nan_free(self, tensors: Sequence[Any]) -> bool:
-        """Whether the followed rows of every floating-point tensor hold no NaN (infinities allowed)."""
-        return self._all(tensors, lambda t: ~torch.isnan(t).any())
 
 
 def _nodes(root: Any, stop: Callable[[Any], bool] | None = None) -> Iterator[Any]:
@@ -487,7 +402,7 @@ def _birth_node(created: Sequence[Any], nan_only: bool) -> str | None:
                 value = getattr(node, attr)
             except RuntimeError:  # freed, or not a tensor
                 continue
-            if not _floating(value):
+            if not floating(value):
                 continue
             bad = torch.isnan(value).any() if nan_only else ~torch.isfinite(value).all()
             if not bool(bad):
@@ -523,24 +438,3 @@ class BackwardTracer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-
-def bn_bad_channels(bn: nn.Module) -> list[int]:
-    """Channels of a BatchNorm whose running mean/var is non-finite (or whose variance is negative)."""
-    mean, var = getattr(bn, "running_mean", None), getattr(bn, "running_var", None)
-    if not isinstance(mean, Tensor) or not isinstance(var, Tensor):
-        return []
-    mean, var = local_tensor(mean), local_tensor(var)
-    bad = ~torch.isfinite(var) | ~torch.isfinite(mean) | (var < 0)
-    return [int(c) for c in bad.nonzero().flatten().tolist()]
-
-
-def bn_channels_of(module: nn.Module) -> dict[str, list[int]]:
-    """BatchNorm module name -> channels whose running statistics are non-finite (or a negative variance)."""
-    found: dict[str, list[int]] = {}
-    for name, child in module.named_modules():
-        if isinstance(child, _BatchNorm):
-            channels = bn_bad_channels(child)
-            if channels:
-                found[name] = channels
-    return found

@@ -22,9 +22,6 @@ from lightning_nanguard.diagnose.tracing import (
     ForwardTracer,
     Rows,
     _nodes,
-    bn_bad_channels,
-    bn_channels_of,
-    finite,
     function_name,
     user_frame,
 )
@@ -60,36 +57,6 @@ def test_function_name_of_a_plain_function_is_its_qualified_name() -> None:
     )
 
 
-def test_finite_reads_floating_and_complex_tensors_only() -> None:
-    assert finite([torch.ones(2), torch.tensor([1 + 1j]), 3.0, "text", torch.tensor([-1])])
-    assert not finite([torch.ones(2), torch.tensor([complex(0, math.inf)])])
-    assert not finite([torch.tensor([1.0, math.nan], dtype=torch.float16)])
-    assert finite([])
-
-
-def test_rows_look_only_at_the_chosen_samples() -> None:
-    x = torch.tensor([[1.0, 2.0], [math.nan, 0.0], [3.0, 4.0]])
-    assert Rows([0, 2], 3).finite([x])
-    assert not Rows([1], 3).finite([x])
-    assert not Rows(None, 3).finite([x]) and not Rows([0], None).finite([x])  # no rows or no size: whole tensors
-
-
-def test_rows_check_tensors_without_the_batch_dimension_whole() -> None:
-    rows = Rows([0], 3)
-    assert not rows.finite([torch.tensor([math.inf, 1.0])])  # first dimension 2, not the batch
-    assert not rows.finite([torch.tensor(math.nan)])  # 0-dim
-    assert rows.finite([torch.tensor([1, 2, 3])])  # integers are never non-finite
-
-
-def _sparse(value: float) -> Tensor:
-    return torch.sparse_coo_tensor(torch.tensor([[2]]), torch.tensor([value]), (3,), check_invariants=True)
-
-
-def test_finiteness_of_sparse_tensors() -> None:
-    assert finite([_sparse(1.0)]) and not finite([_sparse(math.nan)])
-    assert not Rows([0], 3).finite([_sparse(math.inf)])  # sparse: checked whole
-
-
 def test_nodes_visit_each_node_of_a_diamond_once() -> None:
     x = torch.ones(2, requires_grad=True)
     a = x * 2
@@ -110,18 +77,6 @@ def test_nodes_stop_before_the_ancestors_of_a_stopping_node() -> None:
     loss = (x * 2).exp().sum()
     names = [node.name() for node in _nodes(loss.grad_fn, stop=lambda node: node.name() == "ExpBackward0")]
     assert names == ["SumBackward0"]
-
-
-def test_bn_bad_channels_and_bn_channels_of() -> None:
-    net = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.LayerNorm(4))
-    assert bn_channels_of(net) == {}
-    net[0].running_mean[1] = math.nan
-    net[0].running_var[3] = -1.0
-    net[2].running_var[0] = math.inf
-    assert bn_bad_channels(net[0]) == [1, 3]
-    assert bn_channels_of(net) == {"0": [1, 3], "2": [0]}
-    assert bn_bad_channels(nn.BatchNorm1d(2, track_running_stats=False)) == []
-    assert bn_bad_channels(net[3]) == []
 
 
 def test_user_frame_is_this_line() -> None:

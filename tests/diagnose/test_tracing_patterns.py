@@ -24,7 +24,6 @@ from torch import Tensor, nn
 from lightning_nanguard.diagnose.diagnosis import diagnose
 from lightning_nanguard.diagnose.isolation import gradients
 from lightning_nanguard.diagnose.localization import Localization, localize
-from lightning_nanguard.diagnose.tracing import Rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,18 +51,6 @@ def line_of(name: str, path: str = PM_FILE) -> str:
 
 
 # ------------------------------------------------------------------------------------ rows
-
-
-def test_rows_per_size_follow_each_loaders_rows_and_skip_healthy_loaders() -> None:
-    a = torch.ones(4, 2)
-    a[1] = math.nan  # a healthy loader's sample, masked on purpose: never followed
-    b = torch.ones(3, 2)
-    b[2] = math.inf
-    follow = Rows.per_size({4: [], 3: [2]})
-    assert not follow.finite([a, b]) and Rows.per_size({4: [], 3: [0, 1]}).finite([a, b])
-    assert Rows.per_size({4: [0], 3: [2]}).nan_free([a, b])  # Inf is not NaN
-    assert not Rows.per_size({4: [1], 3: []}).nan_free([a, b])
-    assert not Rows.per_size({4: [0]}).finite([torch.full((5,), math.nan)])  # another size: tested whole
 
 
 # ------------------------------------------------------------------------------------ masked rows
