@@ -61,7 +61,11 @@ class LoggedValues:
 
     @staticmethod
     def _results(trainer: Any) -> dict[str, Any] | None:
-        results = getattr(trainer, "_results", None)
+        """The training result collection: the fit loop's own (``trainer._results`` finds it by a slower path)."""
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        results = getattr(loop, "_results", None)
+        if results is None:
+            results = getattr(trainer, "_results", None)
         return results if isinstance(results, dict) else None
 
     def capture(self, trainer: Any) -> None:
