@@ -3,7 +3,7 @@
 - :func:`guard_state` / :func:`load_guard_state`: the callback's own state (counters, the last
   gradient norm, the spike statistic, remedy state, the last :data:`EVENTS_KEPT_IN_CHECKPOINT`
   events), as primitives (``torch.load(..., weights_only=True)`` reads it); keys added in later
-  versions are read with defaults, so checkpoints of 0.2.0 resume (``tests/adapter/test_checkpoint_compat.py``).
+  versions are read with defaults, so checkpoints of 0.2.0 resume (``tests/adapter/test_checkpoint.py``).
 - :func:`make_checkpoint_finite`: a checkpoint never holds NaN/Inf weights: the last good snapshot
   goes in instead (under ``ModelParallelStrategy`` every rank's shards, in the strategy's format),
   or the save is refused.

@@ -14,9 +14,7 @@ from lightning_nanguard.adapter.sharding import (
     sharding_notice,
     share_rank_states_,
 )
-from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.decide.policy import StepHealth, local_vector
-from lightning_nanguard.decide.sharded import Finding, Outcome, plan_search, recorders
 
 
 class SummingAgreement:
@@ -114,38 +112,3 @@ def test_a_checkpoint_of_another_world_size_keeps_rank_zeros_state() -> None:
 
 
 # ------------------------------------------------------------------------------------ who searches, who records
-
-
-def test_a_nonfinite_loss_is_searched_where_it_was_computed() -> None:
-    findings = [Finding(0, (0, 1), nonfinite=True), Finding(2, (2, 3), nonfinite=True, origin=True)]
-    assert plan_search(findings) == {(2, 3): None}
-
-
-def test_gradients_only_every_batch_is_searched_and_spikes_with_their_threshold() -> None:
-    assert plan_search([Finding(0, (0,)), Finding(1, (1,), nonfinite=True)]) == {(0,): None, (1,): None}
-    spikes = [Finding(0, (0,)), Finding(1, (1,), spike=True, threshold=2.5)]
-    assert plan_search(spikes) == {(1,): 2.5}
-    assert plan_search([Finding(0, (0,)), Finding(1, (1,))]) == {}
-
-
-def _event(rank: int, phase: str | None = None) -> NanEvent:
-    return NanEvent(3, 0, 3, rank, ("grad",), "warned", phase=phase)  # type: ignore[arg-type]
-
-
-def test_the_batch_that_holds_it_records_once_with_the_origin_any_peer_found() -> None:
-    outcomes = [
-        Outcome(0, (0, 1), True, False, _event(0)),  # its shards got the NaN, its data is fine
-        Outcome(1, (0, 1), True, False, _event(1)),
-        Outcome(2, (2, 3), True, True, _event(2)),
-        Outcome(3, (2, 3), True, True, _event(3, phase="backward")),  # the origin was in this rank's shard
-    ]
-    chosen = recorders(outcomes)
-    assert list(chosen) == [2]
-    assert (chosen[2].rank, chosen[2].phase) == (2, "backward")
-
-
-def test_when_no_batch_holds_it_each_batch_keeps_its_own_event() -> None:
-    outcomes = [Outcome(0, (0,), True, False, _event(0)), Outcome(1, (1,), False, False, None)]
-    assert list(recorders(outcomes)) == [0]
-    made_for_the_search = Outcome(1, (1,), True, False, _event(1), own=False)  # its shards were finite
-    assert list(recorders([outcomes[0], made_for_the_search])) == [0]

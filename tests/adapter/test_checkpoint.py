@@ -66,3 +66,31 @@ def test_a_0_2_0_checkpoint_resumes_with_its_guard_state(tmp_path: Path) -> None
     blank_rows = sum(int((batch.abs().sum(dim=1) == 0).sum()) for batch in seen.batches)
     assert blank_rows == 0  # the quarantined record is never trained on again
     assert len(guard.events) == 1 and guard.bad_steps_total == 1  # and nothing new went wrong
+
+
+def test_the_guard_state_round_trips_through_a_weights_only_checkpoint(tmp_path: Path) -> None:
+    from lightning_nanguard.adapter.checkpoint import guard_state, load_guard_state
+    from lightning_nanguard.core.events import NanEvent
+    from lightning_nanguard.decide.policy import Counters
+
+    guard = NanGuard(remedies=["quarantine"], verbose=False)
+    controller = guard.controller
+    controller.state.counters = Counters(bad_steps_total=3, skipped_total=2, spikes_total=1)
+    controller.state.last_grad_norm = 1.5
+    controller.recorder.events.append(NanEvent(4, 0, 4, 0, ("loss",), "skipped", dataset_indices=(9,)))
+    guard.recovery.book.quarantined.add(9)
+    torch.save(guard_state(controller), tmp_path / "state.pt")
+    fresh = NanGuard(remedies=["quarantine"], verbose=False)
+    load_guard_state(fresh.controller, torch.load(tmp_path / "state.pt", weights_only=True))
+    assert fresh.controller.state.counters == controller.state.counters
+    assert fresh.last_grad_norm == 1.5 and fresh.events == controller.recorder.events
+    assert fresh.remedy_book.quarantined == {9}
+
+
+def test_missing_keys_read_as_defaults() -> None:
+    from lightning_nanguard.adapter.checkpoint import load_guard_state
+    from lightning_nanguard.decide.policy import Counters
+
+    guard = NanGuard(verbose=False)
+    load_guard_state(guard.controller, {"bad_steps_total": 2})
+    assert guard.counters == Counters(bad_steps_total=2) and guard.events == [] and guard.last_grad_norm is None
