@@ -3,7 +3,8 @@
 ``NanEvent`` and its ``to_dict()`` keys are a public contract: ``events.jsonl`` holds one
 ``to_dict()`` object per line, and dashboards and scripts read those keys. Fields may be added,
 never renamed or removed. ``sample_loaders`` (several training loaders) is written only when set,
-so the events of a run with one training loader are the same as before it existed.
+so the events of a run with one training loader are the same as before it existed; so are
+``indices_verified``, ``blame_verified`` and ``sample_records``, written only when set.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ __all__ = [
 
 EventKind = Literal["loss", "grad", "bn_stats", "param", "loss_scale", "loss_spike", "grad_spike"]
 EventAction = Literal["skipped", "raised", "warned", "rolled_back"]
-EventCause = Literal["data", "input", "state", "interaction"]
+EventCause = Literal["data", "input", "state", "interaction", "batch"]
 EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
 EVENT_CAUSES: tuple[EventCause, ...] = get_args(EventCause)
 SPIKE_KINDS: tuple[EventKind, ...] = ("loss_spike", "grad_spike")
 
 
-_OMITTED_WHEN_NONE = frozenset({"sample_loaders"})
+_OMITTED_WHEN_NONE = frozenset({"sample_loaders", "indices_verified", "blame_verified", "sample_records"})
 
 
 def _json_float(value: float | None) -> float | str | None:
@@ -80,13 +81,30 @@ class NanEvent:
         cause: the verdict of the diagnosis: ``"data"`` (a proper subset of the samples reproduces
             it), ``"input"`` (the batch itself holds NaN/Inf), ``"state"`` (the weights or optimizer
             state are at fault: no sample is to blame), ``"interaction"`` (samples that fail only
-            together), or ``None`` (not investigated).
+            together), ``"batch"`` (the batch as a whole: samples fail on their own or together, but
+            none fails beside known-healthy samples, e.g. a loss averaged over zero targets or a
+            statistic of a degenerate batch; no sample is named), or ``None`` (not investigated).
         sample_loaders: with several training loaders (a dict or list of loaders, a
             ``CombinedLoader``), the loader of each offending sample, aligned with
             ``offending_samples``: its dict key or list position (a dotted path when nested, e.g.
             ``"tasks.0"``). ``offending_samples`` are then positions in that loader's part of the
             batch, and ``dataset_indices`` indices in that loader's dataset. ``None`` with one
             loader (and then absent from :meth:`to_dict`).
+        indices_verified: whether ``dataset_indices`` (or ``sample_records``) name the records really
+            in the offending rows: ``True`` when each named record was re-read and matches its row
+            (corrected when the collate reorders rows) or was read from the batch's own index field
+            (``index_key``), or mapped by the user's ``row_records`` hook; ``False`` when not verified
+            (``details["indices_unverified"]`` says why); ``None`` when no index is named (absent
+            from :meth:`to_dict`).
+        blame_verified: whether each named sample is really at fault: ``True`` when it re-ran bad
+            beside known-healthy samples (cause ``"data"``) or holds NaN/Inf itself (cause
+            ``"input"``); ``False`` when that could not be checked (``details["blame_unverified"]``
+            says why); ``None`` when no sample is named (absent from :meth:`to_dict`).
+        sample_records: for rows that hold several records (packed sequences, mixup), the dataset
+            indices each offending row holds, aligned with ``offending_samples``; ``dataset_indices``
+            is then ``None``. ``None`` when every row is one record (absent from :meth:`to_dict`).
+
+    Quarantine acts only on records whose index and blame are both verified.
 
     Example:
         >>> event = NanEvent(global_step=3, epoch=0, batch_idx=3, rank=0, kinds=("loss",),
@@ -119,6 +137,9 @@ class NanEvent:
     details: Mapping[str, Any] = field(default_factory=dict)
     cause: EventCause | None = None
     sample_loaders: tuple[str | int, ...] | None = None
+    indices_verified: bool | None = None
+    blame_verified: bool | None = None
+    sample_records: tuple[tuple[int, ...], ...] | None = None
 
     @classmethod
     def at_step(cls, trainer: Any, batch_idx: int, kinds: Sequence[EventKind], **fields: Any) -> NanEvent:
@@ -167,7 +188,7 @@ class NanEvent:
             if f.name in _OMITTED_WHEN_NONE and value is None:
                 continue
             if isinstance(value, tuple):
-                value = list(value)
+                value = [list(v) if isinstance(v, tuple) else v for v in value]
             elif isinstance(value, Mapping):
                 value = dict(value)
             out[f.name] = value
@@ -182,7 +203,7 @@ class NanEvent:
         kwargs = {k: v for k, v in data.items() if k in names}
         for key, value in kwargs.items():
             if isinstance(value, list):
-                kwargs[key] = tuple(value)
+                kwargs[key] = tuple(tuple(v) if isinstance(v, list) else v for v in value)
         kwargs["loss"] = _from_json_float(kwargs.get("loss"))
         kwargs["grad_norm"] = _from_json_float(kwargs.get("grad_norm"))
         return cls(**kwargs)
