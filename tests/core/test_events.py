@@ -11,7 +11,7 @@ import pytest
 from event_factory import make_event
 
 from lightning_nanguard import NanEvent, NonFiniteTrainingError
-from lightning_nanguard.core.events import EVENT_KINDS
+from lightning_nanguard.core.events import EVENT_CAUSES, EVENT_KINDS
 
 # The to_dict() keys are a public contract (events.jsonl): fields may be added, never renamed or removed.
 CONTRACT_KEYS = [
@@ -39,6 +39,7 @@ CONTRACT_KEYS = [
 ]
 # Written only when set (several training loaders): one loader's events are unchanged.
 OPTIONAL_KEYS = ["sample_loaders"]
+VERIFICATION_KEYS = ["indices_verified", "blame_verified", "sample_records"]  # written only when set
 
 
 def assert_same_event(a: NanEvent, b: NanEvent) -> None:
@@ -54,7 +55,7 @@ def assert_same_event(a: NanEvent, b: NanEvent) -> None:
 
 def test_to_dict_keys_are_the_public_contract() -> None:
     assert list(make_event().to_dict()) == CONTRACT_KEYS
-    assert [f.name for f in dataclasses.fields(NanEvent)] == CONTRACT_KEYS + OPTIONAL_KEYS
+    assert [f.name for f in dataclasses.fields(NanEvent)] == CONTRACT_KEYS + OPTIONAL_KEYS + VERIFICATION_KEYS
     two_loaders = make_event(sample_loaders=("b", 0)).to_dict()
     assert list(two_loaders) == CONTRACT_KEYS + OPTIONAL_KEYS
     assert two_loaders["sample_loaders"] == ["b", 0]
@@ -183,3 +184,18 @@ def test_error_carries_events() -> None:
     assert error.events == [first, last]  # a copy, not the caller's list
     with pytest.raises(NonFiniteTrainingError, match="stop here"):
         raise error
+
+
+def test_verification_fields_round_trip_and_are_absent_when_unset() -> None:
+    event = make_event(
+        offending_samples=(1,),
+        indices_verified=False,
+        blame_verified=True,
+        sample_records=((3, 9),),
+        details={"indices_unverified": "rows blend records"},
+    )
+    written = json.loads(json.dumps(event.to_dict()))
+    assert written["sample_records"] == [[3, 9]] and written["indices_verified"] is False
+    assert NanEvent.from_dict(written) == event.replace(loss=NanEvent.from_dict(written).loss)
+    assert not set(VERIFICATION_KEYS) & set(make_event().to_dict())
+    assert "batch" in EVENT_CAUSES
