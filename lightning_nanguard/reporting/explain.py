@@ -1,4 +1,4 @@
-"""Short sentences for the forensic fields of an event: its cause, its origin, its call stack.
+"""Short sentences for the forensic fields of an event: its cause, what was verified, its origin, its call stack.
 
 Used by the terminal panel and the markdown report (:func:`~lightning_nanguard.reporting.text.event_lines`).
 """
@@ -10,14 +10,16 @@ from typing import Any
 
 from lightning_nanguard.core.events import NanEvent
 
-__all__ = ["cause_text", "origin_text", "stack_text"]
+__all__ = ["blame_text", "cause_text", "indices_mark", "origin_text", "records_text", "stack_text"]
 
 _CAUSES = {
     "data": "data: the offending samples reproduce it on their own",
     "input": "input: the batch itself holds NaN/Inf",
     "state": "model state: the weights/optimizer are at fault, no sample is to blame",
     "interaction": "interaction: samples fail only together",
+    "batch": "batch: the batch as a whole, no record is at fault",
 }
+_MAX_RECORDS = 8  # per row: a packed row may hold dozens of records
 
 
 def _fields(fields: Sequence[Any]) -> str:
@@ -37,6 +39,79 @@ def cause_text(event: NanEvent) -> str | None:
     fields = event.details.get("input_fields")
     if event.cause == "input" and fields:
         text += f" (in {_fields(fields)})"
+    return text
+
+
+def _not_verified(reason: Any) -> str:
+    return f"not verified: {reason}" if reason else "not verified"
+
+
+def indices_mark(event: NanEvent) -> str | None:
+    """Whether the dataset indices an event names were verified: ``"verified"``, ``"not verified: <reason>"``.
+
+    ``None`` when the event does not say (no index named, or an event written before the check existed).
+
+    Example:
+        >>> event = NanEvent(1, 0, 1, 0, ("loss",), "skipped", offending_samples=(2,), dataset_indices=(9,))
+        >>> indices_mark(event.replace(indices_verified=True))
+        'verified'
+        >>> indices_mark(event.replace(indices_verified=False, details={"indices_unverified": "an IterableDataset"}))
+        'not verified: an IterableDataset'
+        >>> indices_mark(event) is None
+        True
+    """
+    if event.indices_verified is None:
+        return None
+    return "verified" if event.indices_verified else _not_verified(event.details.get("indices_unverified"))
+
+
+def records_text(records: Sequence[Sequence[int]]) -> str:
+    """The records of each row (rows holding several records: packed sequences, mixup), at most 8 a row.
+
+    Example:
+        >>> records_text([(10, 11), (40,)])
+        '[10, 11], [40]'
+        >>> records_text([range(20)])
+        '[0, 1, 2, 3, 4, 5, 6, 7, +12 more]'
+    """
+
+    def row(indices: Sequence[int]) -> str:
+        shown = [str(i) for i in list(indices)[:_MAX_RECORDS]]
+        hidden = len(indices) - _MAX_RECORDS
+        return "[" + ", ".join(shown + ([f"+{hidden} more"] if hidden > 0 else [])) + "]"
+
+    return ", ".join(row(indices) for indices in records)
+
+
+def blame_text(event: NanEvent) -> str | None:
+    """Whether the samples an event names were checked to be at fault, with the passes that took.
+
+    ``None`` when the event does not say (no sample named, or an event written before the check existed).
+
+    Example:
+        >>> event = NanEvent(1, 0, 1, 0, ("loss",), "skipped", cause="data", offending_samples=(2,),
+        ...                  blame_verified=True, details={"verify_passes": 1})
+        >>> blame_text(event)
+        'verified: bad beside known-healthy samples (+1 pass)'
+        >>> blame_text(event.replace(cause="input", details={}))
+        'verified: the samples hold NaN/Inf themselves'
+        >>> blame_text(event.replace(blame_verified=False, details={"blame_unverified": "max_bisect_passes reached"}))
+        'not verified: max_bisect_passes reached'
+    """
+    if event.blame_verified is None:
+        return None
+    d: Mapping[str, Any] = event.details
+    if not event.blame_verified:
+        text = _not_verified(d.get("blame_unverified"))
+    elif event.cause == "input":
+        text = "verified: the samples hold NaN/Inf themselves"
+    else:
+        text = "verified: bad beside known-healthy samples"
+    passes = d.get("verify_passes")
+    if event.blame_verified and isinstance(passes, int) and passes > 0:
+        text += f" (+{passes} pass{'es' if passes > 1 else ''})"
+    if d.get("blame_note"):
+        text += f"; {d['blame_note']}"
     return text
 
 

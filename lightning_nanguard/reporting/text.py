@@ -6,9 +6,16 @@ from collections.abc import Sequence
 
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.diagnose.compact import channels_text
-from lightning_nanguard.reporting.explain import cause_text, origin_text, stack_text
+from lightning_nanguard.reporting.explain import (
+    blame_text,
+    cause_text,
+    indices_mark,
+    origin_text,
+    records_text,
+    stack_text,
+)
 
-__all__ = ["event_lines", "event_markdown", "event_text", "loader_samples_text"]
+__all__ = ["event_lines", "event_markdown", "event_text", "loader_samples_text", "samples_text"]
 
 _MAX_NAMES = 8
 
@@ -17,6 +24,15 @@ def _names(names: Sequence[str], quote: str = "") -> str:
     shown = ", ".join(f"{quote}{name}{quote}" for name in names[:_MAX_NAMES])
     hidden = len(names) - _MAX_NAMES
     return shown + (f" (+{hidden} more)" if hidden > 0 else "")
+
+
+def _records_of(event: NanEvent, places: Sequence[int]) -> str:
+    """`` (dataset indices [..])`` or `` (records per row [..], [..])`` of the named samples at ``places``."""
+    if event.sample_records is not None:
+        return f" (records per row {records_text([event.sample_records[i] for i in places])})"
+    if event.dataset_indices is not None:
+        return f" (dataset indices {[event.dataset_indices[i] for i in places]})"
+    return ""
 
 
 def loader_samples_text(event: NanEvent) -> str:
@@ -28,6 +44,8 @@ def loader_samples_text(event: NanEvent) -> str:
         ...                  details={"loader_batch_sizes": [["a", 8], ["b", 4]]})
         >>> loader_samples_text(event)
         "loader 'b': [2, 3] of 4 (dataset indices [7, 9]); loader 'a': [0] of 8 (dataset indices [30])"
+        >>> loader_samples_text(event.replace(indices_verified=True))[-18:]
+        '(indices verified)'
         >>> unknown = {"dataset_indices_unknown": "loader 'b': an IterableDataset"}
         >>> loader_samples_text(event.replace(dataset_indices=None, details=unknown))
         "loader 'b': [2, 3]; loader 'a': [0] (dataset indices unknown: loader 'b': an IterableDataset)"
@@ -40,15 +58,43 @@ def loader_samples_text(event: NanEvent) -> str:
     for key, places in grouped.items():
         positions = [event.offending_samples[i] for i in places] if event.offending_samples is not None else []
         of_n = f" of {sizes[str(key)]}" if str(key) in sizes else ""
-        text = f"loader {key!r}: {positions}{of_n}"
-        if event.dataset_indices is not None:
-            text += f" (dataset indices {[event.dataset_indices[i] for i in places]})"
-        parts.append(text)
+        parts.append(f"loader {key!r}: {positions}{of_n}{_records_of(event, places)}")
     joined = "; ".join(parts)
     unknown = event.details.get("dataset_indices_unknown")
-    if event.dataset_indices is None and unknown:
+    if event.dataset_indices is None and event.sample_records is None and unknown:
         joined += f" (dataset indices unknown: {unknown})"
+    mark = indices_mark(event)
+    if mark and (event.dataset_indices is not None or event.sample_records is not None):
+        joined += f" (indices {mark})"
     return joined
+
+
+def samples_text(event: NanEvent) -> str | None:
+    """The offending samples: positions in the batch, their dataset indices (or each row's records), verified or not.
+
+    ``None`` when no sample is named.
+
+    Example:
+        >>> event = NanEvent(3, 0, 3, 0, ("loss",), "skipped", offending_samples=(3, 5), dataset_indices=(27, 29),
+        ...                  details={"batch_size": 8})
+        >>> samples_text(event)
+        '[3, 5] of 8 (dataset indices [27, 29])'
+        >>> samples_text(event.replace(indices_verified=True))
+        '[3, 5] of 8 (dataset indices [27, 29]) (verified)'
+        >>> samples_text(event.replace(dataset_indices=None, sample_records=((10, 11), (40,))))
+        '[3, 5] of 8 (records per row [10, 11], [40])'
+    """
+    if event.offending_samples is None:
+        return None
+    if event.sample_loaders is not None:
+        return loader_samples_text(event)
+    batch_size = event.details.get("batch_size")
+    of_n = f" of {batch_size}" if batch_size is not None else ""
+    text = f"{list(event.offending_samples)}{of_n}{_records_of(event, range(len(event.offending_samples)))}"
+    mark = indices_mark(event)
+    if mark and (event.dataset_indices is not None or event.sample_records is not None):
+        text += f" ({mark})"
+    return text
 
 
 def event_lines(event: NanEvent, code: str = "") -> list[tuple[str, str]]:
@@ -80,17 +126,14 @@ def event_lines(event: NanEvent, code: str = "") -> list[tuple[str, str]]:
         rows.append(("loss", f"{event.loss:.6g}"))
     if event.grad_norm is not None:
         rows.append(("grad norm", f"{event.grad_norm:.6g}"))
-    batch_size = d.get("batch_size")
-    of_n = f" of {batch_size}" if batch_size is not None else ""
-    if event.offending_samples is not None and event.sample_loaders is not None:
-        rows.append(("offending samples", loader_samples_text(event)))
-    elif event.offending_samples is not None:
-        samples = f"{list(event.offending_samples)}{of_n}"
-        if event.dataset_indices is not None:
-            samples += f" (dataset indices {list(event.dataset_indices)})"
+    samples = samples_text(event)
+    if samples is not None:
         rows.append(("offending samples", samples))
     elif d.get("not_attributable"):
         rows.append(("offending samples", f"not attributable to individual samples: {d['not_attributable']}"))
+    blame = blame_text(event)
+    if blame:
+        rows.append(("blame", blame))
     if d.get("sample_loaders_unknown"):
         rows.append(("training loaders", str(d["sample_loaders_unknown"])))
     origin = origin_text(event, code)

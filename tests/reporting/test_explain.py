@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 from event_factory import make_event
 
-from lightning_nanguard.reporting.explain import cause_text, origin_text, stack_text
+from lightning_nanguard.reporting.explain import (
+    blame_text,
+    cause_text,
+    indices_mark,
+    origin_text,
+    records_text,
+    stack_text,
+)
 
 
 @pytest.mark.parametrize(
@@ -15,6 +22,7 @@ from lightning_nanguard.reporting.explain import cause_text, origin_text, stack_
         ("input", "input: the batch itself holds NaN/Inf"),
         ("state", "model state: the weights/optimizer are at fault, no sample is to blame"),
         ("interaction", "interaction: samples fail only together"),
+        ("batch", "batch: the batch as a whole, no record is at fault"),
         (None, None),
     ],
 )
@@ -82,3 +90,45 @@ def test_stack_text_outermost_first_and_only_with_two_frames_or_more() -> None:
     assert stack_text(make_event(details={"stack": stack[:1]})) is None
     assert stack_text(make_event(details={"stack": "train.py:40"})) is None
     assert stack_text(make_event(details={})) is None
+
+
+# ------------------------------------------------------------------------------------ what the guard verified
+
+
+@pytest.mark.parametrize(
+    ("verified", "details", "text"),
+    [
+        (True, {}, "verified"),
+        (False, {"indices_unverified": "the collate reorders rows"}, "not verified: the collate reorders rows"),
+        (False, {}, "not verified"),
+        (None, {"indices_unverified": "never shown without the field"}, None),
+    ],
+)
+def test_indices_mark(verified: bool | None, details: dict[str, str], text: str | None) -> None:
+    assert indices_mark(make_event(indices_verified=verified, details=details)) == text
+
+
+@pytest.mark.parametrize(
+    ("cause", "verified", "details", "text"),
+    [
+        ("data", True, {"verify_passes": 1}, "verified: bad beside known-healthy samples (+1 pass)"),
+        ("data", True, {"verify_passes": 2}, "verified: bad beside known-healthy samples (+2 passes)"),
+        ("data", True, {"verify_passes": 0}, "verified: bad beside known-healthy samples"),
+        ("input", True, {}, "verified: the samples hold NaN/Inf themselves"),
+        ("data", False, {"blame_unverified": "max_bisect_passes reached"}, "not verified: max_bisect_passes reached"),
+        ("data", False, {"verify_passes": 1}, "not verified"),
+        ("data", None, {"blame_unverified": "never shown without the field"}, None),
+    ],
+)
+def test_blame_text(cause: str, verified: bool | None, details: dict[str, object], text: str | None) -> None:
+    assert blame_text(make_event(cause=cause, blame_verified=verified, details=details)) == text
+
+
+def test_blame_text_carries_the_note() -> None:
+    event = make_event(blame_verified=True, details={"blame_note": "sample 6 failed only alone and was dropped"})
+    assert blame_text(event) == "verified: bad beside known-healthy samples; sample 6 failed only alone and was dropped"
+
+
+def test_records_text_shows_each_row_and_cuts_long_rows() -> None:
+    assert records_text([(10, 11), (40,)]) == "[10, 11], [40]"
+    assert records_text([tuple(range(9)), ()]) == "[0, 1, 2, 3, 4, 5, 6, 7, +1 more], []"

@@ -68,3 +68,19 @@ def test_the_panel_rows_are_the_event_lines() -> None:
     assert "parameter grads (1)" in text and "fc.weight" in text
     assert "cause" in text and "data: the offending samples reproduce it on their own" in text
     assert "[3, 5] of 8 (dataset indices [27, 29])" in text
+
+
+def test_the_panel_shows_what_was_verified_and_stays_readable_at_80_columns() -> None:
+    details = {
+        "batch_size": 8,
+        "indices_unverified": "the collate reorders rows and has no index field",
+        "blame_unverified": "max_bisect_passes reached before the check",
+    }
+    event = make_event(indices_verified=False, blame_verified=False, details=details)
+    out = io.StringIO()
+    Console(file=out, width=80, highlight=False).print(TerminalReporter().panel(event))
+    lines = out.getvalue().splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    text = " ".join(line.strip("│ ") for line in lines)
+    assert "[3, 5] of 8 (dataset indices [27, 29]) (not verified: the collate reorders rows and has no" in text
+    assert "blame not verified: max_bisect_passes reached before the check" in " ".join(text.split())

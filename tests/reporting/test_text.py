@@ -108,3 +108,67 @@ def test_text_for_an_event_without_attribution() -> None:
 def test_origin_in_the_lightning_module_itself() -> None:
     event = simple_event(culprit_module="", culprit_op="LogBackward0", phase="forward")
     assert "origin: forward of LogBackward0 in module <LightningModule>" in event_text(event)
+
+
+# ------------------------------------------------------------------------------------ what the guard verified
+
+
+def test_verified_indices_and_blame() -> None:
+    event = rich_event(cause="data", indices_verified=True, blame_verified=True, details={"batch_size": 32})
+    body = dict(line.strip().split(": ", 1) for line in event_text(event).splitlines()[1:])
+    assert body["offending samples"] == "[5, 23] of 32 (dataset indices [45, 63]) (verified)"
+    assert body["blame"] == "verified: bad beside known-healthy samples"
+    assert "| blame | verified: bad beside known-healthy samples |" in event_markdown(event)
+
+
+def test_unverified_indices_and_blame_say_why() -> None:
+    details = {
+        "batch_size": 32,
+        "indices_unverified": "an IterableDataset cannot be re-read",
+        "blame_unverified": "max_bisect_passes reached",
+    }
+    event = rich_event(cause="data", indices_verified=False, blame_verified=False, details=details)
+    body = dict(line.strip().split(": ", 1) for line in event_text(event).splitlines()[1:])
+    assert body["offending samples"] == (
+        "[5, 23] of 32 (dataset indices [45, 63]) (not verified: an IterableDataset cannot be re-read)"
+    )
+    assert body["blame"] == "not verified: max_bisect_passes reached"
+
+
+def test_events_without_the_verification_fields_read_as_before() -> None:
+    text = event_text(rich_event())
+    assert "(verified)" not in text and "not verified" not in text and "blame" not in text
+
+
+def test_rows_of_several_records_show_each_rows_records() -> None:
+    event = rich_event(dataset_indices=None, sample_records=((10, 11), (40,)), indices_verified=True)
+    assert "offending samples: [5, 23] of 32 (records per row [10, 11], [40]) (verified)" in event_text(event)
+
+
+def test_several_loaders_mark_their_indices_once() -> None:
+    event = rich_event(
+        offending_samples=(5, 2),
+        dataset_indices=(13, 6),
+        sample_loaders=("a", "b"),
+        indices_verified=False,
+        details={"loader_batch_sizes": [["a", 8], ["b", 4]], "indices_unverified": "loader 'b': no re-read"},
+    )
+    assert (
+        "offending samples: loader 'a': [5] of 8 (dataset indices [13]); loader 'b': [2] of 4 (dataset indices [6])"
+        " (indices not verified: loader 'b': no re-read)"
+    ) in event_text(event)
+    records = event.replace(dataset_indices=None, sample_records=((1, 2), (3,)), indices_verified=True)
+    assert "loader 'a': [5] of 8 (records per row [1, 2]); loader 'b': [2] of 4 (records per row [3])" in (
+        event_text(records)
+    )
+
+
+def test_a_batch_event_names_no_sample() -> None:
+    hint = "guard the denominator (clamp_min(1) on the target count) or check that a batch has a target"
+    event = simple_event(cause="batch", details={"hint": hint})
+    assert event_text(event).splitlines()[1:] == [
+        "  non-finite: loss",
+        "  cause: batch: the batch as a whole, no record is at fault",
+        "  loss: nan",
+        f"  hint: {hint}",
+    ]
