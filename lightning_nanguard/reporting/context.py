@@ -20,7 +20,8 @@ copied here while training, so the tab works on a log directory copied to anothe
 - ``stack``: the short user stack, innermost frame last, each ``{"file", "line", "function",
   "text"}`` (``text``: that line of code, when readable), from ``event.details["stack"]``;
 - ``thumbnails``: ``{"position", "dataset_index", "file", "width", "height", "source_size",
-  "nonfinite_values", "value_range"}`` per offending sample shown;
+  "nonfinite_values", "value_range"}`` per offending sample shown, and ``"records"`` (the dataset
+  indices the row holds) when the event's rows hold several records (``sample_records``);
 - ``image_batch``: ``{"layout", "shape", "dtype"}`` of the image tensor found, or ``null``;
 - ``notes``: why something is missing (no image tensor in the batch, unreadable source, ...).
 
@@ -142,6 +143,7 @@ def _thumbnails(
     if positions is None:
         return [], info, "no offending samples identified"
     indices = list(event.dataset_indices) if event.dataset_indices is not None else None
+    records = list(event.sample_records) if event.sample_records is not None else None
     out = []
     for rank_in_list, position in enumerate(list(positions)[:max_thumbnails]):
         if not 0 <= int(position) < image.batch_size:
@@ -162,6 +164,8 @@ def _thumbnails(
                 "value_range": list(thumb.value_range) if thumb.value_range is not None else None,
             }
         )
+        if records is not None:
+            out[-1]["records"] = list(records[rank_in_list]) if rank_in_list < len(records) else None
     note = f"first {max_thumbnails} of {len(positions)} samples shown" if len(positions) > max_thumbnails else None
     return out, info, note
 

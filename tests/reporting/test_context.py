@@ -75,6 +75,17 @@ def test_positions_default_to_the_offending_samples_and_are_capped(tmp_path: Pat
     assert "first 3 of 12 samples shown" in context["notes"]
 
 
+def test_rows_of_several_records_keep_their_records_with_the_thumbnail(tmp_path: Path) -> None:
+    ev = event(dataset_indices=None, sample_records=((10, 11), (40,)))
+    context = load_context(save_incident_context(tmp_path, ev, batch=torch.rand(4, 1, 8, 8)))  # type: ignore[arg-type]
+    assert [(t["position"], t["dataset_index"], t["records"]) for t in context["thumbnails"]] == [
+        (1, None, [10, 11]),
+        (3, None, [40]),
+    ]
+    plain = load_context(save_incident_context(tmp_path, event(), batch=torch.rand(4, 1, 8, 8)))  # type: ignore[arg-type]
+    assert all("records" not in t for t in plain["thumbnails"])  # one record a row: as before
+
+
 def test_without_image_batch_or_source_the_reasons_are_written(tmp_path: Path) -> None:
     ev = event(source_line="does/not/exist.py:3")
     context = load_context(save_incident_context(tmp_path, ev, None, torch.zeros(4, 16, 32), [1]))  # type: ignore[arg-type]
