@@ -26,7 +26,7 @@ from lightning_nanguard.adapter.after_step import AfterStep
 from lightning_nanguard.adapter.check import step_flags
 from lightning_nanguard.adapter.config import GuardSettings
 from lightning_nanguard.adapter.failsafe import fail
-from lightning_nanguard.adapter.incidents import check_module, loss_scale_event
+from lightning_nanguard.adapter.incidents import check_module, loss_scale_event, quarantine_refusal
 from lightning_nanguard.adapter.recovery import grad_scaler, next_loss_scale, training_parts
 from lightning_nanguard.adapter.reporting import IncidentRecorder
 from lightning_nanguard.adapter.sharded_incidents import inspector_for
@@ -355,6 +355,8 @@ class StepController:
             quarantine_items=decision.quarantine_items,
         )
         event = self._shared_event(trainer, decision, event)
+        if event is not None and self.recovery.book.can_apply("quarantine"):
+            self._tell_quarantine_refusal(event)
         if event is not None:
             action = DONE[decision.action or "warn"]
             if decision.rollback_due and self.recovery.snapshot.available:
@@ -370,6 +372,17 @@ class StepController:
             raise NonFiniteTrainingError(
                 stop_message(decision, counters, self.policy, event, self.recorder.events_path),
                 stop_history(decision, events, self.policy, event),
+            )
+
+    def _tell_quarantine_refusal(self, event: NanEvent) -> None:
+        """Say once per run that quarantine skipped records it could not verify (it acts only on verified ones)."""
+        why = quarantine_refusal(event)
+        if why is not None:
+            self.recorder.notices.warn(
+                "quarantine-unverified",
+                f"NanGuard: quarantine skipped {why}. Quarantine removes only records whose dataset index and "
+                "blame are both verified (see the event's indices_verified and blame_verified); this notice is "
+                "given once.",
             )
 
     def _shared_event(self, trainer: Trainer, decision: StepDecision, event: NanEvent | None) -> NanEvent | None:

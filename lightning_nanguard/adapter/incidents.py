@@ -37,6 +37,8 @@ __all__ = [
     "loss_scale_event",
     "quarantine_items_of",
     "quarantine_of",
+    "quarantine_refusal",
+    "verified_records",
 ]
 
 
@@ -55,18 +57,54 @@ def event_cause(event: NanEvent | None) -> str | None:
     return "data" if event.offending_samples is not None else None
 
 
+def verified_records(event: NanEvent | None) -> bool:
+    """Whether the event's dataset indices may be quarantined: both their index and their blame verified.
+
+    Example:
+        >>> named = NanEvent(3, 0, 3, 0, ("loss",), "skipped", offending_samples=(1,), dataset_indices=(11,))
+        >>> verified_records(named), verified_records(named.replace(indices_verified=True, blame_verified=True))
+        (False, True)
+    """
+    return event is not None and event.indices_verified is True and event.blame_verified is True
+
+
 def quarantine_of(event: NanEvent | None) -> tuple[int, ...]:
-    """The dataset indices to quarantine (one training loader)."""
-    if event is None or event.sample_loaders is not None:
+    """The dataset indices to quarantine (one training loader): only verified ones."""
+    if event is None or event.sample_loaders is not None or not verified_records(event):
         return ()
     return tuple(event.dataset_indices or ())
 
 
 def quarantine_items_of(event: NanEvent | None) -> tuple[tuple[str | int, int], ...]:
     """``(loader key, dataset index)`` to quarantine (several training loaders: each in its own loader)."""
-    if event is None or event.sample_loaders is None or event.dataset_indices is None:
+    if event is None or event.sample_loaders is None or event.dataset_indices is None or not verified_records(event):
         return ()
     return tuple(zip(event.sample_loaders, event.dataset_indices, strict=True))
+
+
+def quarantine_refusal(event: NanEvent | None) -> str | None:
+    """Why the records an event names are not quarantined (``None``: nothing named, or verified).
+
+    Example:
+        >>> event = NanEvent(3, 0, 3, 0, ("loss",), "skipped", offending_samples=(1,), dataset_indices=(36,),
+        ...                  indices_verified=False, blame_verified=True,
+        ...                  details={"indices_unverified": "the collate reorders rows"})
+        >>> quarantine_refusal(event)
+        'dataset indices [36]: the index is not verified (the collate reorders rows)'
+    """
+    if event is None or event.offending_samples is None or event.cause not in (None, "data", "input"):
+        return None
+    named = list(event.dataset_indices or [i for row in event.sample_records or () for i in row])
+    what = f"dataset indices {named}" if named else f"samples {list(event.offending_samples)}"
+    if not named:
+        return f"{what}: {event.details.get('indices_unverified', 'their dataset indices are unknown')}"
+    if event.sample_records is not None:
+        return f"{what}: their rows hold several records each, so no one record is shown to be at fault"
+    if event.indices_verified is not True:
+        return f"{what}: the index is not verified ({event.details.get('indices_unverified', 'not checked')})"
+    if event.blame_verified is not True:
+        return f"{what}: the blame is not verified ({event.details.get('blame_unverified', 'not checked')})"
+    return None
 
 
 def check_module(trainer: Any, module: nn.Module, loss: Tensor | None, batch_idx: int) -> NanEvent | None:

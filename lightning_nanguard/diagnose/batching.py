@@ -23,7 +23,15 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
-__all__ = ["BatchField", "BatchSlicer", "UnsliceableBatchError", "batch_size", "nonfinite_fields", "slice_batch"]
+__all__ = [
+    "BatchField",
+    "BatchSlicer",
+    "UnsliceableBatchError",
+    "batch_size",
+    "join_batches",
+    "nonfinite_fields",
+    "slice_batch",
+]
 
 BatchSlicer = Callable[[Any, Sequence[int]], Any]
 """``slicer(batch, positions) -> sub_batch``: keep the samples at ``positions``, in that order."""
@@ -130,6 +138,79 @@ def slice_batch(batch: Any, positions: Sequence[int], size: int | None = None) -
         return obj
 
     return cut(batch)
+
+
+def join_batches(first: Any, second: Any) -> Any:
+    """One batch holding the samples of ``first``, then those of ``second`` (two batches of one structure).
+
+    The inverse of :func:`slice_batch`: tensors with a sample dimension are concatenated (``second``'s
+    moved to ``first``'s device and dtype), lists of per-sample leaves are joined, and everything
+    else (a tensor or value shared by all samples) must be equal in both.
+
+    Raises:
+        UnsliceableBatchError: the batches differ in structure, in a shared value, or in the shape
+            of a sample (e.g. sequences padded to other lengths).
+
+    Example:
+        >>> joined = join_batches((torch.zeros(2, 3), ["a", "b"], 0.5), (torch.ones(1, 3), ["c"], 0.5))
+        >>> joined[0].shape, joined[1], joined[2]
+        (torch.Size([3, 3]), ['a', 'b', 'c'], 0.5)
+        >>> join_batches(torch.zeros(2, 3), torch.zeros(2, 4))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_nanguard...UnsliceableBatchError: cannot join batches: a sample of shape (4,) next to ...
+    """
+    n, m = batch_size(first), batch_size(second)
+
+    def shared(a: Any, b: Any) -> Any:
+        same = torch.equal(a, b.to(a.device)) if isinstance(a, Tensor) and isinstance(b, Tensor) else a == b
+        if not same:
+            raise UnsliceableBatchError("cannot join batches: a value shared by all samples differs between them")
+        return a
+
+    def join(a: Any, b: Any) -> Any:
+        if isinstance(a, Tensor) and isinstance(b, Tensor):
+            if a.dim() > 0 and b.dim() > 0 and a.shape[0] == n and b.shape[0] == m:
+                if a.shape[1:] != b.shape[1:]:
+                    raise UnsliceableBatchError(
+                        f"cannot join batches: a sample of shape {tuple(b.shape[1:])} next to samples of shape "
+                        f"{tuple(a.shape[1:])}"
+                    )
+                return torch.cat([a, b.to(device=a.device, dtype=a.dtype)])
+            return shared(a, b)
+        if type(a) is not type(b):
+            raise UnsliceableBatchError(f"cannot join a {type(a).__name__} and a {type(b).__name__}")
+        if isinstance(a, UserDict | Mapping):
+            if list(a.keys()) != list(b.keys()):
+                raise UnsliceableBatchError("cannot join batches with different keys")
+            items = {key: join(a[key], b[key]) for key in a}
+            if isinstance(a, UserDict):
+                clone: Any = copy.copy(a)
+                clone.data = items
+                return clone
+            try:
+                return type(a)(items)  # type: ignore[call-arg]
+            except TypeError:
+                return items
+        if dataclasses.is_dataclass(a) and not isinstance(a, type):
+            clone = copy.copy(a)
+            for f in dataclasses.fields(a):
+                object.__setattr__(clone, f.name, join(getattr(a, f.name), getattr(b, f.name)))
+            return clone
+        if _is_namedtuple(a):
+            return type(a)(*(join(x, y) for x, y in zip(a, b, strict=True)))
+        if isinstance(a, list | tuple):
+            leaves = not any(isinstance(v, Tensor | Mapping | list | tuple) for v in [*a, *b])
+            if leaves and len(a) == n and len(b) == m:
+                joined = [*a, *b]  # per-sample leaves (strings, ids, ...)
+            elif len(a) == len(b):
+                joined = [join(x, y) for x, y in zip(a, b, strict=True)]
+            else:
+                raise UnsliceableBatchError("cannot join batches: lists of different lengths")
+            return type(a)(joined) if isinstance(a, tuple) else joined
+        return shared(a, b)
+
+    return join(first, second)
 
 
 def _named_tensors(batch: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Tensor]]:

@@ -9,8 +9,11 @@ sub-batches (:mod:`~lightning_nanguard.diagnose.runner`), each run fully isolate
 3. a reference sub-batch of a recent healthy step fails too, or every sample tried fails on its
    own: ``"state"`` (:func:`~lightning_nanguard.diagnose.cause.check_state`, at most 4 passes);
 4. otherwise the offending samples are searched by adaptive group testing
-   (:mod:`~lightning_nanguard.diagnose.bisection`): ``"data"`` when samples reproduce it, ``"interaction"``
-   when samples only fail together.
+   (:mod:`~lightning_nanguard.diagnose.bisection`), and each sample found is checked to fail beside
+   known-healthy samples too (:mod:`~lightning_nanguard.diagnose.blame`, typically 0 or 1 pass):
+   ``"data"`` when samples reproduce it there, ``"batch"`` when they fail only without healthy
+   company (the batch as a whole: a mean over zero targets, a statistic of a degenerate batch),
+   ``"interaction"`` when samples only fail together.
 
 The origin is then localised on the *full* batch, following the offending samples' rows
 (:mod:`~lightning_nanguard.diagnose.localization`), so the op named is one that happens in the real batch.
@@ -32,6 +35,7 @@ from lightning_nanguard.core.events import EventCause
 from lightning_nanguard.detect.confirm import nonfinite_names
 from lightning_nanguard.diagnose.batching import BatchField, BatchSlicer
 from lightning_nanguard.diagnose.bisection import NOT_REPRODUCED, BisectionResult, find_offending
+from lightning_nanguard.diagnose.blame import BlameCheck, check_blame
 from lightning_nanguard.diagnose.cause import InputCheck, StateCheck, check_input, check_state, describe_fields
 from lightning_nanguard.diagnose.combined import CombinedLayout, LoaderSplit
 from lightning_nanguard.diagnose.hints import hint_for
@@ -70,6 +74,12 @@ class Diagnosis:
         loaders: with several training loaders, the loaders holding samples and their sizes:
             positions (``offending``, ``smallest_bad``, ``known_good``) are flat over their parts
             (:mod:`~lightning_nanguard.diagnose.combined`); ``None`` for one loader.
+        blame_verified: whether each offending sample fails beside known-healthy samples too
+            (:mod:`~lightning_nanguard.diagnose.blame`; a sample holding NaN/Inf itself counts);
+            ``None`` when no sample is named.
+        blame_note: what the blame check found besides (samples that failed only alone, the
+            reason a sample could not be checked).
+        verify_passes: passes the blame check added (not counted in ``passes``).
     """
 
     batch_size: int | None
@@ -87,6 +97,9 @@ class Diagnosis:
     loss_threshold: float | None = None
     reproduced: bool = True
     loaders: LoaderSplit | None = None
+    blame_verified: bool | None = None
+    blame_note: str = ""
+    verify_passes: int = 0
 
     @property
     def full_details(self) -> dict[str, Any]:
@@ -224,7 +237,15 @@ def diagnose(
             error=repr(error),
             **common,
         )
-    return _search_diagnosis(runner, reference, state, inputs, result, localize_origin, common)
+    spent = runner.passes + (reference.passes if reference is not None else 0)
+    blame = BlameCheck()
+    if result.offending:
+        try:
+            blame = check_blame(runner, result.offending, reference, factory, max_passes - spent)
+        except Exception as error:  # the guard must never kill training: the blame stays unchecked
+            log.warning("NanGuard: checking the blame of the offending samples failed: %r", error, exc_info=True)
+            blame = BlameCheck(unverified=tuple(result.offending), reason=f"the check failed: {error!r}")
+    return _search_diagnosis(runner, spent, state, inputs, result, blame, localize_origin, common)
 
 
 def _reference_runner(runner: SubBatchRunner, reference_batch: Any, factory: RunnerFactory) -> SubBatchRunner | None:
@@ -274,6 +295,7 @@ def _input_diagnosis(runner: SubBatchRunner, inputs: InputCheck, common: dict[st
         known_good=list(runner.known_good),
         cause="input",
         input_fields=inputs.fields,
+        blame_verified=True if offending else None,  # the rows hold the NaN/Inf themselves
         **common,
     )
 
@@ -351,33 +373,57 @@ def _state_diagnosis(
 
 def _search_diagnosis(
     runner: SubBatchRunner,
-    reference: SubBatchRunner | None,
+    passes: int,
     state: StateCheck,
     inputs: InputCheck,
     result: BisectionResult,
+    blame: BlameCheck,
     localize_origin: bool,
     common: dict[str, Any],
 ) -> Diagnosis:
-    """The samples were searched: ``"data"`` when some reproduce it, ``"interaction"`` when only groups do."""
+    """The samples were searched and their blame checked.
+
+    ``"data"`` when samples fail beside healthy ones, ``"batch"`` when they fail only without healthy
+    company, ``"interaction"`` when only groups fail; no cause when no named sample could be checked
+    (they stay named, with ``blame_verified=False``: a record or the batch as a whole may be at fault).
+    """
     cause: EventCause | None = None
-    if result.offending:
-        cause = "data"
+    offending: list[int] | None = None
+    reasons = [result.reason] if result.reason else []
+    notes: list[str] = []
+    blame_verified: bool | None = None
+    if blame.batch_fault:
+        cause = "batch"
+        reasons = [_batch_reason(blame)]
+    elif blame.verified:
+        cause, offending = "data", sorted([*blame.verified, *blame.unverified])
+        blame_verified = not blame.unverified
+        if blame.unverified:
+            unchecked = list(blame.unverified)
+            notes.append(f"samples {unchecked} could not be checked beside healthy samples: {blame.reason}")
+        if blame.failed_alone:
+            notes.append(
+                f"samples {list(blame.failed_alone)} failed only without healthy company (not named): "
+                "the batch's composition, not these records"
+            )
+    elif blame.unverified:  # named, but no verdict: a record or the batch as a whole may be at fault
+        offending, blame_verified = sorted(blame.unverified), False
+        notes.append(f"not checked beside healthy samples: {blame.reason}")
     elif result.interacting:
         cause = "interaction"
-    rows = result.offending if cause == "data" and not runner.custom_slicer else None
+    rows = offending if cause == "data" and not runner.custom_slicer else None
     localization = error = None
     if result.offending or result.smallest_bad:
         localize_here = localize_origin and _spike_localizes(runner, runner.saw_nonfinite)
         localization, error = _localized(runner, rows, localize_here, common["source_root"])
-    reason = result.reason
+    if cause == "batch" and localization is not None and localization.phase is not None:
+        localization = replace(localization, hint=hint_for("<batch>", localization.phase))
     if inputs.fields:
-        note = f"the batch also holds NaN/Inf in {describe_fields(inputs.fields)}, but other samples fail too"
-        reason = f"{reason}; {note}" if reason else note
-    passes = runner.passes + (reference.passes if reference is not None else 0)
+        reasons.append(f"the batch also holds NaN/Inf in {describe_fields(inputs.fields)}, but other samples fail too")
     return Diagnosis(
         runner.size,
-        result.offending,
-        reason,
+        offending,
+        "; ".join(reasons),
         passes,
         localization,
         error,
@@ -387,7 +433,21 @@ def _search_diagnosis(
         state_passes=state.passes,
         input_fields=inputs.fields,
         reproduced=result.reproduced,
+        blame_verified=blame_verified,
+        blame_note="; ".join(notes),
+        verify_passes=blame.passes,
         **common,
+    )
+
+
+def _batch_reason(blame: BlameCheck) -> str:
+    where = {
+        "batch": "healthy samples of the same batch",
+        "reference": "the reference samples of a recent healthy step",
+    }.get(blame.company, "healthy samples")
+    return (
+        f"samples {list(blame.failed_alone)} fail on their own but not beside {where}: the batch as a whole is "
+        "at fault (e.g. a mean over zero targets, a statistic of a degenerate batch), not its records"
     )
 
 

@@ -1,6 +1,6 @@
 """What a diagnosis says in an event: the forensic fields of a :class:`~lightning_nanguard.core.events.NanEvent`.
 
-:func:`event_with_diagnosis` fills ``cause``, ``offending_samples``, ``dataset_indices``, the origin
+:func:`event_with_diagnosis` fills ``cause``, ``offending_samples``, ``blame_verified``, ``dataset_indices``, the origin
 (``culprit_module``, ``culprit_op``, ``source_line``, ``phase``) and the details (pass counts, hint,
 source text, short stack, BatchNorm channels kept short by :mod:`~lightning_nanguard.diagnose.compact`)
 from a :class:`~lightning_nanguard.diagnose.diagnosis.Diagnosis`. Training and ``replay`` use it alike.
@@ -94,13 +94,24 @@ def event_with_diagnosis(
         details["not_attributable"] = diagnosis.reason
     if diagnosis.offending is not None and diagnosis.reason:
         details["bisect_note"] = diagnosis.reason  # partial result or interacting groups next to the samples
+    if diagnosis.blame_verified is False:
+        details["blame_unverified"] = diagnosis.blame_note
+    elif diagnosis.blame_note:
+        details["blame_note"] = diagnosis.blame_note
+    if diagnosis.blame_verified is not None or diagnosis.cause == "batch":
+        details["verify_passes"] = diagnosis.verify_passes
     if diagnosis.error:
         details["diagnosis_error"] = diagnosis.error
     if diagnosis.input_fields:
         details["input_fields"] = list(diagnosis.input_fields)
     if diagnosis.loss_threshold is not None:
         details["loss_threshold"] = diagnosis.loss_threshold
-    changes: dict[str, Any] = {"offending_samples": offending, "dataset_indices": indices, "cause": diagnosis.cause}
+    changes: dict[str, Any] = {
+        "offending_samples": offending,
+        "dataset_indices": indices,
+        "cause": diagnosis.cause,
+        "blame_verified": diagnosis.blame_verified if offending is not None else None,
+    }
     if loaders is not None:
         changes["sample_loaders"] = sample_loaders
     loc = diagnosis.localization

@@ -51,6 +51,12 @@ _STATE = (
     "the model state diverged (every sample fails): lower the learning rate, clip gradients "
     '(remedies=["clip_grad", "lr_backoff"]) or roll back to a good state (action="rollback")'
 )
+_BATCH = (
+    "the batch as a whole is degenerate (its samples fail alone or together, but not beside healthy samples): "
+    "a mean over zero targets (every label ignore_index or masked out: clamp the count, e.g. "
+    "loss.sum() / mask.sum().clamp_min(1)) or a statistic over a degenerate batch (one sample, identical rows: "
+    "drop_last=True, or a per-sample statistic with eps)"
+)
 
 _SOFTMAX = ("Softmax", "LogSoftmax", "SafeSoftmax")
 _BY_PREFIX: tuple[tuple[tuple[str, ...], str], ...] = (
@@ -75,7 +81,8 @@ def hint_for(
 
     Args:
         op: autograd node name, torch function name, ``"<input>"``, ``"<parameters>"``, ``"running_var"``,
-            or ``"<state>"`` (a diverged model whose origin has no hint of its own).
+            ``"<state>"`` (a diverged model whose origin has no hint of its own) or ``"<batch>"`` (a batch
+            that fails as a whole, no sample at fault).
         phase: ``"forward"`` or ``"backward"``.
         masked_forward: the op's forward output was non-finite but the loss was not (it was masked).
         from_infinity: the op made NaN of inputs holding infinities (a mask, a padding value).
@@ -92,6 +99,8 @@ def hint_for(
         'NaN made of infinities (inf - inf, 0 * i'
         >>> hint_for("SqrtBackward0", "backward", masked_forward=True)[:40]
         'op applied outside its domain and masked'
+        >>> hint_for("<batch>", "forward")[:46]
+        'the batch as a whole is degenerate (its sample'
     """
     if op is None:
         return None
@@ -105,6 +114,8 @@ def hint_for(
         return _PARAMS
     if op == "<state>":
         return _STATE
+    if op == "<batch>":
+        return _BATCH
     if op in ("running_var", "running_mean"):
         return _BATCHNORM
     name = op[0].upper() + op[1:] if op else op

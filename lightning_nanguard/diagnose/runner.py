@@ -116,6 +116,7 @@ class SubBatchRunner:
         self.has_train_bn = any(isinstance(m, _BatchNorm) and m.training for m in module.modules())
         self.loss_threshold = loss_threshold
         self.known_good: list[int] = []
+        self.groups: list[tuple[tuple[int, ...], bool]] = []  # every group run, as run (padded), and whether bad
         self.passes = 0
         self.saw_nonfinite = False  # some run was non-finite (not only above the loss threshold)
 
@@ -258,6 +259,7 @@ class SubBatchRunner:
         if verdict is None:
             return False
         bad, nonfinite = verdict
+        self.groups.append((tuple(self.padded(positions)[0]), bad))  # the padding of this very pass
         self.saw_nonfinite = self.saw_nonfinite or nonfinite
         if not bad:
             self.known_good.extend(p for p in positions if p not in self.known_good)

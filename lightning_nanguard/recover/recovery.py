@@ -8,7 +8,9 @@ incident, and keeps the counts that go into checkpoints and TensorBoard. It neve
 
 Which remedy for which incident, decided by the incident's ``cause`` at the first incident:
 
-- ``"data"`` or ``"input"`` (samples named, dataset indices known) -> ``quarantine`` them;
+- ``"data"`` or ``"input"`` (samples named, dataset indices known) -> ``quarantine`` them (the
+  adapter passes only records whose index and blame are verified);
+- ``"batch"`` (the batch as a whole is degenerate) -> nothing but the skip (and ``raise_eps`` below);
 - origin localised in a layer with ``eps`` (norm layers) -> ``raise_eps`` (also Adam's ``eps``);
 - ``"state"`` (the weights or the learning rate are the problem), ``"interaction"`` or not
   attributable to samples, or a rollback -> ``clip_grad`` and ``lr_backoff``.
@@ -160,7 +162,8 @@ class Recovery:
         Args:
             parts: the model (for ``raise_eps`` on ``culprit_module``), optimizers and LR schedulers.
             cause: the verdict: ``"data"``/``"input"`` quarantine samples; ``"state"``, ``"interaction"``
-                or ``None`` (not attributable to samples) clip gradients and back off the learning rate.
+                or ``None`` (not attributable to samples) clip gradients and back off the learning rate;
+                ``"batch"`` (a degenerate batch) neither: skipping it was the remedy.
             quarantine: dataset indices of the offending samples (all ranks').
             culprit_module: where the first NaN/Inf was produced (its ``eps`` is raised).
             rolled_back: a rollback happens at this step (clip and back off whatever the cause).
@@ -182,7 +185,7 @@ class Recovery:
                 self.book.record("raise_eps")
                 self._since_snapshot.append("raise_eps")
                 done.append(change)
-        if rolled_back or cause not in ("data", "input"):
+        if rolled_back or cause not in ("data", "input", "batch"):  # a degenerate batch is not the weights' fault
             if self.book.can_apply("clip_grad"):
                 threshold = clip_threshold(self.book.healthy_norms, self.book.clip_threshold)
                 if threshold is not None:
