@@ -1,0 +1,226 @@
+"""A named dataset index is checked against the row by re-reading the record, without a Trainer.
+
+Each dataset here is a dict of records; ``collate`` stands for the loader's ``collate_fn`` and the
+batches are built by hand the way the pipelines build them (sorted, dropped, padded, packed, mixed).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_nanguard.diagnose.records import (
+    RANDOM_READS,
+    SEVERAL_RECORDS,
+    RecordCheck,
+    RowRecord,
+    record_matches,
+    verify_rows,
+)
+
+# record i: a sequence of (i % 4) + 2 tokens, each token 10 * i + position, and a name
+RECORDS = {i: torch.arange(10 * i, 10 * i + (i % 4) + 2) for i in range(20, 28)}
+
+
+def collate(items: Sequence[Tensor], left: bool = False) -> dict[str, Any]:
+    """Pad to the longest sequence (right, or ``left``), with a mask and the record's name."""
+    width = max(len(t) for t in items)
+    ids = torch.zeros(len(items), width, dtype=torch.long)
+    mask = torch.zeros(len(items), width, dtype=torch.bool)
+    for row, t in enumerate(items):
+        where = slice(width - len(t), width) if left else slice(0, len(t))
+        ids[row, where], mask[row, where] = t, True
+    return {"ids": ids, "mask": mask, "name": [f"r{int(t[0]) // 10}" for t in items]}
+
+
+def reader(left: bool = False, counter: list[int] | None = None) -> Callable[[int], Any]:
+    def read(index: int) -> Any:
+        if counter is not None:
+            counter.append(index)
+        return collate([RECORDS[index]], left=left)
+
+    return read
+
+
+SAMPLED = [20, 21, 22, 23, 24, 25, 26, 27]
+
+
+def test_rows_in_sampler_order_are_verified_with_one_read_each() -> None:
+    batch = collate([RECORDS[i] for i in SAMPLED])
+    reads: list[int] = []
+    check = verify_rows(batch, [1, 6], [21, 26], SAMPLED, reader(counter=reads))
+    assert check.indices == (21, 26) and check.verified and check.broken is None
+    assert reads == [21, 26] and check.reads == 2
+    assert not any(row.corrected for row in check.rows) and check.notice() == ""
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_a_sorting_collate_is_corrected_from_padded_rows(left: bool) -> None:
+    by_length = sorted(SAMPLED, key=lambda i: -len(RECORDS[i]))  # pack_padded_sequence wants longest first
+    batch = collate([RECORDS[i] for i in by_length], left=left)
+    bad_row = by_length.index(21)  # the row really holding record 21
+    check = verify_rows(batch, [bad_row], [SAMPLED[bad_row]], SAMPLED, reader(left=left))
+    assert check.indices == (21,) and check.verified and check.broken == "reorders"
+    row = check.rows[0]
+    assert row.corrected and row.claimed == SAMPLED[bad_row] == 24
+    assert check.notice().startswith(
+        f"the collate reorders rows: the dataset index read off the sampler named record 24 for "
+        f"row {bad_row}, which holds record 21; corrected by re-reading."
+    )
+    # claimed once, again to see that reads are not random, then the other records once each
+    assert check.reads == len(SAMPLED) + 1
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_a_record_padded_either_side_matches_its_row_only(left: bool) -> None:
+    batch = collate([RECORDS[23], RECORDS[20]], left=left)  # record 20 (2 tokens) padded to 5
+    row = {key: value[1:] for key, value in batch.items()}
+    assert record_matches(row, reader()(20)) and not record_matches(row, reader()(24))
+
+
+def test_a_padding_region_must_hold_one_value() -> None:
+    record = torch.tensor([[5, 6]])
+    assert record_matches(torch.tensor([[5, 6, 0, 0]]), record)
+    assert not record_matches(torch.tensor([[5, 6, 0, 9]]), record)  # a longer record, not padding
+    assert not record_matches(torch.tensor([[5]]), record)  # a row shorter than the record
+
+
+def test_a_dropping_collate_matches_rows_by_content() -> None:
+    kept = [i for i in SAMPLED if i != 23]  # e.g. a length filter
+    batch = collate([RECORDS[i] for i in kept])
+    check = verify_rows(batch, [3], [kept[3]], SAMPLED, reader())
+    assert check.indices == (24,) and check.verified and check.broken == "rows_not_records"
+    assert check.rows[0].claimed is None  # rows are not one record each: the sampler's order claims nothing
+    assert check.notice().startswith("the batch has 7 rows for 8 recorded indices")
+    assert "row 3 was matched to record 24 by re-reading" in check.notice()
+    assert "index_key=" in check.notice() and "row_records=" in check.notice()
+
+
+def test_a_deduplicating_collate_names_the_first_of_identical_records() -> None:
+    records = {**RECORDS, 30: RECORDS[21].clone()}  # record 30 is a copy of 21
+    sampled = [20, 21, 30, 22]
+    batch = collate([records[i] for i in (20, 21, 22)])  # the duplicate dropped
+
+    check = verify_rows(batch, [1], [None], sampled, lambda i: collate([records[i]]))
+    assert check.indices == (21,) and check.verified
+    assert "duplicates" in check.rows[0].reason and "[21, 30]" in check.rows[0].reason
+
+
+def test_identical_records_prefer_the_claimed_one() -> None:
+    records = {**RECORDS, 30: RECORDS[21].clone()}
+    batch = collate([records[i] for i in (20, 30, 21)])
+    check = verify_rows(batch, [1], [30], [20, 30, 21], lambda i: collate([records[i]]))
+    assert check.indices == (30,) and check.broken is None
+
+
+def test_packed_rows_match_no_record() -> None:
+    sampled = [20, 21, 22, 23]
+    packed = [torch.cat([RECORDS[20], RECORDS[21]]), torch.cat([RECORDS[22], RECORDS[23]])]
+    batch = collate(packed)
+    check = verify_rows(batch, [1], [None], sampled, reader())
+    assert check.indices == (None,) and not check.verified and check.broken == "rows_not_records"
+    assert check.reason.startswith("2 rows for 4 recorded indices: rows are not one record each")
+    assert check.notice().endswith(
+        "their dataset indices are unknown. To name records directly, pass index_key= "
+        "(one index per row, or a 2-D field of the records of each row) or row_records=."
+    )
+
+
+def test_mixed_rows_are_unknown_not_claimed() -> None:
+    x = {i: torch.full((1, 3), float(i)) for i in range(4)}
+    lam, perm = 0.7, [2, 3, 0, 1]
+    batch = torch.cat([lam * x[i] + (1 - lam) * x[perm[i]] for i in range(4)])
+    check = verify_rows(batch, [2], [2], [0, 1, 2, 3], x.__getitem__)
+    assert check.indices == (None,) and check.rows[0].reason == SEVERAL_RECORDS
+    assert check.broken == "rows_not_records" and check.reads == 5
+
+
+def test_random_reads_leave_the_row_unverified() -> None:
+    generator = torch.Generator().manual_seed(0)
+
+    def noisy(index: int) -> Tensor:
+        return torch.full((1, 3), float(index)) + torch.rand(1, 3, generator=generator)
+
+    batch = torch.cat([noisy(i) for i in range(4)])
+    check = verify_rows(batch, [1], [1], [0, 1, 2, 3], noisy)
+    assert check.indices == (None,) and not check.verified and check.broken == "random_reads"
+    assert check.rows[0].claimed == 1 and check.reason == RANDOM_READS
+    assert check.reads == 2  # the claimed record, and once more: no search among random reads
+    assert check.notice().startswith("indices cannot be verified: re-reading a record gives different values")
+
+
+def test_random_multi_crop_rows_say_so() -> None:
+    generator = torch.Generator().manual_seed(0)
+
+    def two_crops(index: int) -> Tensor:
+        return torch.full((2, 3), float(index)) + torch.rand(2, 3, generator=generator)
+
+    batch = torch.cat([two_crops(i) for i in range(3)])  # 6 rows for 3 records
+    check = verify_rows(batch, [3], [None], [0, 1, 2], two_crops)
+    assert check.indices == (None,) and check.broken == "random_reads"
+
+
+def test_deterministic_multi_crop_rows_match_one_of_the_records_rows() -> None:
+    def two_crops(index: int) -> Tensor:
+        return torch.tensor([[index, 0], [index, 1]])
+
+    batch = torch.cat([two_crops(i) for i in (5, 6, 7)])
+    check = verify_rows(batch, [3], [None], [5, 6, 7], two_crops)
+    assert check.indices == (6,) and check.verified
+
+
+def test_strings_numbers_and_dtypes_are_compared_leniently_but_exactly_where_they_must() -> None:
+    row = {"x": torch.tensor([[1.0, float("nan")]], dtype=torch.bfloat16), "k": torch.tensor([3]), "s": ["a"]}
+    assert record_matches(row, {"x": torch.tensor([[1.001, float("nan")]]), "k": torch.tensor([3]), "s": ["a"]})
+    assert not record_matches(row, {"x": torch.tensor([[1.0, float("nan")]]), "k": torch.tensor([4]), "s": ["a"]})
+    assert not record_matches(row, {"x": torch.tensor([[1.0, float("nan")]]), "k": torch.tensor([3]), "s": ["b"]})
+    assert not record_matches(row, {"x": torch.tensor([[1.0, float("nan")]]), "k": torch.tensor([3])})
+    assert record_matches((torch.ones(1, 2), 0.5, 3), (torch.ones(1, 2), 0.5, 3))
+    assert not record_matches((torch.ones(1, 2), 0.5, 3), (torch.ones(1, 2), 0.5, 4))
+
+
+def test_failures_never_raise() -> None:
+    def broken(index: int) -> Any:
+        raise OSError(f"file {index} is gone")
+
+    check = verify_rows(torch.zeros(4, 2), [0], [7], [7, 8, 9, 10], broken)
+    assert check.indices == (None,) and check.broken == "unreadable"
+    assert check.reason == "re-reading record 7 failed (OSError: file 7 is gone)"
+    assert check.notice() == f"indices cannot be verified: {check.reason}; pass index_key=."
+
+    def no_slicer(batch: Any, positions: Sequence[int]) -> Any:
+        raise TypeError("cannot cut")
+
+    cut = verify_rows(torch.zeros(4, 2), [0], [7], [7, 8, 9, 10], reader(), slicer=no_slicer)
+    assert cut.indices == (None,) and "cannot be cut" in cut.reason and cut.reads == 0
+
+
+def test_a_collate_that_refuses_some_single_records_still_matches_the_others() -> None:
+    def picky(index: int) -> Any:
+        if index == 22:
+            raise ValueError("too short")
+        return collate([RECORDS[index]])
+
+    batch = collate([RECORDS[i] for i in (20, 21, 23)])
+    check = verify_rows(batch, [2], [None], [20, 21, 22, 23], picky)
+    assert check.indices == (23,) and check.verified
+
+
+def test_the_result_is_frozen_and_says_which_rows() -> None:
+    check = RecordCheck((RowRecord(1, 11, True, claimed=36), RowRecord(2, None, False, 7, "why")), "reorders", 4, 4)
+    assert check.indices == (11, None) and not check.verified and check.reason == "why"
+    with pytest.raises(AttributeError):
+        check.broken = None  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(4)))[:6])
+def test_any_order_of_a_batch_is_undone(order: tuple[int, ...]) -> None:
+    sampled = [20, 21, 22, 23]
+    batch = collate([RECORDS[sampled[k]] for k in order])
+    check = verify_rows(batch, [0, 1, 2, 3], sampled, sampled, reader())
+    assert check.indices == tuple(sampled[k] for k in order) and check.verified
