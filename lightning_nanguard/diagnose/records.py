@@ -18,12 +18,10 @@ the loader would collate it) and compares them with the rows:
 
 When the batch has more or fewer rows than recorded indices (a dropping or deduplicating collate,
 multi-crop, packing) no index is claimed: each row is matched by content among the batch's records.
-The comparison is tolerant (:func:`record_matches`): tensors are compared with ``allclose`` on the
-CPU (NaN equals NaN), integers and booleans exactly; a record padded into a longer row is compared
-with the row's leading or trailing region (right or left padding), the rest of the row being one
-padding value. :class:`RecordCheck` says which rows hold which records and which assumption of the
-pipeline broke (``"reorders"``, ``"rows_not_records"``, ``"random_reads"``, ``"unreadable"``), so the
-caller can tell the user once.
+The comparison is tolerant (:func:`~lightning_nanguard.diagnose.row_match.record_matches`: padding
+left or right, NaN equals NaN, half precision). :class:`RecordCheck` says which rows hold which
+records and which assumption of the pipeline broke (``"reorders"``, ``"rows_not_records"``,
+``"random_reads"``, ``"unreadable"``), so the caller can tell the user once.
 
 Example:
     >>> records = {10: torch.tensor([[1.0, 2.0]]), 11: torch.tensor([[3.0, 4.0]])}
@@ -35,24 +33,20 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections import UserDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-import torch
-from torch import Tensor
+import torch  # noqa: F401 (doctests)
 
 from lightning_nanguard.diagnose.batching import BatchSlicer, batch_size, slice_batch
+from lightning_nanguard.diagnose.row_match import record_matches, same_reads
 
 __all__ = [
     "BROKEN_ASSUMPTIONS",
     "BrokenAssumption",
     "RecordCheck",
     "RowRecord",
-    "record_matches",
     "verify_rows",
 ]
 
@@ -77,6 +71,8 @@ class RowRecord:
         verified: the record at ``index`` was re-read and matches the row.
         claimed: the sampler's index at the row's position (``None`` when rows are not one record each).
         reason: why the row is unverified or unknown, or a note (duplicate records).
+        broke: the assumption this row showed broken (``"rows_not_records"``: the claimed index, if
+            any, is not the row's record).
     """
 
     row: int
@@ -84,6 +80,7 @@ class RowRecord:
     verified: bool
     claimed: int | None = None
     reason: str = ""
+    broke: BrokenAssumption | None = None
 
     @property
     def corrected(self) -> bool:
@@ -157,137 +154,6 @@ class RecordCheck:
         if self.broken == "unreadable":
             return f"indices cannot be verified: {self.reason}; pass index_key=."
         return ""
-
-
-# ---------------------------------------------------------------------------------------- comparison
-
-
-def _leaves(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    """Every leaf of a batch with its path (dict keys, fields, positions)."""
-    if isinstance(obj, Tensor):
-        yield path, obj
-    elif isinstance(obj, UserDict | Mapping):
-        for key, value in (obj.data if isinstance(obj, UserDict) else obj).items():
-            yield from _leaves(value, (*path, ("key", key)))
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _leaves(getattr(obj, f.name), (*path, ("field", f.name)))
-    elif isinstance(obj, list | tuple):
-        for position, value in enumerate(obj):
-            yield from _leaves(value, (*path, position))
-    else:
-        yield path, obj
-
-
-def _tolerance(*dtypes: torch.dtype) -> float:
-    """Relative tolerance of the least precise floating dtype (a row cast to half still matches)."""
-    eps = max((torch.finfo(d).eps for d in dtypes if d.is_floating_point), default=0.0)
-    return max(1e-5, 2.0 * eps)
-
-
-def _values_match(a: Tensor, b: Tensor) -> bool:
-    if a.shape != b.shape:
-        return False
-    if a.is_complex() or b.is_complex():
-        return bool(torch.allclose(a.to(torch.complex128), b.to(torch.complex128), equal_nan=True))
-    if a.is_floating_point() or b.is_floating_point():
-        rtol = _tolerance(a.dtype, b.dtype)
-        return bool(torch.allclose(a.double(), b.double(), rtol=rtol, atol=rtol * 1e-3, equal_nan=True))
-    return bool(torch.equal(a.to(torch.int64), b.to(torch.int64)))
-
-
-def _one_value(t: Tensor) -> bool:
-    """All elements equal (NaN counts as equal to NaN): a padding region."""
-    if t.numel() == 0:
-        return True
-    first = t.flatten()[0]
-    if t.is_floating_point() and bool(torch.isnan(first)):
-        return bool(torch.isnan(t).all())
-    return bool((t == first).all())
-
-
-def _region_matches(row: Tensor, record: Tensor, trailing: bool) -> bool:
-    """The record in the row's leading (``trailing``: trailing) region, the rest of the row one padding value."""
-    region = tuple(
-        slice(size - kept, size) if trailing else slice(0, kept)
-        for kept, size in zip(record.shape, row.shape, strict=True)
-    )
-    if not _values_match(row[region], record):
-        return False
-    padding = torch.ones(row.shape, dtype=torch.bool)
-    padding[region] = False
-    return _one_value(row[padding])
-
-
-def _tensors_match(row: Tensor, record: Tensor) -> bool:
-    row, record = row.detach().cpu(), record.detach().cpu()
-    if row.shape == record.shape:
-        return _values_match(row, record)
-    if row.dim() != record.dim() or any(s > r for r, s in zip(row.shape, record.shape, strict=True)):
-        return False  # not the record padded into a longer row
-    return _region_matches(row, record, trailing=False) or _region_matches(row, record, trailing=True)
-
-
-def _leaf_matches(row: Any, record: Any) -> bool:
-    if isinstance(row, Tensor) or isinstance(record, Tensor):
-        return isinstance(row, Tensor) and isinstance(record, Tensor) and _tensors_match(row, record)
-    if isinstance(row, float) and isinstance(record, float) and math.isnan(row) and math.isnan(record):
-        return True
-    if isinstance(row, float) and isinstance(record, int | float):
-        return math.isclose(row, record, rel_tol=1e-6)
-    try:
-        return bool(row == record)  # ints and bools exactly, strings, None
-    except Exception:  # objects whose equality is not a bool (arrays): no match
-        return False
-
-
-def _whole_matches(row: Any, record: Any) -> bool:
-    row_leaves, record_leaves = dict(_leaves(row)), dict(_leaves(record))
-    if row_leaves.keys() != record_leaves.keys():
-        return False
-    return all(_leaf_matches(row_leaves[path], record_leaves[path]) for path in row_leaves)
-
-
-def record_matches(row: Any, record: Any) -> bool:
-    """Whether a batch of one ``row`` holds the record of ``record`` (a batch of that one record).
-
-    Same structure; every leaf equal within tolerance (see the module docs). A record that collates
-    into several rows (multi-crop) matches when one of its rows does.
-
-    Example:
-        >>> row = {"ids": torch.tensor([[0, 0, 5, 6]]), "name": ["b"]}  # left-padded to 4
-        >>> record_matches(row, {"ids": torch.tensor([[5, 6]]), "name": ["b"]})
-        True
-        >>> record_matches(row, {"ids": torch.tensor([[5, 7]]), "name": ["b"]})
-        False
-    """
-    if _whole_matches(row, record):
-        return True
-    try:
-        count = batch_size(record)
-    except TypeError:
-        return False
-    if count <= 1:
-        return False
-    return any(_whole_matches(row, slice_batch(record, [k], size=count)) for k in range(count))
-
-
-def _same_reads(first: Any, second: Any) -> bool:
-    """Two reads of one record are the same (exact structure and shapes; tolerant values)."""
-    a, b = dict(_leaves(first)), dict(_leaves(second))
-    if a.keys() != b.keys():
-        return False
-    for path, left in a.items():
-        right = b[path]
-        if isinstance(left, Tensor) and isinstance(right, Tensor):
-            if left.shape != right.shape or not _values_match(left.detach().cpu(), right.detach().cpu()):
-                return False
-        elif not _leaf_matches(left, right):
-            return False
-    return True
-
-
-# ---------------------------------------------------------------------------------------- the check
 
 
 class _Reads:
@@ -384,20 +250,20 @@ def verify_rows(
                     out.append(RowRecord(row, claim, True, claim))
                     continue
                 if random is None:
-                    random = not _same_reads(reads.get(claim), reads.fresh(claim))
+                    random = not same_reads(reads.get(claim), reads.fresh(claim))
             except Exception as error:
-                out.append(RowRecord(row, None, False, claim, _error(claim, error)))
+                out.append(RowRecord(row, None, False, claim, _error(claim, error), "unreadable"))
                 broken = _worse(broken, "unreadable")
                 continue
             if random:
-                out.append(RowRecord(row, None, False, claim, RANDOM_READS))
+                out.append(RowRecord(row, None, False, claim, RANDOM_READS, "random_reads"))
                 broken = _worse(broken, "random_reads")
                 continue
         found, note, failed = _search(got, distinct, reads, claim)
         if found is not None:
-            out.append(RowRecord(row, found, True, claim, note))
-            if claim is not None and found != claim:
-                broken = _worse(broken, "reorders")
+            moved = claim is not None and found != claim
+            out.append(RowRecord(row, found, True, claim, note, "reorders" if moved else None))
+            broken = _worse(broken, "reorders" if moved else None)
             continue
         why: BrokenAssumption
         if failed:
@@ -411,7 +277,7 @@ def verify_rows(
         else:
             reason, why = SEVERAL_RECORDS, "rows_not_records"
         random = bool(random)
-        out.append(RowRecord(row, None, False, claim, reason))
+        out.append(RowRecord(row, None, False, claim, reason, why))
         broken = _worse(broken, why)
     return RecordCheck(tuple(out), broken, batch_rows, len(candidates), reads.count)
 
@@ -442,6 +308,6 @@ def _random_reads(distinct: Sequence[int], reads: _Reads) -> bool:
     if not distinct:
         return False
     try:
-        return not _same_reads(reads.get(distinct[0]), reads.fresh(distinct[0]))
+        return not same_reads(reads.get(distinct[0]), reads.fresh(distinct[0]))
     except Exception:
         return False

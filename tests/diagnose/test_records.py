@@ -7,11 +7,12 @@ batches are built by hand the way the pipelines build them (sorted, dropped, pad
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
+from record_pipelines import RECORDS, collate, reader
 from torch import Tensor
 
 from lightning_nanguard.diagnose.records import (
@@ -19,33 +20,8 @@ from lightning_nanguard.diagnose.records import (
     SEVERAL_RECORDS,
     RecordCheck,
     RowRecord,
-    record_matches,
     verify_rows,
 )
-
-# record i: a sequence of (i % 4) + 2 tokens, each token 10 * i + position, and a name
-RECORDS = {i: torch.arange(10 * i, 10 * i + (i % 4) + 2) for i in range(20, 28)}
-
-
-def collate(items: Sequence[Tensor], left: bool = False) -> dict[str, Any]:
-    """Pad to the longest sequence (right, or ``left``), with a mask and the record's name."""
-    width = max(len(t) for t in items)
-    ids = torch.zeros(len(items), width, dtype=torch.long)
-    mask = torch.zeros(len(items), width, dtype=torch.bool)
-    for row, t in enumerate(items):
-        where = slice(width - len(t), width) if left else slice(0, len(t))
-        ids[row, where], mask[row, where] = t, True
-    return {"ids": ids, "mask": mask, "name": [f"r{int(t[0]) // 10}" for t in items]}
-
-
-def reader(left: bool = False, counter: list[int] | None = None) -> Callable[[int], Any]:
-    def read(index: int) -> Any:
-        if counter is not None:
-            counter.append(index)
-        return collate([RECORDS[index]], left=left)
-
-    return read
-
 
 SAMPLED = [20, 21, 22, 23, 24, 25, 26, 27]
 
@@ -74,20 +50,6 @@ def test_a_sorting_collate_is_corrected_from_padded_rows(left: bool) -> None:
     )
     # claimed once, again to see that reads are not random, then the other records once each
     assert check.reads == len(SAMPLED) + 1
-
-
-@pytest.mark.parametrize("left", [False, True])
-def test_a_record_padded_either_side_matches_its_row_only(left: bool) -> None:
-    batch = collate([RECORDS[23], RECORDS[20]], left=left)  # record 20 (2 tokens) padded to 5
-    row = {key: value[1:] for key, value in batch.items()}
-    assert record_matches(row, reader()(20)) and not record_matches(row, reader()(24))
-
-
-def test_a_padding_region_must_hold_one_value() -> None:
-    record = torch.tensor([[5, 6]])
-    assert record_matches(torch.tensor([[5, 6, 0, 0]]), record)
-    assert not record_matches(torch.tensor([[5, 6, 0, 9]]), record)  # a longer record, not padding
-    assert not record_matches(torch.tensor([[5]]), record)  # a row shorter than the record
 
 
 def test_a_dropping_collate_matches_rows_by_content() -> None:
@@ -172,16 +134,6 @@ def test_deterministic_multi_crop_rows_match_one_of_the_records_rows() -> None:
     batch = torch.cat([two_crops(i) for i in (5, 6, 7)])
     check = verify_rows(batch, [3], [None], [5, 6, 7], two_crops)
     assert check.indices == (6,) and check.verified
-
-
-def test_strings_numbers_and_dtypes_are_compared_leniently_but_exactly_where_they_must() -> None:
-    row = {"x": torch.tensor([[1.0, float("nan")]], dtype=torch.bfloat16), "k": torch.tensor([3]), "s": ["a"]}
-    assert record_matches(row, {"x": torch.tensor([[1.001, float("nan")]]), "k": torch.tensor([3]), "s": ["a"]})
-    assert not record_matches(row, {"x": torch.tensor([[1.0, float("nan")]]), "k": torch.tensor([4]), "s": ["a"]})
-    assert not record_matches(row, {"x": torch.tensor([[1.0, float("nan")]]), "k": torch.tensor([3]), "s": ["b"]})
-    assert not record_matches(row, {"x": torch.tensor([[1.0, float("nan")]]), "k": torch.tensor([3])})
-    assert record_matches((torch.ones(1, 2), 0.5, 3), (torch.ones(1, 2), 0.5, 3))
-    assert not record_matches((torch.ones(1, 2), 0.5, 3), (torch.ones(1, 2), 0.5, 4))
 
 
 def test_failures_never_raise() -> None:
