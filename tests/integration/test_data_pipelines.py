@@ -134,12 +134,10 @@ def assert_never_wrong(run: Run, guilty: set[int]) -> None:
         truth = [set(seen.rows[row]) for row in event.offending_samples]
         if event.dataset_indices is not None:
             assert [{index} for index in event.dataset_indices] == truth, "a wrong dataset index"
-            assert event.indices_verified is True
         if event.sample_records is not None:
             assert [set(records) for records in event.sample_records] == truth, "wrong records of a row"
             assert event.dataset_indices is None
-            assert event.indices_verified is True
-        if event.dataset_indices is None and event.sample_records is None:
+        if event.indices_verified is not True:  # nothing named, or named but not verified: said why
             assert event.indices_verified is False
             assert isinstance(event.details.get("indices_unverified"), str) and event.details["indices_unverified"]
 
@@ -269,13 +267,8 @@ def test_d_packed_rows_without_help_name_no_record(quarantine: bool, tmp_path: P
         assert_quarantine(run, {guilty}, set(range(N)) - {guilty})
 
 
-@QUARANTINE
-def test_d_packed_rows_with_a_2d_index_field_name_the_records_of_the_row(quarantine: bool, tmp_path: Path) -> None:
-    data, guilty = packed_setup()
-    run = fit(
-        pp.PackedClassifier(), data, pp.PackPairs(with_index=True), tmp_path, quarantine=quarantine,
-        field="uids", index_key="index",
-    )  # fmt: skip
+def assert_names_the_records_of_the_row(run: Run, guilty: int) -> None:
+    """Rows holding several records: the bad row is named with exactly its records, verified."""
     assert_one_event_per_batch_with(run, {guilty})
     for event in run.events:
         seen = run.seen.at(event.global_step)
@@ -283,29 +276,33 @@ def test_d_packed_rows_with_a_2d_index_field_name_the_records_of_the_row(quarant
         assert (event.cause, event.offending_samples, event.dataset_indices) == ("data", (row,), None)
         assert event.sample_records is not None and [set(r) for r in event.sample_records] == [set(seen.rows[row])]
         assert event.indices_verified is True
-    if quarantine:
-        assert_quarantine(run, {guilty}, set(range(N)) - {guilty})
-        assert_row_mates_still_trained(run, guilty)
+
+
+def packed_pairs(batch: Any, indices: list[int] | None) -> list[list[int]]:
+    """``row_records``: row ``k`` of ``PackPairs`` holds the batch's records ``2k`` and ``2k + 1``."""
+    assert indices is not None
+    return [list(indices[k : k + 2]) for k in range(0, len(indices), 2)]
+
+
+class PackedWithHook(pp.PackedClassifier):
+    def nanguard_row_records(self, batch: Any, indices: list[int] | None) -> list[list[int]]:
+        return packed_pairs(batch, indices)
 
 
 @QUARANTINE
-def test_d_packed_rows_with_a_row_records_hook_name_the_records_of_the_row(quarantine: bool, tmp_path: Path) -> None:
-    """The same packing told through ``row_records(batch, indices)``: rows ``k`` hold sampler indices ``2k, 2k+1``."""
+@pytest.mark.parametrize("helped_by", ["index_key", "row_records", "module_hook"])
+def test_d_packed_rows_with_help_name_the_records_of_the_row(helped_by: str, quarantine: bool, tmp_path: Path) -> None:
+    """Told by a 2-D index field, a ``row_records`` argument, or the module's ``nanguard_row_records``."""
     data, guilty = packed_setup()
-
-    def pairs(batch: Any, indices: list[int]) -> list[list[int]]:
-        return [list(indices[k : k + 2]) for k in range(0, len(indices), 2)]
-
-    run = fit(
-        pp.PackedClassifier(), data, pp.PackPairs(), tmp_path, quarantine=quarantine, field="uids", row_records=pairs
-    )
-    assert_one_event_per_batch_with(run, {guilty})
-    for event in run.events:
-        seen = run.seen.at(event.global_step)
-        (row,) = bad_rows(seen, {guilty})
-        assert (event.cause, event.offending_samples, event.dataset_indices) == ("data", (row,), None)
-        assert event.sample_records is not None and [set(r) for r in event.sample_records] == [set(seen.rows[row])]
-        assert event.indices_verified is True
+    module = PackedWithHook() if helped_by == "module_hook" else pp.PackedClassifier()
+    kwargs: dict[str, Any] = {
+        "index_key": {"index_key": "index"},
+        "row_records": {"row_records": packed_pairs},
+        "module_hook": {},
+    }[helped_by]
+    collate = pp.PackPairs(with_index=helped_by == "index_key")
+    run = fit(module, data, collate, tmp_path, quarantine=quarantine, field="uids", **kwargs)
+    assert_names_the_records_of_the_row(run, guilty)
     if quarantine:
         assert_quarantine(run, {guilty}, set(range(N)) - {guilty})
         assert_row_mates_still_trained(run, guilty)
