@@ -85,6 +85,18 @@ class BlameCheck:
     reason: str = ""
 
     @property
+    def batch_reason(self) -> str:
+        """Why the batch as a whole is at fault (see :attr:`batch_fault`), for the event."""
+        where = {
+            "batch": "healthy samples of the same batch",
+            "reference": "the reference samples of a recent healthy step",
+        }.get(self.company, "healthy samples")
+        return (
+            f"samples {list(self.failed_alone)} fail on their own but not beside {where}: the batch as a whole is "
+            "at fault (e.g. a mean over zero targets, a statistic of a degenerate batch), not its records"
+        )
+
+    @property
     def batch_fault(self) -> bool:
         """Every named sample was checked and none fails beside healthy samples: the batch is at fault."""
         return bool(self.failed_alone) and not self.verified and not self.unverified

@@ -39,8 +39,9 @@ from lightning_nanguard.diagnose.blame import BlameCheck, check_blame
 from lightning_nanguard.diagnose.cause import InputCheck, StateCheck, check_input, check_state, describe_fields
 from lightning_nanguard.diagnose.combined import CombinedLayout, LoaderSplit
 from lightning_nanguard.diagnose.hints import hint_for
-from lightning_nanguard.diagnose.isolation import eagerly, isolated
-from lightning_nanguard.diagnose.localization import Localization, localize
+from lightning_nanguard.diagnose.isolation import eagerly
+from lightning_nanguard.diagnose.localization import Localization
+from lightning_nanguard.diagnose.origin import localized, spike_localizes
 from lightning_nanguard.diagnose.runner import StepFn, SubBatchRunner, finite_threshold, loss_from_output
 
 __all__ = ["Diagnosis", "SubBatchRunner", "diagnose", "loss_from_output"]
@@ -210,7 +211,7 @@ def diagnose(
             reason = f"the weights are already non-finite ({shown}): every sample fails, whatever the data"
         else:
             reason = "bisection disabled"
-        localization, failure = _localized(runner, None, localize_origin, source_root, scan_input=True)
+        localization, failure = localized(runner, None, localize_origin, source_root, scan_input=True)
         cause: EventCause | None = "state" if bad_weights and bisect else None
         return Diagnosis(runner.size, None, reason, 0, localization, failure, whole, cause=cause, **common)
     reference: SubBatchRunner | None = None
@@ -348,8 +349,8 @@ def _state_diagnosis(
             **common,
         )
     nonfinite = runner.saw_nonfinite or (reference is not None and reference.saw_nonfinite)
-    localization, error = _localized(
-        runner, None, localize_origin and _spike_localizes(runner, nonfinite), common["source_root"]
+    localization, error = localized(
+        runner, None, localize_origin and spike_localizes(runner, nonfinite), common["source_root"]
     )
     if localization is not None and localization.phase is not None and not localization.from_infinity:
         # every sample fails: an op's own hint ("pow at 0", "check the input data") would mislead;
@@ -394,7 +395,7 @@ def _search_diagnosis(
     blame_verified: bool | None = None
     if blame.batch_fault:
         cause = "batch"
-        reasons = [_batch_reason(blame)]
+        reasons = [blame.batch_reason]
     elif blame.verified:
         cause, offending = "data", sorted([*blame.verified, *blame.unverified])
         blame_verified = not blame.unverified
@@ -414,8 +415,8 @@ def _search_diagnosis(
     rows = offending if cause == "data" and not runner.custom_slicer else None
     localization = error = None
     if result.offending or result.smallest_bad:
-        localize_here = localize_origin and _spike_localizes(runner, runner.saw_nonfinite)
-        localization, error = _localized(runner, rows, localize_here, common["source_root"])
+        localize_here = localize_origin and spike_localizes(runner, runner.saw_nonfinite)
+        localization, error = localized(runner, rows, localize_here, common["source_root"])
     if cause == "batch" and localization is not None and localization.phase is not None:
         localization = replace(localization, hint=hint_for("<batch>", localization.phase))
     if inputs.fields:
@@ -438,59 +439,3 @@ def _search_diagnosis(
         verify_passes=blame.passes,
         **common,
     )
-
-
-def _batch_reason(blame: BlameCheck) -> str:
-    where = {
-        "batch": "healthy samples of the same batch",
-        "reference": "the reference samples of a recent healthy step",
-    }.get(blame.company, "healthy samples")
-    return (
-        f"samples {list(blame.failed_alone)} fail on their own but not beside {where}: the batch as a whole is "
-        "at fault (e.g. a mean over zero targets, a statistic of a degenerate batch), not its records"
-    )
-
-
-def _spike_localizes(runner: SubBatchRunner, saw_nonfinite: bool) -> bool:
-    """In loss-spike mode the origin of a merely large loss is not localised, only that of a NaN/Inf."""
-    return runner.loss_threshold is None or saw_nonfinite
-
-
-def _localized(
-    runner: SubBatchRunner, rows: list[int] | None, wanted: bool, source_root: str | None, scan_input: bool = False
-) -> tuple[Localization | None, str | None]:
-    """Localise on the full batch (following ``rows``); a failure keeps the rest of the diagnosis.
-
-    ``scan_input``: report a batch holding NaN/Inf as the origin (when no input verdict was made).
-    """
-    if not wanted:
-        return None, None
-    try:
-        found = runner.instrumented(lambda: _localize_batch(runner, rows, source_root, scan_input))
-        if rows is not None and not runner.found(found):  # nothing in those rows: the whole batch
-            found = runner.instrumented(lambda: _localize_batch(runner, None, source_root, scan_input))
-        return found, None
-    except Exception as error:  # keep the samples found: only the origin is unknown
-        log.warning("NanGuard: localising the origin failed: %r", error, exc_info=True)
-        return None, f"localisation failed: {error!r}"
-
-
-def _localize_batch(
-    runner: SubBatchRunner, rows: list[int] | None, source_root: str | None, scan_input: bool
-) -> Localization:
-    """One instrumented forward/backward of the full batch, isolated, as training ran it."""
-    fields: list[Any] | None = None if scan_input else []
-    if scan_input and runner.combined is not None:  # each loader's part has its own size
-        fields = list(runner.nonfinite_fields())
-    with isolated(runner.module), runner.mode(False):
-        return localize(
-            runner.module,
-            lambda: loss_from_output(runner.step_fn(runner.batch, runner.batch_idx)),
-            batch=runner.batch,
-            params=runner.params,
-            rows=runner.rows(rows),
-            batch_size=runner.size,
-            source_root=source_root,
-            input_fields=fields,
-            grads_from_graph=runner.grads_from_graph,
-        )

@@ -359,7 +359,7 @@ def test_graph_tagging_visits_each_node_once(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_a_failing_localisation_keeps_the_samples(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_nanguard.diagnose import diagnosis as forensics
+    from lightning_nanguard.diagnose import origin as forensics
 
     def broken(*args: Any) -> Any:
         raise RuntimeError("instrumentation broke")
