@@ -63,8 +63,9 @@ SHARED_FIELDS: tuple[str, ...] = ("bad", "others_bad", "spike", "failed")
 """The flags summed over ranks (DDP), in the order of :func:`shared_part`."""
 
 # Which cause wins when ranks disagree: the weights are shared, so a state verdict anywhere is the
-# verdict; then NaN/Inf in a batch, then samples that reproduce it, then samples that only fail together.
-_CAUSE_PRIORITY = ("state", "input", "data", "interaction")
+# verdict; then NaN/Inf in a batch, then samples that reproduce it, then samples that only fail together,
+# then a batch that fails only as a whole (a degenerate batch: no record and no weight is at fault).
+_CAUSE_PRIORITY = ("state", "input", "data", "interaction", "batch")
 
 
 def local_vector(

@@ -26,7 +26,7 @@ from lightning_nanguard.decide.policy import (
     shared_part,
 )
 
-CAUSES = ("state", "input", "data", "interaction")
+CAUSES = ("state", "input", "data", "interaction", "batch")
 """From the strongest verdict to the weakest: the shared cause is the strongest any incident rank gave."""
 
 
@@ -379,7 +379,7 @@ def test_no_failed_rank_disables_nothing() -> None:
 @pytest.mark.parametrize(("first", "second"), list(itertools.permutations(CAUSES, 2)))
 @pytest.mark.parametrize("ranks", [(0, 1), (1, 0), (3, 1), (0, 7)], ids=["0-1", "1-0", "3-1", "0-7"])
 def test_the_shared_cause_is_the_strongest_of_two_ranks(first: str, second: str, ranks: tuple[int, int]) -> None:
-    """``state`` > ``input`` > ``data`` > ``interaction``, whichever rank said it and in whichever order."""
+    """``state`` > ``input`` > ``data`` > ``interaction`` > ``batch``, whichever rank said it and in whichever order."""
     expected = min((first, second), key=CAUSES.index)
     reports = [incident(ranks[0], cause=first), incident(ranks[1], cause=second)]
     for ordered in (reports, reports[::-1]):

@@ -115,3 +115,14 @@ def test_a_checkpoint_with_nonfinite_weights_gets_the_snapshot_or_is_refused() -
     assert checkpoint["nanguard_substituted_step"] == 3
     assert torch.equal(checkpoint["state_dict"]["weight"], net.weight.detach())
     assert recovery.make_checkpoint_finite_({"state_dict": net.state_dict()}) is None  # finite: untouched
+
+
+def test_a_degenerate_batch_neither_clips_nor_backs_off_the_learning_rate() -> None:
+    module = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    recovery = Recovery(("clip_grad", "lr_backoff", "quarantine"))
+    for norm in (1.0, 2.0, 3.0):
+        recovery.remember_healthy_norm(norm)
+    assert recovery.apply(TrainingParts(module, [optimizer], []), cause="batch") == []
+    assert optimizer.param_groups[0]["lr"] == 0.1 and recovery.book.clip_threshold is None
+    assert recovery.apply(TrainingParts(module, [optimizer], []), cause="state") != []
