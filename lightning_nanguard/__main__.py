@@ -44,6 +44,9 @@ _DIAGNOSIS_DETAILS = (
     "source_path",
     "stack",
     "dataset_indices_unknown",
+    "verify_passes",
+    "blame_note",
+    "blame_unverified",
 )
 
 
@@ -83,6 +86,7 @@ def _replay(args: argparse.Namespace) -> int:
         remedies=(),
         repro_path=str(bundle.path),
         cause=None,
+        blame_verified=None,
         culprit_module=None,
         culprit_op=None,
         source_line=None,
