@@ -13,7 +13,8 @@ while the last batch of its previous pass may still be waiting (``CombinedLoader
 so those stay.
 
 Not available for an ``IterableDataset`` or ``batch_size=None`` (no batch sampler); name an index
-field of the batch instead (``NanGuard(index_key=...)``).
+field of the batch instead (``NanGuard(index_key=...)``): one index per row (:func:`indices_from_batch`),
+or a 2-D field of the records each row holds (:func:`records_from_batch`).
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from lightning_nanguard.core.timing import GuardClock
 
 __all__ = [
     "RecordingBatchSampler",
+    "index_field",
     "indices_from_batch",
     "mark_epoch_end",
     "next_recorded_indices",
     "record_batch_indices",
+    "records_from_batch",
     "stop_recording",
 ]
 
@@ -184,19 +187,69 @@ def stop_recording(sampler: Any) -> None:
         vars(sampler).pop(attr, None)
 
 
+def index_field(batch: Any, key: str | int) -> Any:
+    """The batch's index field ``key`` (a dict key, attribute or tuple position); ``None`` when it has none."""
+    try:
+        return batch[key] if isinstance(batch, Mapping) or isinstance(key, int) else getattr(batch, key)
+    except (KeyError, IndexError, AttributeError, TypeError):
+        return None
+
+
+def _several_per_row(value: Any) -> bool:
+    """A 2-D field with more than one column: the records of each row (packed rows, mixup pairs)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 2 and value.shape[1] > 1
+    return isinstance(value, list | tuple) and any(isinstance(v, list | tuple | torch.Tensor) for v in value)
+
+
 def indices_from_batch(batch: Any, key: str | int) -> list[int] | None:
-    """Read dataset indices stored in the batch itself (a dict key or a tuple position).
+    """Read dataset indices stored in the batch itself (a dict key or a tuple position): one per row.
+
+    Repeated indices are fine (several rows of one record, e.g. multi-crop). A 2-D field (the records
+    of each row) gives ``None`` here, read it with :func:`records_from_batch`.
 
     Example:
         >>> indices_from_batch({"x": torch.zeros(2), "idx": torch.tensor([7, 9])}, "idx")
         [7, 9]
+        >>> indices_from_batch({"idx": torch.tensor([[7, 8], [9, -1]])}, "idx") is None
+        True
     """
-    try:
-        value = batch[key] if isinstance(batch, Mapping) or isinstance(key, int) else getattr(batch, key)
-    except (KeyError, IndexError, AttributeError, TypeError):
+    value = index_field(batch, key)
+    if _several_per_row(value):
         return None
     if isinstance(value, torch.Tensor):
         return [int(v) for v in value.flatten().tolist()]
     if isinstance(value, list | tuple):
-        return [int(v) for v in value]
+        try:
+            return [int(v) for v in value]
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def _row(value: Any) -> tuple[int, ...]:
+    items = value.flatten().tolist() if isinstance(value, torch.Tensor) else list(value)
+    return tuple(int(v) for v in items if int(v) >= 0)
+
+
+def records_from_batch(batch: Any, key: str | int) -> tuple[tuple[int, ...], ...] | None:
+    """The dataset indices each row holds, read from the batch's index field ``key``; ``None`` without one.
+
+    A 1-D field holds one index per row; a 2-D field (a tensor, or a list of lists) the records of
+    each row, negative entries being padding (packed rows of different counts, mixup pairs).
+
+    Example:
+        >>> records_from_batch({"idx": torch.tensor([[3, 4], [5, -1]])}, "idx")
+        ((3, 4), (5,))
+        >>> records_from_batch({"idx": [7, 7, 9]}, "idx")
+        ((7,), (7,), (9,))
+    """
+    value = index_field(batch, key)
+    try:
+        if isinstance(value, torch.Tensor) and value.dim() in (1, 2):
+            return tuple(_row(row) if value.dim() == 2 else (int(row),) for row in value.tolist())
+        if isinstance(value, list | tuple):
+            return tuple(_row(v) if isinstance(v, list | tuple | torch.Tensor) else (int(v),) for v in value)
+    except (TypeError, ValueError):
+        return None
     return None

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler
 
-from lightning_nanguard.adapter.indices import indices_from_batch, record_batch_indices
+from lightning_nanguard.adapter.indices import indices_from_batch, record_batch_indices, records_from_batch
 
 
 class IndexDataset(Dataset):
@@ -109,3 +109,16 @@ def test_indices_from_batch() -> None:
     assert indices_from_batch({"x": torch.zeros(2)}, "idx") is None
     assert indices_from_batch((torch.zeros(2),), 3) is None
     assert indices_from_batch({"idx": "not indices"}, "idx") is None
+
+
+def test_a_2d_index_field_holds_the_records_of_each_row() -> None:
+    packed = {"idx": torch.tensor([[3, 4], [5, -1]])}  # -1: padding (a row of one record)
+    assert indices_from_batch(packed, "idx") is None  # not one index per row
+    assert records_from_batch(packed, "idx") == ((3, 4), (5,))
+    assert records_from_batch({"idx": [[1, 2], (3,)]}, "idx") == ((1, 2), (3,))
+    assert records_from_batch({"idx": torch.tensor([7, 7, 9])}, "idx") == ((7,), (7,), (9,))  # multi-crop
+    assert indices_from_batch({"idx": torch.tensor([7, 7, 9])}, "idx") == [7, 7, 9]
+    assert indices_from_batch({"idx": torch.tensor([[7], [9]])}, "idx") == [7, 9]  # one column: one per row
+    assert records_from_batch({"x": torch.zeros(2)}, "idx") is None
+    assert records_from_batch({"idx": ["a", "b"]}, "idx") is None
+    assert records_from_batch({"idx": torch.zeros(2, 2, 2)}, "idx") is None
