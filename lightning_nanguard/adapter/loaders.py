@@ -12,7 +12,9 @@ fetched:
   of a batch are popped from the FIFO of the loader that gave that part, and only when it gave
   one (an exhausted loader of ``CombinedLoader(mode="max_size")`` gives ``None``);
 - each loader's quarantine: the indices quarantined for that loader, and those of an older
-  checkpoint's flat list (which applied to every loader).
+  checkpoint's flat list (which applied to every loader);
+- each loader's :class:`~lightning_nanguard.adapter.readers.RecordReader`, which reads a record again
+  at an incident to check that an index names the record really in its row.
 
 Example:
     >>> from torch.utils.data import DataLoader, TensorDataset
@@ -46,10 +48,12 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_nanguard.adapter.indices import (
     RecordingBatchSampler,
+    index_field,
     indices_from_batch,
     mark_epoch_end,
     next_recorded_indices,
 )
+from lightning_nanguard.adapter.readers import RecordReader
 from lightning_nanguard.diagnose.combined import CombinedIndices, CombinedLayout, LoaderKey
 
 __all__ = ["Exclusion", "TrainingLoaders", "loader_paths"]
@@ -120,6 +124,12 @@ def _unknown_reason(loader: Any) -> str:
     return "its batch sampler cannot be recorded (name an index field with index_key=)"
 
 
+def _field_reason(part: Any, index_key: int | str) -> str:
+    if index_field(part, index_key) is None:
+        return f"no index field {index_key!r} in its batch"
+    return f"the index field {index_key!r} holds several records per row, or no integers"
+
+
 @dataclass
 class TrainingLoaders:
     """The fit's training loaders (see the module docs).
@@ -128,11 +138,13 @@ class TrainingLoaders:
         layout: where each loader's part sits in a combined batch; ``None`` for a bare loader.
         samplers: each loader's recording batch sampler (``None``: not recordable), in layout order.
         reasons: why a loader's indices are unknown, in layout order (empty when recordable).
+        readers: each loader's record reader, in layout order.
     """
 
     layout: CombinedLayout | None
     samplers: list[RecordingBatchSampler | None] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
+    readers: tuple[RecordReader, ...] = ()
 
     @classmethod
     def of(
@@ -160,7 +172,7 @@ class TrainingLoaders:
                 sampler.nanguard_exclude = exclusions(layout.parts[index].key)
             samplers.append(sampler)
             reasons.append("" if sampler is not None else _unknown_reason(loader))
-        return cls(layout, samplers, reasons)
+        return cls(layout, samplers, reasons, tuple(RecordReader.of(loader) for _, loader in paths))
 
     def mark_epoch_end(self) -> None:
         """An epoch starts: indices recorded ahead and never trained on are dropped at each loader's next pass.
@@ -207,7 +219,7 @@ class TrainingLoaders:
             elif index_key is not None:
                 found = indices_from_batch(part, index_key)
                 indices.append(found)
-                reasons.append("" if found is not None else f"no index field {index_key!r} in its batch")
+                reasons.append("" if found is not None else _field_reason(part, index_key))
             elif sampler is not None:
                 indices.append(sampler.nanguard_fifo.popleft() if sampler.nanguard_fifo else None)
                 reasons.append("" if indices[-1] is not None else "its sampler yielded no integer indices")

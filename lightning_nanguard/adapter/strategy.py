@@ -41,6 +41,7 @@ from lightning_nanguard.adapter.indices import (
     stop_recording,
 )
 from lightning_nanguard.adapter.loaders import Exclusion, TrainingLoaders
+from lightning_nanguard.adapter.readers import RecordReader
 from lightning_nanguard.core.events import NonFiniteTrainingError
 from lightning_nanguard.core.timing import GuardClock
 from lightning_nanguard.diagnose.combined import CombinedIndices, LoaderKey
@@ -112,6 +113,10 @@ class StrategyHooks:
         if index_key is not None:
             return indices_from_batch(batch, index_key)
         return next_recorded_indices(self.samplers)
+
+    def readers(self) -> tuple[RecordReader, ...]:
+        """Each training loader's record reader (layout order; empty before the first epoch starts)."""
+        return self.loaders.readers if self.loaders is not None else ()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_nanguard.adapter.logged_values import LoggedValues
+from lightning_nanguard.adapter.readers import RecordReader
 from lightning_nanguard.detect.batchnorm import batchnorm_running_vars
 from lightning_nanguard.diagnose.batching import slice_batch
 from lightning_nanguard.diagnose.combined import CombinedBatch, CombinedIndices
@@ -56,6 +57,9 @@ class MicroBatch:
 
     ``loaders``: with several training loaders, where each loader's part sits and its dataset indices
     (``dataset_indices`` is then ``None``); ``loaders_note``: why the loader of a sample is unknown.
+    ``readers``: each training loader's record reader (layout order), to check the indices at an
+    incident; ``row_indices``: the dataset index of each row that check named (by position, flat over
+    the loaders' parts; ``None`` entries: unknown), set when the event is filled, read by the bundle.
     """
 
     batch: Any
@@ -63,6 +67,8 @@ class MicroBatch:
     dataset_indices: list[int] | None
     loaders: CombinedIndices | None = None
     loaders_note: str | None = None
+    readers: tuple[RecordReader, ...] = ()
+    row_indices: dict[int, int | None] | None = None
 
 
 class StepWindow:
@@ -112,7 +118,12 @@ class StepWindow:
             self.logged.capture(trainer)
 
     def add_batch(
-        self, batch: Any, batch_idx: int, dataset_indices: list[int] | CombinedIndices | None, keep: bool
+        self,
+        batch: Any,
+        batch_idx: int,
+        dataset_indices: list[int] | CombinedIndices | None,
+        keep: bool,
+        readers: tuple[RecordReader, ...] = (),
     ) -> None:
         """Note a micro-batch (kept by reference for a diagnosis when ``keep``); indices per loader with several."""
         self.batch_idx = batch_idx
@@ -120,11 +131,12 @@ class StepWindow:
             return
         if isinstance(dataset_indices, CombinedIndices):
             if dataset_indices.mismatch:
-                self.micro_batches.append(MicroBatch(batch, batch_idx, None, loaders_note=dataset_indices.mismatch))
+                micro = MicroBatch(batch, batch_idx, None, loaders_note=dataset_indices.mismatch, readers=readers)
             else:
-                self.micro_batches.append(MicroBatch(batch, batch_idx, None, loaders=dataset_indices))
+                micro = MicroBatch(batch, batch_idx, None, loaders=dataset_indices, readers=readers)
         else:
-            self.micro_batches.append(MicroBatch(batch, batch_idx, dataset_indices))
+            micro = MicroBatch(batch, batch_idx, dataset_indices, readers=readers)
+        self.micro_batches.append(micro)
 
     def add_loss(self, loss: Tensor) -> None:
         """Keep a micro-batch's loss for the check (no host read)."""
