@@ -189,7 +189,8 @@ class TrainingLoaders:
         Args:
             batch: the batch ``training_step`` is about to receive.
             index_key: a batch field holding the indices (read from each loader's part) instead of
-                the recorded samplers.
+                the recorded samplers (whose lists are popped all the same: they record for the
+                quarantine, which drops indices in the sampler).
 
         Returns:
             A list (one loader, ``None`` when unknown) or
@@ -197,9 +198,8 @@ class TrainingLoaders:
             ``mismatch`` when the batch is not the loaders' collection, e.g. changed in a hook).
         """
         if self.layout is None:
-            if index_key is not None:
-                return indices_from_batch(batch, index_key)
-            return next_recorded_indices([s for s in self.samplers if s is not None])
+            recorded = next_recorded_indices([s for s in self.samplers if s is not None])  # popped either way
+            return indices_from_batch(batch, index_key) if index_key is not None else recorded
         if not self.layout.matches(batch):
             for sampler in self.samplers:  # keep each loader's FIFO aligned with its batches
                 if sampler is not None and sampler.nanguard_fifo:
@@ -217,6 +217,8 @@ class TrainingLoaders:
                 indices.append(None)
                 reasons.append("no batch from this loader at this step")
             elif index_key is not None:
+                if sampler is not None and sampler.nanguard_fifo:
+                    sampler.nanguard_fifo.popleft()  # recorded for the quarantine: kept aligned, never read
                 found = indices_from_batch(part, index_key)
                 indices.append(found)
                 reasons.append("" if found is not None else _field_reason(part, index_key))

@@ -110,9 +110,8 @@ class StrategyHooks:
         """The dataset indices of the training batch that starts now (see :meth:`TrainingLoaders.batch_indices`)."""
         if self.loaders is not None:
             return self.loaders.batch_indices(batch, index_key)
-        if index_key is not None:
-            return indices_from_batch(batch, index_key)
-        return next_recorded_indices(self.samplers)
+        recorded = next_recorded_indices(self.samplers)  # popped either way: the FIFO stays aligned
+        return indices_from_batch(batch, index_key) if index_key is not None else recorded
 
     def readers(self) -> tuple[RecordReader, ...]:
         """Each training loader's record reader (layout order; empty before the first epoch starts)."""
