@@ -16,6 +16,7 @@ from typing import Any
 
 import torch  # noqa: F401 (doctests)
 
+from lightning_nanguard.adapter.records import RowNamer
 from lightning_nanguard.adapter.window import MicroBatch
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.diagnose.batching import slice_batch
@@ -28,8 +29,13 @@ __all__ = ["BundleSamples", "bundle_samples", "context_samples", "fill_event"]
 Slicer = Callable[[Any, Sequence[int]], Any]
 
 
-def fill_event(event: NanEvent, diagnosis: Diagnosis, micro: MicroBatch) -> NanEvent:
+def fill_event(event: NanEvent, diagnosis: Diagnosis, micro: MicroBatch, naming: RowNamer | None = None) -> NanEvent:
     """The event filled from the diagnosis of ``micro``: with several loaders, each sample's loader and index.
+
+    With ``naming`` the records of the offending rows are checked (and corrected) and
+    ``indices_verified`` set (:class:`~lightning_nanguard.adapter.records.RowNamer`); the rows the repro
+    bundle saves beside them are named too (``micro.row_indices``). Without it the indices are the
+    recorded ones, by position, unchecked.
 
     Example:
         >>> micro = MicroBatch(batch=None, batch_idx=3, dataset_indices=list(range(10, 18)))
@@ -41,11 +47,15 @@ def fill_event(event: NanEvent, diagnosis: Diagnosis, micro: MicroBatch) -> NanE
         event = event_with_diagnosis(event, diagnosis, dataset_indices=micro.dataset_indices)
         if micro.loaders_note:
             event = event.replace(details={**event.details, "sample_loaders_unknown": micro.loaders_note})
+    else:
+        flat = micro.loaders.flat(diagnosis.loaders)
+        offending_keys = [diagnosis.loaders.locate(p)[0] for p in diagnosis.offending or ()]
+        note = micro.loaders.why_unknown(offending_keys)
+        event = event_with_diagnosis(event, diagnosis, dataset_indices=flat, indices_note=note)
+    if naming is None or diagnosis.offending is None:
         return event
-    flat = micro.loaders.flat(diagnosis.loaders)
-    offending_keys = [diagnosis.loaders.locate(p)[0] for p in diagnosis.offending or ()]
-    note = micro.loaders.why_unknown(offending_keys)
-    return event_with_diagnosis(event, diagnosis, dataset_indices=flat, indices_note=note)
+    saved, _ = _selection(event, diagnosis)
+    return naming.name(event, diagnosis, micro, extra=saved or ())
 
 
 def context_samples(event: NanEvent, micro: MicroBatch) -> tuple[Any, list[int] | None]:
@@ -111,6 +121,12 @@ def _loaders_selection(split: LoaderSplit, chosen: list[int], known_good: Sequen
     return ordered, [ordered.index(f) for f in fillers if f in known_good]
 
 
+def _named(row_indices: dict[int, int | None], positions: Sequence[int]) -> list[int] | None:
+    """The named index of each position, when every one is known."""
+    named = [row_indices.get(p) for p in positions]
+    return [int(i) for i in named if i is not None] if all(i is not None for i in named) else None
+
+
 def bundle_samples(
     event: NanEvent, micro: MicroBatch, diagnosis: Diagnosis | None, slicer: Slicer | None
 ) -> BundleSamples:
@@ -127,6 +143,9 @@ def bundle_samples(
         >>> saved.samples, saved.sample_loaders, saved.positions, saved.dataset_indices, saved.reference
         ({'a': tensor([0, 1]), 'b': tensor([10, 11])}, ['a', 'a', 'b', 'b'], [0, 1, 0, 1], [0, 1, 7, 8], [0, 1, 2])
 
+    The dataset indices are those the event's check named (``micro.row_indices``: corrected when the
+    collate reorders rows), else the recorded ones by position.
+
     A known-good sample of the same batch is saved first: the origin was localised in the context of
     healthy samples (an op can be non-finite only on a batch of offending samples alone, e.g. a mean
     over zero tokens), and with BatchNorm in train mode a single sample only reproduces next to
@@ -139,7 +158,9 @@ def bundle_samples(
     if micro.loaders is None or diagnosis is None or diagnosis.loaders is None:
         samples = micro.batch if positions is None else (slicer or slice_batch)(micro.batch, positions)
         indices = micro.dataset_indices
-        if positions is not None:
+        if positions is not None and micro.row_indices is not None:  # named at the incident (checked, corrected)
+            indices = _named(micro.row_indices, positions)
+        elif positions is not None:
             indices = [indices[p] for p in positions] if indices is not None and len(indices) > max(positions) else None
         return BundleSamples(samples, positions, indices, reference)
     layout = micro.loaders.layout
@@ -147,7 +168,10 @@ def bundle_samples(
         return BundleSamples(micro.batch, None, None, [], layout, None)
     flat = micro.loaders.flat(diagnosis.loaders)
     places = [diagnosis.loaders.locate(p) for p in positions]
-    known = [flat[p] for p in positions]
-    indices = [int(i) for i in known if i is not None] if all(i is not None for i in known) else None
+    if micro.row_indices is not None:  # named at the incident (checked, corrected)
+        indices = _named(micro.row_indices, positions)
+    else:
+        known = [flat[p] for p in positions]
+        indices = [int(i) for i in known if i is not None] if all(i is not None for i in known) else None
     samples = CombinedBatch(micro.batch, layout, slicer).cut(positions)
     return BundleSamples(samples, [p for _, p in places], indices, reference, layout, [key for key, _ in places])

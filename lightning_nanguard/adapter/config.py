@@ -28,6 +28,7 @@ import torch
 
 from lightning_nanguard.adapter.after_step import ParamCheckSettings
 from lightning_nanguard.adapter.diagnosis import DiagnosisSettings
+from lightning_nanguard.adapter.records import RecordSettings
 from lightning_nanguard.adapter.spikes import SpikeSettings
 from lightning_nanguard.decide.policy import Policy, SpikeAction, StepAction
 from lightning_nanguard.recover.recovery import RecoverySettings
@@ -108,6 +109,11 @@ RULES: dict[str, Rule] = {
     "max_repro_bundles": integer(0),
     "index_key": Rule(lambda v: v is None or isinstance(v, str) or _is_int(v), "None, a str or an int"),
     "batch_slicer": Rule(lambda v: v is None or callable(v), "None or a callable(batch, positions)"),
+    "row_records": Rule(
+        lambda v: v is None or callable(v),
+        "None or a callable(batch, indices) returning the dataset indices each row holds",
+    ),
+    "verify_indices": boolean(),
     "snapshot_every_n_steps": integer(1),
     "rollback_after_consecutive": integer(1),
     "remedies": Rule(_remedy_list, f"a list of any of {list(REMEDIES)}"),
@@ -211,6 +217,7 @@ class GuardSettings:
                 a["batch_slicer"],
                 diagnose_here=strategy_kind != "fsdp",
                 source_root=os.getcwd(),  # source lines are shown relative to where `fit` started
+                records=RecordSettings(a["index_key"], a["row_records"], a["verify_indices"]),  # warns once a fit
             ),
             param_checks=ParamCheckSettings(a["check_params_every_n_steps"], a["snapshot_every_n_steps"], a["action"]),
             spikes=None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lightning_nanguard.adapter.batch_samples import fill_event
+from lightning_nanguard.adapter.records import RecordSettings, RowNamer
 from lightning_nanguard.adapter.window import MicroBatch
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.diagnose.diagnosis import Diagnosis, diagnose
@@ -33,6 +34,8 @@ class DiagnosisSettings:
     """What to do on a bad step (the ``NanGuard`` arguments of the same names; no defaults here).
 
     ``diagnose_here`` is False where re-running ``training_step`` on one rank is impossible (FSDP).
+    ``records``: how the records of the offending rows are named and checked (``index_key``,
+    ``row_records``, ``verify_indices``); ``None``: the recorded indices by position, unchecked.
     """
 
     bisect: bool
@@ -43,6 +46,11 @@ class DiagnosisSettings:
     batch_slicer: Slicer | None
     diagnose_here: bool
     source_root: str | None
+    records: RecordSettings | None = None
+
+    def row_namer(self, trainer: Any, pl_module: Any, slicer: Slicer | None) -> RowNamer | None:
+        """Who names the records of the offending rows at this fit (``None`` without :attr:`records`)."""
+        return RowNamer.for_module(self.records, slicer, trainer, pl_module) if self.records is not None else None
 
     @property
     def diagnoses(self) -> bool:
@@ -136,7 +144,7 @@ def diagnose_step(
             if found.offending is not None or _localized(found) or found.error:
                 break
     if diagnosis is not None:
-        event = fill_event(event, diagnosis, chosen)
+        event = fill_event(event, diagnosis, chosen, settings.row_namer(trainer, pl_module, slicer))
         event = event.replace(batch_idx=chosen.batch_idx)
         if len(micro_batches) > 1:
             event = event.replace(

@@ -78,9 +78,30 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         save_repro: save a repro bundle (``<log_dir>/nanguard/step-<N>/``) for each bad step.
         max_repro_bundles: keep at most this many bundles on disk (oldest deleted first).
         index_key: batch field (dict key, attribute or tuple position) holding dataset indices, used
-            when the loader's sampler cannot be recorded (e.g. an ``IterableDataset``).
+            instead of the loader's recorded sampler (which an ``IterableDataset`` or ``batch_size=None``
+            does not have): one index per row (repeated for several rows of one record, e.g.
+            multi-crop), or a 2-D field of the records each row holds (packed sequences, mixup pairs;
+            negative entries are padding). Indices read from the batch count as verified.
         batch_slicer: ``slicer(batch, positions) -> sub_batch`` for batches the built-in slicer cannot
             cut (a LightningModule method ``nanguard_slice_batch`` is used too when present).
+        row_records: ``row_records(batch, indices) -> the dataset indices each row holds`` (one
+            sequence per row; ``indices``: the batch's recorded indices, the sampler's or those of
+            ``index_key``, ``None`` when unknown), for pipelines the guard cannot see into; called at
+            incidents only, with each loader's part of the batch when there are several training
+            loaders. A LightningModule method ``nanguard_row_records(batch, indices)`` is used when
+            this is ``None``. Its answer counts as verified; a hook that raises or returns another
+            row count leaves the indices unknown, with the reason.
+        verify_indices: at an incident, check that each dataset index read off the batch sampler
+            names the record really in its row: the record is read again (the loader's own
+            ``dataset[i]`` and ``collate_fn``, then the same batch hooks, with every random number
+            generator restored) and compared with the row. A collate that reorders rows is corrected,
+            one that drops rows is matched by content; rows built from several records (packing,
+            mixup), random reads (augmentation, masking) and failed reads name no index (unverified,
+            with the reason); a dataset with ``nanguard_reread = False`` (reads with side effects)
+            keeps the sampler's index, unverified (an ``IterableDataset`` or ``batch_size=None`` has
+            none: name one with ``index_key``). Each broken assumption is warned about once per run,
+            on every rank. ``False``: the sampler's indices are kept, marked unverified. Quarantine
+            acts only on verified indices. Costs nothing on healthy steps.
         snapshot_every_n_steps: with ``action="rollback"``, refresh the last good snapshot every ``n`` steps.
         rollback_after_consecutive: with ``action="rollback"``, roll back after this many bad steps in a row.
         remedies: remedies to apply after incidents: ``"clip_grad"``, ``"raise_eps"``, ``"lr_backoff"``,
@@ -132,6 +153,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         max_repro_bundles: int = 5,
         index_key: int | str | None = None,
         batch_slicer: Callable[[Any, Sequence[int]], Any] | None = None,
+        row_records: Callable[[Any, list[int] | None], Sequence[Sequence[int]]] | None = None,
+        verify_indices: bool = True,
         snapshot_every_n_steps: int = 100,
         rollback_after_consecutive: int = default_of(Policy, "rollback_after_consecutive"),
         remedies: list[Remedy] | None = None,
@@ -166,6 +189,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.max_repro_bundles = max_repro_bundles
         self.index_key = index_key
         self.batch_slicer = batch_slicer
+        self.row_records = row_records
+        self.verify_indices = verify_indices
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self.rollback_after_consecutive = rollback_after_consecutive
         self.remedies: list[Remedy] = list(remedies or [])
@@ -238,8 +263,12 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
 
     @property
     def records_indices(self) -> bool:
-        """Whether training loaders should record dataset indices."""
-        return self.index_key is None and (self.bisect or "quarantine" in self.remedies)
+        """Whether training loaders should record dataset indices (and drop quarantined ones).
+
+        With ``index_key`` too: the indices are read from the batch, but the quarantine drops records
+        in the sampler.
+        """
+        return self.bisect or "quarantine" in self.remedies
 
     # ------------------------------------------------------------------ configuration
 
@@ -326,7 +355,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         first = batch_idx % max(1, getattr(trainer, "accumulate_grad_batches", 1)) == 0
         if not window.open or first or not pl_module.automatic_optimization:
             self.controller.begin_step(trainer, pl_module, self.check_every_n_steps)
-        window.add_batch(batch, batch_idx, indices, keep=self.controller.diagnosis.diagnoses)
+        readers = self._hooks.readers() if self._hooks is not None else ()  # to check the indices at an incident
+        window.add_batch(batch, batch_idx, indices, keep=self.controller.diagnosis.diagnoses, readers=readers)
 
     @override
     @failsafe

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from lightning_nanguard.adapter.batch_samples import fill_event
 from lightning_nanguard.adapter.diagnosis import MicroBatch, StepDiagnosis, training_step_of
 from lightning_nanguard.adapter.incidents import IncidentInspector, event_cause, quarantine_items_of, quarantine_of
 from lightning_nanguard.adapter.sharding import ShardingLayout
@@ -47,7 +48,6 @@ from lightning_nanguard.decide.sharded import Finding, Outcome, plan_search, rec
 from lightning_nanguard.detect.confirm import nonfinite_names
 from lightning_nanguard.diagnose.batching import slice_batch
 from lightning_nanguard.diagnose.diagnosis import Diagnosis, diagnose
-from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
 from lightning_nanguard.diagnose.lockstep import Lockstep, LockstepRunner
 from lightning_nanguard.diagnose.runner import SubBatchRunner
 
@@ -318,7 +318,9 @@ class ShardedIncidentInspector(IncidentInspector):
         rank, peers = trainer.global_rank, self.layout.peers
         if diagnosis is None or chosen is None:
             return Outcome(rank, peers, True, holds=False, event=base)
-        event = event_with_diagnosis(base, diagnosis, dataset_indices=chosen.dataset_indices)
+        pl_module = trainer.lightning_module
+        slicer = self.settings.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
+        event = fill_event(base, diagnosis, chosen, self.settings.row_namer(trainer, pl_module, slicer))
         event = event.replace(batch_idx=chosen.batch_idx)
         if len(self.window.micro_batches) > 1:
             position = next(i for i, m in enumerate(self.window.micro_batches) if m is chosen)
