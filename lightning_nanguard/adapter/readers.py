@@ -43,7 +43,7 @@ from lightning_nanguard.diagnose.combined import CombinedLayout
 __all__ = ["RecordReader", "as_training_batch"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: never compares or hashes a dataset
 class RecordReader:
     """Reads records of one training loader: ``collate_fn([dataset[index]])``.
 

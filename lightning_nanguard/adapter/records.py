@@ -114,7 +114,7 @@ class _Named:
     reason: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Part:
     """One loader's part of the batch: its rows, recorded indices and reader."""
 

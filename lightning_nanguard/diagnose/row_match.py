@@ -97,7 +97,18 @@ def _tensors_match(row: Tensor, record: Tensor) -> bool:
     return _region_matches(row, record, trailing=False) or _region_matches(row, record, trailing=True)
 
 
+def _numpy_as_tensor(value: Any) -> Any:
+    """A NumPy array or scalar as a tensor (a custom collate may keep them); anything else as it is."""
+    if type(value).__module__ == "numpy" and hasattr(value, "shape"):
+        try:
+            return torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError):  # object or string arrays
+            return value
+    return value
+
+
 def _leaf_matches(row: Any, record: Any) -> bool:
+    row, record = _numpy_as_tensor(row), _numpy_as_tensor(record)
     if isinstance(row, Tensor) or isinstance(record, Tensor):
         return isinstance(row, Tensor) and isinstance(record, Tensor) and _tensors_match(row, record)
     if isinstance(row, float) and isinstance(record, float) and math.isnan(row) and math.isnan(record):

@@ -42,3 +42,11 @@ def test_two_reads_are_the_same_only_with_the_same_shapes_and_values() -> None:
     assert same_reads({"x": torch.tensor([[1.0, float("nan")]])}, {"x": torch.tensor([[1.0, float("nan")]])})
     assert not same_reads(torch.ones(1, 3), torch.ones(1, 4))  # a random crop size
     assert not same_reads({"x": torch.ones(1)}, {"y": torch.ones(1)})
+
+
+def test_numpy_leaves_are_compared_as_tensors() -> None:
+    import numpy as np
+
+    row = {"x": np.array([[1.0, 2.0, 0.0]]), "k": np.int64(3)}
+    assert record_matches(row, {"x": np.array([[1.0, 2.0]]), "k": np.int64(3)})
+    assert not record_matches(row, {"x": np.array([[1.0, 2.5]]), "k": np.int64(3)})
