@@ -16,7 +16,8 @@ Datasets:
 
 Collates (each a plain callable, as a ``DataLoader`` takes it):
 
-- :func:`sort_by_length`: pads and sorts each batch by length, longest first (``pack_padded_sequence``).
+- :func:`sort_by_length`: pads and sorts each batch by length, longest first (``pack_padded_sequence``);
+  :class:`SortWithoutIds` the same with no record id in the batch (logged aside for the test).
 - :class:`DropLonger`: bucketing: drops the records longer than ``max_len``.
 - :func:`dedup`: drops a record whose content ``key`` appeared earlier in the batch.
 - :class:`PackPairs`: concatenates two consecutive records into one row (packed sequences).
@@ -31,6 +32,7 @@ for ``NanGuard(index_key="index")``. Without it the batch holds no dataset index
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +65,7 @@ __all__ = [
     "Powers",
     "Seen",
     "SeenRecords",
+    "SortWithoutIds",
     "Tokens",
     "UtteranceClassifier",
     "Utterances",
@@ -180,6 +183,22 @@ def _pad(items: Sequence[Mapping[str, Tensor]], with_index: bool = False) -> dic
 def sort_by_length(items: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     """Pad, then sort the rows by length, longest first (stable), as ``pack_padded_sequence`` wants."""
     return _pad(sorted(items, key=lambda item: -len(item["x"])))
+
+
+class SortWithoutIds:
+    """:func:`sort_by_length` with no record id in the batch (as in the issue's pipeline).
+
+    The records of each batch's rows are logged in ``made`` instead, one list per call: the test's
+    side channel (the guard's re-reads are calls with one record).
+    """
+
+    def __init__(self) -> None:
+        self.made: list[list[int]] = []
+
+    def __call__(self, items: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+        batch = sort_by_length(items)
+        self.made.append([int(u) - UID_BASE for u in batch.pop("uid")])
+        return batch
 
 
 @dataclass(frozen=True)
@@ -509,20 +528,31 @@ class Seen:
 class SeenRecords(*CALLBACK_BASES):  # type: ignore[misc]
     """Records, at ``on_train_batch_start``, the records of every row of every real training batch.
 
-    ``field``: the batch field of record ids (``uid``: 1-D, or 2-D with -1 padding). The guard's
+    ``field``: the batch field of record ids (``uid``: 1-D, or 2-D with -1 padding); ``None`` when
+    the batch holds none (then :meth:`fill_rows` gives the rows from a side channel). The guard's
     own re-runs of ``training_step`` are not training batches and are not recorded.
     """
 
-    def __init__(self, field: str = "uid") -> None:
+    def __init__(self, field: str | None = "uid") -> None:
         self.field = field
         self.seen: list[Seen] = []
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        uids = batch[self.field]
-        table = uids[:, None] if uids.dim() == 1 else uids
-        rows = tuple(tuple(int(u) - UID_BASE for u in row if u >= 0) for row in table.tolist())
+        rows: tuple[tuple[int, ...], ...] = ()
+        if self.field is not None:
+            uids = batch[self.field]
+            table = uids[:, None] if uids.dim() == 1 else uids
+            rows = tuple(tuple(int(u) - UID_BASE for u in row if u >= 0) for row in table.tolist())
         batch_copy = {k: v.clone() for k, v in batch.items()} if isinstance(batch, dict) else batch
         self.seen.append(Seen(trainer.current_epoch, batch_idx, trainer.global_step, rows, batch_copy))
+
+    def fill_rows(self, rows_per_batch: Sequence[Sequence[int]]) -> None:
+        """The records of each batch's rows (one record per row), in training order, from a side channel."""
+        assert len(rows_per_batch) == len(self.seen), (len(rows_per_batch), len(self.seen))
+        self.seen = [
+            dataclasses.replace(s, rows=tuple((record,) for record in rows))
+            for s, rows in zip(self.seen, rows_per_batch, strict=True)
+        ]
 
     def at(self, global_step: int) -> Seen:
         (found,) = [s for s in self.seen if s.global_step == global_step]

@@ -82,7 +82,7 @@ def fit(
     epochs: int = 2,
     quarantine: bool = False,
     batch_size: int = BATCH,
-    field: str = "uid",
+    field: str | None = "uid",
     **guard_kwargs: Any,
 ) -> Run:
     guard = NanGuard(verbose=False, save_repro=False, remedies=["quarantine"] if quarantine else None, **guard_kwargs)
@@ -171,17 +171,33 @@ def sorted_rows(data: pp.Utterances, indices: list[int]) -> list[int]:
     return [int(u) - pp.UID_BASE for u in pp.sort_by_length([data[i] for i in indices])["uid"]]
 
 
-@QUARANTINE
-def test_a_sorting_collate_names_the_record_of_the_row(quarantine: bool, tmp_path: Path) -> None:
-    """Issue 21, case 1: the record at sampler position 0 sits in row 1 after the sort; the guard read position 1."""
+def sorting_setup() -> tuple[pp.Utterances, int]:
+    """Utterances, one silent: the first record of a batch that the sort moves down (as record 11 in the issue)."""
     (order,) = pp.planned_order(N, SEED)
     healthy = pp.Utterances(N)
-    guilty = next(  # first record of a batch that the sort moves down (as record 11 in the issue)
+    guilty = next(
         order[b] for b in range(BATCH, N, BATCH) if sorted_rows(healthy, order[b : b + BATCH]).index(order[b]) > 0
     )
     data = pp.Utterances(N, silent=(guilty,))
     assert pp.lone_bad(pp.UtteranceClassifier, data, pp.sort_by_length) == [guilty]
-    run = fit(pp.UtteranceClassifier(), data, pp.sort_by_length, tmp_path, quarantine=quarantine)
+    return data, guilty
+
+
+@QUARANTINE
+@pytest.mark.parametrize("ids_in_batch", [True, False], ids=["ids", "no-ids"])
+def test_a_sorting_collate_names_the_record_of_the_row(ids_in_batch: bool, quarantine: bool, tmp_path: Path) -> None:
+    """Issue 21, case 1: the record at sampler position 0 sits in row 1 after the sort; the guard read position 1.
+
+    ``no-ids``: the batch holds no record id at all (the issue's pipeline); the test knows the rows
+    from the collate's own log.
+    """
+    data, guilty = sorting_setup()
+    collate = pp.sort_by_length if ids_in_batch else pp.SortWithoutIds()
+    run = fit(
+        pp.UtteranceClassifier(), data, collate, tmp_path, quarantine=quarantine, field="uid" if ids_in_batch else None
+    )
+    if isinstance(collate, pp.SortWithoutIds):
+        run.seen.fill_rows([rows for rows in collate.made if len(rows) > 1])  # the guard re-reads one record at a time
     assert run.sampler_position(guilty) == 0 and run.row_of(guilty)[1] > 0  # first for the sampler, not in the rows
     assert_names_exactly(run, {guilty})
     assert len(run.warned("reorder")) == 1, run.warnings
@@ -190,6 +206,18 @@ def test_a_sorting_collate_names_the_record_of_the_row(quarantine: bool, tmp_pat
         assert_quarantine(run, {guilty}, set(range(N)) - {guilty})
     else:
         assert len(run.events) == 2  # once per epoch
+
+
+def test_a_indices_not_verified_are_never_quarantined(tmp_path: Path) -> None:
+    """``verify_indices=False``: whatever index is named is unverified, and quarantine leaves every record alone."""
+    data, guilty = sorting_setup()
+    run = fit(pp.UtteranceClassifier(), data, pp.sort_by_length, tmp_path, quarantine=True, verify_indices=False)
+    assert_one_event_per_batch_with(run, {guilty})  # it came back in the second epoch, and was caught again
+    for event in run.events:
+        assert event.cause == "data" and event.indices_verified is False
+        assert event.details.get("indices_unverified"), event.details
+    assert run.quarantined == set()
+    assert_quarantine(run, {guilty}, set(range(N)) - {guilty})
 
 
 # ------------------------------------------------------------------------------------ b. bucketing collate
