@@ -27,6 +27,16 @@ With several training loaders an index is an item of one loader's dataset: ranke
     ...        "dataset_indices": [100], "sample_loaders": ["b"]}
     >>> run_summary([events[0], two])["dataset_indices"]
     [{'index': 100, 'count': 1, 'steps': [3]}, {'index': 100, 'loader': 'b', 'count': 1, 'steps': [4]}]
+
+Rows that hold several records (``sample_records``) count each record. ``verified`` says whether
+every incident naming an item verified both its index and its blame (``indices_verified``,
+``blame_verified``): ``False`` as soon as one did not, absent when no incident says.
+
+    >>> packed = {"global_step": 5, "rank": 0, "kinds": ["loss"], "action": "skipped", "cause": "data",
+    ...           "sample_records": [[100, 8]], "indices_verified": True, "blame_verified": False}
+    >>> run_summary([events[0], packed])["dataset_indices"]
+    [{'index': 100, 'verified': False, 'count': 2, 'steps': [3, 5]}, {'index': 8, 'verified': False, \
+'count': 1, 'steps': [5]}]
 """
 
 from __future__ import annotations
@@ -57,23 +67,41 @@ def _ints(value: Any) -> list[int]:
     return []
 
 
+def _rows(event: dict[str, Any]) -> list[list[int]]:
+    """The dataset indices of each offending row: one each, or each row's records (``sample_records``)."""
+    records = event.get("sample_records")
+    if isinstance(records, list) and records:
+        return [_ints(row) for row in records]
+    return [[i] for i in _ints(event.get("dataset_indices"))]
+
+
 def _items(event: dict[str, Any]) -> list[tuple[str | int | None, int]]:
     """``(loader, dataset index)`` of an event's samples; the loader is ``None`` with one training loader."""
-    indices = _ints(event.get("dataset_indices"))
+    rows = _rows(event)
     loaders = event.get("sample_loaders")
-    if isinstance(loaders, list) and len(loaders) == len(indices):
-        return [
-            (loader if isinstance(loader, str | int) else str(loader), i)
-            for loader, i in zip(loaders, indices, strict=True)
-        ]
-    return [(None, i) for i in indices]
+    if not (isinstance(loaders, list) and len(loaders) == len(rows)):
+        loaders = [None] * len(rows)
+    return [
+        (loader if loader is None or isinstance(loader, str | int) else str(loader), i)
+        for loader, row in zip(loaders, rows, strict=True)
+        for i in row
+    ]
 
 
-def _index_entry(item: tuple[str | int | None, int], steps: list[int]) -> dict[str, Any]:
+def _verified(event: dict[str, Any]) -> bool | None:
+    """Whether an event verified both the indices and the blame of what it names (``None``: it does not say)."""
+    marks = [event.get(key) for key in ("indices_verified", "blame_verified")]
+    known = [mark for mark in marks if isinstance(mark, bool)]
+    return all(known) if known else None
+
+
+def _index_entry(item: tuple[str | int | None, int], steps: list[int], verified: bool | None) -> dict[str, Any]:
     loader, index = item
     entry: dict[str, Any] = {"index": index}
     if loader is not None:
         entry["loader"] = loader
+    if verified is not None:
+        entry["verified"] = verified
     entry.update(count=len(steps), steps=sorted(set(steps))[:MAX_STEPS_LISTED])
     return entry
 
@@ -117,7 +145,8 @@ def run_summary(events: Sequence[dict[str, Any]], skipped_total: float | None = 
         ``by_cause``, ``by_action``, ``remedies`` (``[[name, count]]``), ``steps_skipped`` (distinct
         steps whose update was dropped: action ``skipped`` or ``rolled_back``), ``skipped_total``,
         ``rollbacks``, ``dataset_indices`` (``{"index", "count", "steps"}`` ranked by count, with
-        ``"loader"`` for an item of one of several training loaders) and
+        ``"loader"`` for an item of one of several training loaders and ``"verified"`` when the
+        events say) and
         ``origins`` (``{"source_line", "module", "op", "phase", "function", "count", "steps"}``).
     """
     kinds: Counter[str] = Counter()
@@ -126,6 +155,7 @@ def run_summary(events: Sequence[dict[str, Any]], skipped_total: float | None = 
     remedies: Counter[str] = Counter()
     ranks: Counter[int] = Counter()
     index_steps: dict[tuple[str | int | None, int], list[int]] = {}
+    index_verified: dict[tuple[str | int | None, int], bool] = {}
     origin_steps: dict[tuple[str, str, str, str], list[int]] = {}
     functions: dict[tuple[str, str, str, str], str] = {}
     for event in events:
@@ -135,8 +165,11 @@ def run_summary(events: Sequence[dict[str, Any]], skipped_total: float | None = 
         actions[str(event.get("action") or "unknown")] += 1
         remedies.update(remedy.split(":", 1)[0].strip() for remedy in _strings(event.get("remedies")))
         ranks[int(event.get("rank", 0))] += 1
+        verified = _verified(event)
         for item in set(_items(event)):
             index_steps.setdefault(item, []).append(step)
+            if verified is not None:
+                index_verified[item] = index_verified.get(item, True) and verified
         origin = origin_key(event)
         if origin is not None:
             origin_steps.setdefault(origin, []).append(step)
@@ -158,7 +191,7 @@ def run_summary(events: Sequence[dict[str, Any]], skipped_total: float | None = 
         "steps_skipped": len(_steps(e for e in events if e.get("action") in STEP_LOST_ACTIONS)),
         "skipped_total": skipped_total,
         "rollbacks": actions.get("rolled_back", 0),
-        "dataset_indices": [_index_entry(item, steps) for item, steps in ranked_indices],
+        "dataset_indices": [_index_entry(item, steps, index_verified.get(item)) for item, steps in ranked_indices],
         "dataset_indices_total": len(index_steps),
         "origins": [
             {

@@ -23,11 +23,14 @@ import lightning.pytorch
 import pytorch_lightning
 import torch
 from conftest import build_trainer
+from event_factory import make_event
 from torch import Tensor, nn
 from torch.nn import functional
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_nanguard import NanGuard
+from lightning_nanguard import NanEvent, NanGuard
+from lightning_nanguard.reporting.context import save_incident_context
+from lightning_nanguard.reporting.jsonl import JsonlEventLog
 
 N_IMAGES = 64
 BATCH = 16
@@ -224,3 +227,76 @@ def write_mixed_run(run_dir: Path) -> None:
     path.parent.mkdir(parents=True)
     lines = [json.dumps(SPIKE_EVENT), json.dumps(LEGACY_EVENT), "not json at all", json.dumps([1, 2])]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------ what the guard verified
+
+VERIFIED_RUN = "verified/version_0"
+UNVERIFIED_INDICES = "the collate reorders rows and the batch has no index field"
+UNVERIFIED_BLAME = "max_bisect_passes reached before the check"
+BLAME_NOTE = "sample 2 failed only alone and was dropped"
+BATCH_HINT = "a mean over zero targets is 0/0: guard the denominator (clamp_min(1) on the target count)"
+
+
+def verified_events() -> list[NanEvent]:
+    """Four events: indices and blame verified, neither verified, rows of several records, cause ``batch``."""
+    common = {"kinds": ("loss", "grad"), "cause": "data", "loss": float("nan"), "grad_norm": float("nan")}
+    return [
+        make_event(
+            bare=True,
+            global_step=2,
+            batch_idx=2,
+            **common,
+            offending_samples=(3, 5),
+            dataset_indices=(27, 29),
+            indices_verified=True,
+            blame_verified=True,
+            details={"batch_size": 8, "verify_passes": 1},
+        ),
+        make_event(
+            bare=True,
+            global_step=4,
+            batch_idx=4,
+            **common,
+            offending_samples=(0, 7),
+            dataset_indices=(27, 31),
+            indices_verified=False,
+            blame_verified=False,
+            details={"batch_size": 8, "indices_unverified": UNVERIFIED_INDICES, "blame_unverified": UNVERIFIED_BLAME},
+        ),
+        make_event(
+            bare=True,
+            global_step=6,
+            batch_idx=6,
+            **common,
+            offending_samples=(1, 6),
+            sample_records=((10, 11), (40,)),
+            indices_verified=True,
+            blame_verified=True,
+            details={"batch_size": 8, "verify_passes": 1, "blame_note": BLAME_NOTE},
+        ),
+        make_event(
+            bare=True,
+            global_step=8,
+            batch_idx=8,
+            **{**common, "cause": "batch"},
+            culprit_module="",
+            culprit_op="NllLossBackward0",
+            phase="forward",
+            details={"hint": BATCH_HINT},
+        ),
+    ]
+
+
+def write_verified_run(logdir: Path) -> Path:
+    """The :func:`verified_events` written by the guard's own writers: ``events.jsonl`` and the incident files.
+
+    The rows of several records get thumbnails (an image batch of 8), so their records show with them.
+    """
+    run_dir = logdir / VERIFIED_RUN
+    log = JsonlEventLog(run_dir / "nanguard" / "events.jsonl")
+    images = torch.rand(8, 1, SIDE, SIDE, generator=torch.Generator().manual_seed(0))
+    for event in verified_events():
+        log.append(event)
+        save_incident_context(run_dir / "nanguard", event, batch=(images, torch.zeros(8)))
+    return run_dir

@@ -23,13 +23,16 @@ from dashboard_runs import (
     BLANK,
     LEGACY_EVENT,
     LOADERS_RUN,
+    VERIFIED_RUN,
     TensorBoardServer,
     guarded_image_run,
     guarded_loaders_run,
     origin_line,
     tensorboard_server,
+    verified_events,
     wait_for,
     write_mixed_run,
+    write_verified_run,
 )
 from event_factory import make_event
 from png_reader import decode_png
@@ -236,10 +239,11 @@ def test_summary_ranks_dataset_indices_and_origins(served: Served, ns: str) -> N
     summary = served.json(f"/data/plugin/nanguard/summary?run={run_name(ns)}")
     assert summary["incidents"] == 4 and summary["steps_skipped"] == 4
     assert summary["by_action"] == [["skipped", 4]]
-    assert summary["dataset_indices"] == [
+    assert [{k: v for k, v in item.items() if k != "verified"} for item in summary["dataset_indices"]] == [
         {"index": BLANK[0], "count": 2, "steps": [1, 5]},
         {"index": BLANK[1], "count": 2, "steps": [3, 7]},
     ]
+    assert all(item.get("verified", True) for item in summary["dataset_indices"])  # blank images: never doubted
     (origin,) = summary["origins"]
     assert origin["count"] == 4 and origin["source_line"].endswith(f"dashboard_runs.py:{origin_line()}")
     assert origin["module"] == "net.0" and origin["phase"] in ("forward", "backward")
@@ -378,9 +382,46 @@ def test_several_loaders_events_incident_and_summary_name_the_loader(tmp_path: P
     incident = client.get(f"/incident?run={LOADERS_RUN}&index=0").json
     assert incident["event"]["details"]["loader_batch_sizes"] == [["a", 8], ["b", 4]]
     summary = client.get(f"/summary?run={LOADERS_RUN}").json
-    assert summary["dataset_indices"] == [
+    assert [{k: v for k, v in item.items() if k != "verified"} for item in summary["dataset_indices"]] == [
         {"index": 6, "loader": "b", "count": 1, "steps": [1]},
         {"index": 9, "loader": "b", "count": 1, "steps": [2]},
         {"index": 13, "loader": "a", "count": 1, "steps": [1]},
     ]
+    assert all(item.get("verified", True) for item in summary["dataset_indices"])
     assert run_dir.name == "version_0"
+
+
+# ------------------------------------------------------------------------------------ what the guard verified
+
+
+def test_verification_marks_records_and_the_batch_cause_reach_the_routes(tmp_path: Path) -> None:
+    write_verified_run(tmp_path)
+    client = plugin_client(tmp_path)
+    incidents = client.get(f"/incidents?run={VERIFIED_RUN}").json
+    assert [{k: v for k, v in e.items() if k != "_dashboard"} for e in incidents] == [
+        e.to_dict() for e in verified_events()
+    ]
+    assert [(e.get("indices_verified"), e.get("blame_verified")) for e in incidents] == [
+        (True, True),
+        (False, False),
+        (True, True),
+        (None, None),  # cause "batch": nothing named, the keys are absent
+    ]
+    packed = client.get(f"/incident?run={VERIFIED_RUN}&index=2").json
+    assert [(t["position"], t["dataset_index"], t["records"]) for t in packed["context"]["thumbnails"]] == [
+        (1, None, [10, 11]),
+        (6, None, [40]),
+    ]
+    summary = client.get(f"/summary?run={VERIFIED_RUN}").json
+    assert summary["by_cause"] == [["data", 3], ["batch", 1]]
+    assert [(i["index"], i["count"], i["verified"]) for i in summary["dataset_indices"]] == [
+        (27, 2, False),  # verified at step 2, not at step 4
+        (10, 1, True),  # a record of a packed row
+        (11, 1, True),
+        (29, 1, True),
+        (31, 1, False),
+        (40, 1, True),
+    ]
+    assert summary["dataset_indices_total"] == 6
+    markers = client.get(f"/timeline?run={VERIFIED_RUN}").json["markers"]
+    assert [m["cause"] for m in markers] == ["data", "data", "data", "batch"]
