@@ -91,7 +91,54 @@ export function causeTitle(cause) {
     input: 'the batch itself holds NaN/Inf',
     state: 'the weights or optimizer state are at fault: no sample is to blame',
     interaction: 'samples that fail only together',
+    batch: 'the batch as a whole, no record is at fault (e.g. a loss averaged over zero targets): no sample is named',
   }[cause] || '';
+}
+
+// ------------------------------------------------------------------ what the guard verified (as the terminal panel says it)
+
+function notVerified(reason) {
+  return reason ? `not verified: ${reason}` : 'not verified';
+}
+
+/** Whether the dataset indices (or records) an event names were verified: 'verified', 'not verified: <reason>', or null. */
+export function indicesMark(event) {
+  const named = event.dataset_indices || event.sample_records;
+  if (!named || typeof event.indices_verified !== 'boolean') return null;
+  return event.indices_verified ? 'verified' : notVerified((event.details || {}).indices_unverified);
+}
+
+/** Whether the named samples were checked to be at fault, with the passes that took, or null when the event does not say. */
+export function blameText(event) {
+  if (typeof event.blame_verified !== 'boolean') return null;
+  const details = event.details || {};
+  let text;
+  if (!event.blame_verified) text = notVerified(details.blame_unverified);
+  else if (event.cause === 'input') text = 'verified: the samples hold NaN/Inf themselves';
+  else text = 'verified: bad beside known-healthy samples';
+  const passes = details.verify_passes;
+  if (event.blame_verified && Number.isInteger(passes) && passes > 0) text += ` (+${passes} pass${passes > 1 ? 'es' : ''})`;
+  if (details.blame_note) text += `; ${details.blame_note}`;
+  return text;
+}
+
+/** A verification text as a span coloured by its verdict `ok` (class mark-verified / mark-unverified). */
+export function mark(text, ok) {
+  if (!text) return null;
+  return h('span', {class: ok ? 'mark mark-verified' : 'mark mark-unverified'}, text);
+}
+
+/** Whether an event says that something it names was not verified (its indices or its blame). */
+export function unverified(event) {
+  return event.indices_verified === false || event.blame_verified === false;
+}
+
+/** The records of one row (a packed sequence, a mixup pair), at most 8 shown: "[10, 11]". */
+export function recordsOf(row) {
+  row = row || [];
+  const shown = row.slice(0, 8).map(String);
+  if (row.length > 8) shown.push(`+${row.length - 8} more`);
+  return `[${shown.join(', ')}]`;
 }
 
 /** A list of names, the first `shown` visible and the rest behind a "+N more" toggle. */
@@ -110,19 +157,24 @@ export function clear(node) {
 }
 
 /**
- * The offending samples of an event in a few words: dataset indices ("idx 7, 9") or positions ("pos 2");
- * with several training loaders each with its loader ("idx b:7, a:30").
+ * The offending samples of an event in a few words: dataset indices ("idx 7, 9"), each row's records
+ * ("idx [10, 11], [40]") or positions ("pos 2"); with several training loaders each with its loader
+ * ("idx b:7, a:30"); "(not verified)" when the indices or the blame were not verified.
  */
 export function sampleSummary(event) {
   const positions = event.offending_samples;
   if (!positions) return '';
-  const indices = event.dataset_indices;
+  const records = event.sample_records;
+  const indices = records ? records.map(recordsOf) : event.dataset_indices;
   const loaders = event.sample_loaders;
+  let text;
   if (loaders && loaders.length === positions.length) {
-    return indices ? `idx ${loaders.map((key, i) => `${key}:${indices[i]}`).join(', ')}` :
+    text = indices ? `idx ${loaders.map((key, i) => `${key}:${indices[i]}`).join(', ')}` :
       `pos ${loaders.map((key, i) => `${key}[${positions[i]}]`).join(', ')}`;
+  } else {
+    text = indices ? `idx ${indices.join(', ')}` : `pos ${positions.join(', ')}`;
   }
-  return indices ? `idx ${indices.join(', ')}` : `pos ${positions.join(', ')}`;
+  return unverified(event) ? `${text} (not verified)` : text;
 }
 
 /** The offending samples grouped by training loader: [[key, [i, ...]], ...] (indices into offending_samples). */

@@ -1,11 +1,13 @@
 // Incident view: everything known about one event, from events.jsonl and its context files.
 
 import {thumbnailUrl} from './api.js';
-import {ACTION_TEXT, actionChip, causeChip, causeTitle, h, kindChips, nameList, num, samplesByLoader} from './dom.js';
+import {ACTION_TEXT, actionChip, blameText, causeChip, causeTitle, h, indicesMark, kindChips, mark, nameList, num,
+  recordsOf, samplesByLoader} from './dom.js';
 
 // details keys shown in their own sections (the rest go to "other details")
 const SHOWN_DETAILS = new Set(['batch_size', 'hint', 'source_text', 'module_type', 'bn_channels', 'stack',
-  'function', 'not_attributable', 'micro_batch', 'loader_batch_sizes', 'dataset_indices_unknown', 'sample_loaders_unknown']);
+  'function', 'not_attributable', 'micro_batch', 'loader_batch_sizes', 'dataset_indices_unknown', 'sample_loaders_unknown',
+  'indices_unverified', 'blame_unverified', 'verify_passes', 'blame_note']);
 
 function section(title, ...body) {
   return h('section', {class: 'detail-section', dataset: {section: title}}, h('h4', {}, title), ...body);
@@ -38,32 +40,52 @@ function actionSection(event) {
       remedies.length ? h('ul', {class: 'remedies'}, remedies.map((r) => h('li', {}, r))) : h('p', {class: 'muted'}, 'No remedy applied.'));
 }
 
+// The dataset indices of the named samples at `places`: "dataset indices [7, 9]", "records per row [10, 11], [40]", or null.
+function recordsAt(event, places) {
+  if (event.sample_records) return `records per row ${places.map((i) => recordsOf(event.sample_records[i])).join(', ')}`;
+  if (event.dataset_indices) return `dataset indices [${places.map((i) => event.dataset_indices[i]).join(', ')}]`;
+  return null;
+}
+
 function samplesSection(run, index, event, context) {
   const details = event.details || {};
   const body = [];
+  const marked = indicesMark(event);
   if (event.offending_samples && event.sample_loaders) {
     // several training loaders: each sample is a position in its own loader's part, an index in its loader's dataset
     const sizes = new Map((details.loader_batch_sizes || []).map(([key, size]) => [String(key), size]));
     for (const [key, places] of samplesByLoader(event)) {
       const of = sizes.has(String(key)) ? ` of ${sizes.get(String(key))}` : '';
       const positions = places.map((i) => event.offending_samples[i]);
-      const indices = event.dataset_indices ? `dataset indices [${places.map((i) => event.dataset_indices[i]).join(', ')}]` :
-        'dataset indices unknown';
+      const indices = recordsAt(event, places) || 'dataset indices unknown';
       body.push(h('div', {class: 'kv loader', dataset: {loader: String(key)}}, h('span', {class: 'k'}, `loader ${key}`),
           h('span', {class: 'v'}, `positions [${positions.join(', ')}]${of} · ${indices}`)));
     }
-    if (!event.dataset_indices && details.dataset_indices_unknown) {
+    if (!event.dataset_indices && !event.sample_records && details.dataset_indices_unknown) {
       body.push(h('p', {class: 'muted small'}, `Dataset indices unknown: ${details.dataset_indices_unknown}`));
     }
+    if (marked) body.push(h('div', {class: 'kv indices'}, h('span', {class: 'k'}, 'dataset indices'), h('span', {class: 'v'}, mark(marked, event.indices_verified))));
   } else if (event.offending_samples) {
     const of = details.batch_size !== undefined ? ` of ${details.batch_size}` : '';
     body.push(row('positions in the batch', `[${event.offending_samples.join(', ')}]${of}`));
-    body.push(row('dataset indices', event.dataset_indices ? `[${event.dataset_indices.join(', ')}]` : 'unknown'));
+    const verdict = marked ? [' ', mark(`(${marked})`, event.indices_verified)] : [];
+    if (event.sample_records) {
+      const rows = event.sample_records.map((records, i) => `#${event.offending_samples[i]}: ${recordsOf(records)}`);
+      body.push(h('div', {class: 'kv records'}, h('span', {class: 'k'}, 'records per row'), h('span', {class: 'v'}, rows.join(' · '), verdict)));
+    } else {
+      body.push(h('div', {class: 'kv indices'}, h('span', {class: 'k'}, 'dataset indices'),
+          h('span', {class: 'v'}, event.dataset_indices ? [`[${event.dataset_indices.join(', ')}]`, verdict] : 'unknown')));
+    }
+  } else if (event.cause === 'batch') {
+    body.push(h('p', {}, 'The batch as a whole is at fault: no record is named, nothing is quarantined.'));
+    if (details.not_attributable) body.push(h('p', {class: 'muted small'}, details.not_attributable));
   } else if (details.not_attributable) {
     body.push(h('p', {}, `Not attributable to individual samples: ${details.not_attributable}`));
   } else {
     body.push(h('p', {class: 'muted'}, 'The samples were not searched.'));
   }
+  const blame = blameText(event);
+  if (blame) body.push(h('div', {class: 'kv blame'}, h('span', {class: 'k'}, 'blame'), h('span', {class: 'v'}, mark(blame, event.blame_verified))));
   if (details.sample_loaders_unknown) body.push(h('p', {class: 'muted small'}, details.sample_loaders_unknown));
   const thumbs = (context && context.thumbnails) || [];
   if (thumbs.length) {
@@ -71,7 +93,8 @@ function samplesSection(run, index, event, context) {
         h('img', {src: thumbnailUrl(run, index, t.position), alt: `sample ${t.position}`, width: 96,
           height: Math.round(96 * t.height / t.width)}),
         h('figcaption', {},
-            `#${t.position}` + (t.dataset_index !== null && t.dataset_index !== undefined ? ` · index ${t.dataset_index}` : ''),
+            `#${t.position}` + (t.dataset_index !== null && t.dataset_index !== undefined ? ` · index ${t.dataset_index}` : '') +
+              (t.records ? ` · records ${t.records.join(', ')}` : ''),
             h('br'), t.nonfinite_values ? `${t.nonfinite_values} NaN/Inf values` : 'all values finite')))));
     body.push(h('p', {class: 'muted small'}, 'NaN pixels magenta, Inf pixels orange.'));
   }

@@ -2,7 +2,7 @@
 // Plain modules, no build step, nothing from the network: everything is served by the plugin.
 
 import * as api from './api.js';
-import {actionChip, chip, clear, h, kindGroup, sampleSummary} from './dom.js';
+import {actionChip, chip, clear, h, kindGroup, sampleSummary, unverified} from './dom.js';
 import {incidentView} from './incident.js';
 import {summaryColumn} from './summary.js';
 import {timelineCard} from './timeline.js';
@@ -113,7 +113,7 @@ function incidentRow(run, event) {
   h('td', {class: 'ellipsis'}, chip(kinds, kindGroup(event.kinds)), event.rank ? h('span', {class: 'muted small'}, ` r${event.rank}`) : null),
   h('td', {class: 'muted'}, event.cause || ''),
   h('td', {}, actionChip(event.action)),
-  h('td', {class: 'muted ellipsis', title: samples}, samples));
+  h('td', {class: unverified(event) ? 'mark-unverified ellipsis' : 'muted ellipsis', title: samples}, samples));
 }
 
 async function renderIncidents(target) {

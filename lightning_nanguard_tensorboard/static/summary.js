@@ -1,6 +1,6 @@
 // Run summary: one column per selected run.
 
-import {h, kindGroup, num} from './dom.js';
+import {h, kindGroup, mark, num} from './dom.js';
 
 function bars(title, pairs, colourOf) {
   if (!pairs.length) return null;
@@ -31,17 +31,26 @@ function lostSteps(summary) {
   return h('p', {class: 'lost'}, parts.join(' · ') + of);
 }
 
+// whether every incident naming an item verified its index and its blame (the quarantine's condition)
+function verifiedCell(item) {
+  if (item.verified === undefined || item.verified === null) return h('td', {class: 'verified muted'}, '—');
+  return h('td', {class: 'verified'}, mark(item.verified ? 'verified' : 'not verified', item.verified));
+}
+
 function indexTable(summary, onIndex) {
   if (!summary.dataset_indices.length) return h('p', {class: 'muted'}, 'No dataset indices recorded.');
   const loaders = summary.dataset_indices.some((item) => item.loader !== undefined && item.loader !== null);
+  const verified = summary.dataset_indices.some((item) => item.verified !== undefined && item.verified !== null);
   return h('table', {class: 'ranked'},
       h('thead', {}, h('tr', {}, loaders ? h('th', {}, 'loader') : null, h('th', {}, 'dataset index'),
-          h('th', {class: 'num'}, 'incidents'), h('th', {}, 'steps'))),
+          h('th', {class: 'num'}, 'incidents'), h('th', {}, 'steps'),
+          verified ? h('th', {title: 'index and blame verified in every incident naming it'}, 'checked') : null)),
       h('tbody', {}, summary.dataset_indices.map((item) => h('tr', {},
           loaders ? h('td', {class: 'loader'}, item.loader === undefined || item.loader === null ? '—' : String(item.loader)) : null,
           h('td', {}, h('code', {}, String(item.index))),
           h('td', {class: 'num'}, String(item.count)),
-          h('td', {class: 'muted'}, steps(item.steps, item.count))))));
+          h('td', {class: 'muted'}, steps(item.steps, item.count)),
+          verified ? verifiedCell(item) : null))));
 }
 
 function originTable(summary) {

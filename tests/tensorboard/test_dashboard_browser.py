@@ -15,9 +15,14 @@ from typing import Any
 
 import pytest
 from dashboard_runs import (
+    BATCH_HINT,
+    BLAME_NOTE,
     BLANK,
     LOADERS_RUN,
     SPIKE_EVENT,
+    UNVERIFIED_BLAME,
+    UNVERIFIED_INDICES,
+    VERIFIED_RUN,
     TensorBoardServer,
     guarded_image_run,
     guarded_loaders_run,
@@ -25,13 +30,14 @@ from dashboard_runs import (
     tensorboard_server,
     wait_for,
     write_mixed_run,
+    write_verified_run,
 )
 
 CHROMIUM = os.environ.get("NANGUARD_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("NANGUARD_CHROMEDRIVER", "/usr/bin/chromedriver")
 RUNS = ("lightning/version_0", "pytorch_lightning/version_0")  # guarded image runs of both namespaces
 MIXED = "mixed"  # an events.jsonl of an older version next to a loss spike (no TensorBoard scalars)
-ALL_RUNS = (RUNS[0], MIXED, RUNS[1], LOADERS_RUN)  # the run list is sorted by name
+ALL_RUNS = (RUNS[0], MIXED, RUNS[1], LOADERS_RUN, VERIFIED_RUN)  # the run list is sorted by name
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
 if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
@@ -46,6 +52,7 @@ from selenium.webdriver.chrome.options import Options  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
+from selenium.webdriver.remote.webelement import WebElement  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 
@@ -60,6 +67,7 @@ def server(logdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[T
         guarded_image_run(ns, logdir)
     write_mixed_run(logdir / MIXED)
     guarded_loaders_run(logdir)
+    write_verified_run(logdir)
     with tensorboard_server(logdir, tmp_path_factory.mktemp("tb")) as tb:
         assert wait_for(lambda: json.loads(tb.get(f"/data/plugin/nanguard/timeline?run={RUNS[1]}")[2])["grad_norm"])
         yield tb
@@ -201,11 +209,11 @@ def test_run_selector(tab: WebDriver) -> None:
     boxes = tab.find_elements(By.CSS_SELECTOR, ".run-list input[type=checkbox]")
     assert [box.get_attribute("value") for box in boxes] == list(ALL_RUNS)
     boxes[0].click()
-    wait(tab, lambda d: ready(d, "timeline") and len(d.find_elements(By.CSS_SELECTOR, ".timeline-card")) == 3)
+    wait(tab, lambda d: ready(d, "timeline") and len(d.find_elements(By.CSS_SELECTOR, ".timeline-card")) == 4)
     tab.find_elements(By.CSS_SELECTOR, ".run-list input[type=checkbox]")[1].click()  # the list was redrawn
-    wait(tab, lambda d: ready(d, "timeline") and len(d.find_elements(By.CSS_SELECTOR, ".timeline-card")) == 2)
+    wait(tab, lambda d: ready(d, "timeline") and len(d.find_elements(By.CSS_SELECTOR, ".timeline-card")) == 3)
     cards = tab.find_elements(By.CSS_SELECTOR, ".timeline-card")
-    assert [card.get_attribute("data-run") for card in cards] == [RUNS[1], LOADERS_RUN]
+    assert [card.get_attribute("data-run") for card in cards] == [RUNS[1], LOADERS_RUN, VERIFIED_RUN]
 
 
 def test_older_events_and_spikes_are_shown(tab: WebDriver) -> None:
@@ -263,6 +271,98 @@ def test_several_loaders_are_named_in_the_list_the_incident_and_the_summary(tab:
     assert cells == [["b", "6"], ["b", "9"], ["a", "13"]]
 
 
+def open_incident(driver: WebDriver, run: str, step: int) -> WebElement:
+    """Open the incident of ``run`` at ``step`` from the incident list; the incident view once drawn."""
+    show(driver, "incidents")
+    if driver.find_element(By.CSS_SELECTOR, ".incident").get_attribute("data-run") != run:
+        picker = driver.find_element(By.CSS_SELECTOR, "select.run-picker")
+        picker.find_element(By.CSS_SELECTOR, f"option[value='{run}']").click()
+        wait(
+            driver,
+            lambda d: (
+                ready(d, "incidents") and d.find_element(By.CSS_SELECTOR, ".incident").get_attribute("data-run") == run
+            ),
+        )
+    rows = driver.find_elements(By.CSS_SELECTOR, "tr.incident-row")
+    row = next(r for r in rows if r.find_element(By.CSS_SELECTOR, "td").text == str(step))
+    row.click()
+    return wait(driver, lambda d: ready(d, "incidents") and drawn_incident(d, run, step))
+
+
+def drawn_incident(driver: WebDriver, run: str, step: int) -> WebElement | None:
+    """The incident view when it shows ``run`` at ``step`` (one look-up: the element compared is the one returned)."""
+    incidents = driver.find_elements(By.CSS_SELECTOR, f".incident[data-run='{run}']")
+    if incidents and incidents[0].find_element(By.TAG_NAME, "h3").text == f"Step {step}":
+        return incidents[0]
+    return None
+
+
+def values(incident: WebElement, selector: str) -> list[str]:
+    return [e.text for e in incident.find_elements(By.CSS_SELECTOR, f"{selector} .v")]
+
+
+def test_what_the_guard_verified_is_marked_in_the_list_the_incident_and_the_summary(tab: WebDriver) -> None:
+    verified = open_incident(tab, VERIFIED_RUN, 2)
+    rows = [r.find_elements(By.TAG_NAME, "td") for r in tab.find_elements(By.CSS_SELECTOR, "tr.incident-row")]
+    assert [r[4].text for r in rows] == ["idx 27, 29", "idx 27, 31 (not verified)", "idx [10, 11], [40]", ""]
+    assert ["mark-unverified" in r[4].get_attribute("class") for r in rows] == [False, True, False, False]
+    assert [r[2].text for r in rows] == ["data", "data", "data", "batch"]
+    assert values(verified, ".kv.indices") == ["[27, 29] (verified)"]
+    assert values(verified, ".kv.blame") == ["verified: bad beside known-healthy samples (+1 pass)"]
+    assert len(verified.find_elements(By.CSS_SELECTOR, ".mark-verified")) == 2
+    assert not verified.find_elements(By.CSS_SELECTOR, ".mark-unverified")
+    assert not verified.find_elements(By.CSS_SELECTOR, "[data-section='Other details']")  # verify_passes is shown
+
+    doubted = open_incident(tab, VERIFIED_RUN, 4)
+    assert values(doubted, ".kv.indices") == [f"[27, 31] (not verified: {UNVERIFIED_INDICES})"]
+    assert values(doubted, ".kv.blame") == [f"not verified: {UNVERIFIED_BLAME}"]
+    assert len(doubted.find_elements(By.CSS_SELECTOR, ".mark-unverified")) == 2
+    assert "indices_unverified" not in doubted.text and "blame_unverified" not in doubted.text
+
+    packed = open_incident(tab, VERIFIED_RUN, 6)
+    assert values(packed, ".kv.records") == ["#1: [10, 11] · #6: [40] (verified)"]
+    assert values(packed, ".kv.blame") == [f"verified: bad beside known-healthy samples (+1 pass); {BLAME_NOTE}"]
+    captions = [e.text.split("\n")[0] for e in packed.find_elements(By.CSS_SELECTOR, ".thumb figcaption")]
+    assert captions == ["#1 · records 10, 11", "#6 · records 40"]
+
+    batch = open_incident(tab, VERIFIED_RUN, 8)
+    chip = batch.find_element(By.CSS_SELECTOR, ".chip-cause")
+    assert chip.text == "cause: batch" and chip.get_attribute("title").startswith(
+        "the batch as a whole, no record is at fault"
+    )
+    assert "The batch as a whole is at fault: no record is named, nothing is quarantined." in batch.text
+    assert "Cause: batch (the batch as a whole, no record is at fault" in batch.text
+    assert batch.find_element(By.CSS_SELECTOR, ".hint").text == BATCH_HINT
+    assert not batch.find_elements(By.CSS_SELECTOR, ".kv.blame, .kv.indices")
+
+    show(tab, "summary")
+    card = tab.find_element(By.CSS_SELECTOR, f".summary-card[data-run='{VERIFIED_RUN}']")
+    causes = {
+        row.find_element(By.CSS_SELECTOR, ".bar-label").text: row.find_element(By.CSS_SELECTOR, ".bar-count").text
+        for row in card.find_elements(By.CSS_SELECTOR, "[data-section='By cause'] .bar-row")
+    }
+    assert causes == {"data": "3", "batch": "1"}
+    table = card.find_elements(By.CSS_SELECTOR, "table.ranked")[0]
+    assert [th.text for th in table.find_elements(By.TAG_NAME, "th")] == [
+        "dataset index",
+        "incidents",
+        "steps",
+        "checked",
+    ]
+    cells = [
+        [td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+        for tr in table.find_elements(By.CSS_SELECTOR, "tbody tr")
+    ]
+    assert [(c[0], c[3]) for c in cells] == [
+        ("27", "not verified"),
+        ("10", "verified"),
+        ("11", "verified"),
+        ("29", "verified"),
+        ("31", "not verified"),
+        ("40", "verified"),
+    ]
+
+
 def open_tab(server: TensorBoardServer, browser: WebDriver) -> WebDriver:
     """TensorBoard opened on the NanGuard tab, the driver switched into the tab's iframe."""
     browser.switch_to.default_content()
@@ -274,9 +374,23 @@ def open_tab(server: TensorBoardServer, browser: WebDriver) -> WebDriver:
     return browser
 
 
-def run_count(driver: WebDriver, run: str) -> str:
-    label = driver.find_element(By.CSS_SELECTOR, f".run-list label[title='{run}']")
-    return label.find_element(By.CSS_SELECTOR, ".count").text
+def timeline_now(driver: WebDriver) -> dict[str, Any] | None:
+    """What the drawn timeline shows, read in one script (a poll cannot redraw the tab between two look-ups).
+
+    ``{"counts": {run: incident count in the run list}, "steps": {run: marker steps}}``, or ``None``
+    while the tab is drawing.
+    """
+    return driver.execute_script(
+        "const root = document.getElementById('nanguard');"
+        "const busy = document.querySelector('.view[aria-busy=true]');"
+        "if (!root || root.dataset.ready !== 'timeline' || busy) return null;"
+        "const counts = {}, steps = {};"
+        "for (const label of document.querySelectorAll('.run-list label'))"
+        "  counts[label.title] = label.querySelector('.count').textContent;"
+        "for (const card of document.querySelectorAll('.timeline-card'))"
+        "  steps[card.dataset.run] = [...card.querySelectorAll('g.marker')].map((m) => m.getAttribute('data-step'));"
+        "return {counts, steps};"
+    )
 
 
 def test_a_live_run_shows_new_incidents_by_itself(server: TensorBoardServer, logdir: Path, tab: WebDriver) -> None:
@@ -286,15 +400,16 @@ def test_a_live_run_shows_new_incidents_by_itself(server: TensorBoardServer, log
     tab.execute_script("window.localStorage.setItem('nanguard.pollSeconds', '1');")
     try:
         tab = open_tab(server, tab)  # the interval is read when the tab loads
-        assert run_count(tab, MIXED) == "2"
-        card = tab.find_element(By.CSS_SELECTOR, f".timeline-card[data-run='{MIXED}']")
-        assert "99" not in [m.get_attribute("data-step") for m in card.find_elements(By.CSS_SELECTOR, "g.marker")]
+        before = wait(tab, timeline_now)
+        assert before["counts"][MIXED] == "2" and "99" not in before["steps"][MIXED]
         with events.open("a", encoding="utf-8") as stream:
             stream.write(json.dumps(dict(SPIKE_EVENT, global_step=99, batch_idx=99)) + "\n")
-        wait(tab, lambda d: ready(d, "timeline") and run_count(d, MIXED) == "3", timeout=30)
-        card = tab.find_element(By.CSS_SELECTOR, f".timeline-card[data-run='{MIXED}']")
-        assert "99" in [m.get_attribute("data-step") for m in card.find_elements(By.CSS_SELECTOR, "g.marker")]
-        assert run_count(tab, RUNS[0]) == "4"  # the other runs are untouched
+        # the final state, read at once: the count in the run list and the marker drawn by the same redraw
+        after = wait(
+            tab, lambda d: (now := timeline_now(d)) and "99" in now["steps"].get(MIXED, []) and now, timeout=30
+        )
+        assert after["counts"][MIXED] == "3"
+        assert after["counts"][RUNS[0]] == "4"  # the other runs are untouched
     finally:
         events.write_text(original, encoding="utf-8")
         tab.execute_script("window.localStorage.removeItem('nanguard.pollSeconds');")
