@@ -539,6 +539,7 @@ def test_i_ddp_each_rank_names_its_own_record_of_a_sorting_collate(scenario: str
         (event,) = named
         assert (event["cause"], event.get("indices_verified"), event.get("blame_verified")) == ("data", True, True)
         assert not [e for e in data["events"] if e.get("sample_records")]
+        assert len([w for w in data["warnings"] if "reorder" in w.lower()]) == 1  # each rank tells its own, once
     for data in ranks.values():
         assert data["skipped_steps"] == sorted(steps.values())  # any rank bad: every rank skips
     assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]
