@@ -96,6 +96,8 @@ class Utterances(Dataset):
         silent: records whose frames are all zero.
         min_len, max_len: the random lengths' range (inclusive).
         duplicates: ``{copy: original}``: record ``copy`` gets ``original``'s frames, label and key.
+        random_gain: every read scales the frames by a random gain in ``[0.5, 2]`` (the global torch
+            RNG): a silent record stays silent, every other record reads differently each time.
         seed: the generator's seed.
     """
 
@@ -106,8 +108,10 @@ class Utterances(Dataset):
         min_len: int = 2,
         max_len: int = 8,
         duplicates: Mapping[int, int] | None = None,
+        random_gain: bool = False,
         seed: int = 0,
     ) -> None:
+        self.random_gain = random_gain
         g = torch.Generator().manual_seed(seed)
         self.lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
         self.frames = [torch.randn(length, FEATURES, generator=g) for length in self.lengths]
@@ -123,8 +127,9 @@ class Utterances(Dataset):
         return len(self.frames)
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
+        gain = 0.5 + 1.5 * torch.rand(()) if self.random_gain else 1.0  # volume perturbation: a new draw every read
         return {
-            "x": self.frames[index],
+            "x": self.frames[index] * gain,
             "y": self.labels[index],
             "uid": _uid(index),
             "key": torch.tensor(self.keys[index]),

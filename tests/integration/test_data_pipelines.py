@@ -208,6 +208,23 @@ def test_a_sorting_collate_names_the_record_of_the_row(ids_in_batch: bool, quara
         assert len(run.events) == 2  # once per epoch
 
 
+@QUARANTINE
+def test_a_sorting_collate_with_random_augmentation_never_names_a_wrong_record(
+    quarantine: bool, tmp_path: Path
+) -> None:
+    """Random gain on every read: no record but the silent one reads the same twice (random reads)."""
+    data, guilty = sorting_setup()
+    data.random_gain = True
+    run = fit(pp.UtteranceClassifier(), data, pp.sort_by_length, tmp_path, quarantine=quarantine)
+    assert run.sampler_position(guilty) == 0 and run.row_of(guilty)[1] > 0
+    assert_never_wrong(run, {guilty})
+    assert len(run.warned("index_key|row_records")) == 1, run.warnings  # random reads: said once, with the fix
+    if quarantine:
+        assert_quarantine(run, {guilty}, set(range(N)) - {guilty})
+        if run.events[0].indices_verified:
+            assert run.quarantined == {guilty}
+
+
 def test_a_indices_not_verified_are_never_quarantined(tmp_path: Path) -> None:
     """``verify_indices=False``: whatever index is named is unverified, and quarantine leaves every record alone."""
     data, guilty = sorting_setup()
@@ -239,6 +256,7 @@ def test_b_a_collate_that_drops_long_records_never_names_a_wrong_record(quaranti
     _, row = run.row_of(guilty)
     assert run.sampler_position(guilty) != row
     assert_never_wrong(run, {guilty})
+    assert len(run.warned("index_key|row_records")) == 1, run.warnings  # rows are not records: once, with the fix
     if quarantine:
         assert_quarantine(run, {guilty}, kept - {guilty})
         if run.events[0].indices_verified:
@@ -259,6 +277,7 @@ def test_c_a_collate_that_drops_duplicates_never_names_a_wrong_record(quarantine
     run = fit(pp.UtteranceClassifier(sorted_rows=False), data, pp.dedup, tmp_path, quarantine=quarantine)
     assert (run.sampler_position(guilty), run.row_of(guilty)[1]) == (4, 3)
     assert_never_wrong(run, {guilty})
+    assert len(run.warned("index_key|row_records")) == 1, run.warnings  # rows are not records: once, with the fix
     if quarantine:
         assert run.quarantined <= {guilty}
         after = {data.keys[i] for i in run.seen.trained_after(run.events[0].global_step)}
