@@ -91,10 +91,7 @@ class BlameCheck:
             "batch": "healthy samples of the same batch",
             "reference": "the reference samples of a recent healthy step",
         }.get(self.company, "healthy samples")
-        return (
-            f"samples {list(self.failed_alone)} fail on their own but not beside {where}: the batch as a whole is "
-            "at fault (e.g. a mean over zero targets, a statistic of a degenerate batch), not its records"
-        )
+        return f"samples {list(self.failed_alone)} fail on their own, but none fails beside {where}"
 
     @property
     def batch_fault(self) -> bool:

@@ -110,7 +110,9 @@ def test_a_masked_lm_batch_without_a_masked_token_is_the_batch_not_its_records()
     event = event_with_diagnosis(EVENT, found, dataset_indices=range(40, 44))
     assert event.cause == "batch" and event.offending_samples is None and event.dataset_indices is None
     assert event.blame_verified is None and event.details["verify_passes"] == 1
-    assert "not beside the reference samples of a recent healthy step" in event.details["not_attributable"]
+    assert event.details["not_attributable"] == (
+        "samples [0, 1, 2, 3] fail on their own, but none fails beside the reference samples of a recent healthy step"
+    )
 
 
 def test_without_a_reference_every_failing_sample_stays_named_but_unverified() -> None:
