@@ -93,9 +93,9 @@ class NanEvent:
         indices_verified: whether ``dataset_indices`` (or ``sample_records``) name the records really
             in the offending rows: ``True`` when each named record was re-read and matches its row
             (corrected when the collate reorders rows) or was read from the batch's own index field
-            (``index_key``), or mapped by the user's ``row_records`` hook; ``False`` when not verified
-            (``details["indices_unverified"]`` says why); ``None`` when no index is named (absent
-            from :meth:`to_dict`).
+            (``index_key``), or mapped by the user's ``row_records`` hook; ``False`` when not verified,
+            or when no index could be named for a row (``details["indices_unverified"]`` says why);
+            ``None`` when there was nothing to check (absent from :meth:`to_dict`).
         blame_verified: whether each named sample is really at fault: ``True`` when it re-ran bad
             beside known-healthy samples (cause ``"data"``) or holds NaN/Inf itself (cause
             ``"input"``); ``False`` when that could not be checked (``details["blame_unverified"]``
