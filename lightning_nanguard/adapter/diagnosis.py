@@ -80,12 +80,14 @@ class StepDiagnosis:
         diagnosis: the diagnosis of the micro-batch the event names (``None``: not re-run).
         micro_batch: that micro-batch (``None`` when the step kept none).
         slicer: the batch slicer used (the user's, the module's ``nanguard_slice_batch``, or ``None``).
+        reference_batch: the reference sub-batch of a healthy step the diagnosis ran beside (``None``: none).
     """
 
     event: NanEvent
     diagnosis: Diagnosis | None = None
     micro_batch: MicroBatch | None = None
     slicer: Slicer | None = None
+    reference_batch: Any = None
 
     @property
     def reproduced(self) -> bool:
@@ -150,4 +152,4 @@ def diagnose_step(
             event = event.replace(
                 details={**event.details, "micro_batch": next(i for i, m in enumerate(micro_batches) if m is chosen)}
             )
-    return StepDiagnosis(event, diagnosis, chosen, slicer)
+    return StepDiagnosis(event, diagnosis, chosen, slicer, reference_batch)

@@ -377,7 +377,7 @@ class ShardedIncidentInspector(IncidentInspector):
         if micro is None and self.window.micro_batches:
             micro = self.window.micro_batches[-1]
         slicer = settings.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
-        found = StepDiagnosis(mine, diagnosis, micro, slicer)
+        found = StepDiagnosis(mine, diagnosis, micro, slicer, self.window.reference)
         return self.recorder.save_incident_files(
             pl_module, found, settings, module_state=state if state is not None else "not gathered"
         )

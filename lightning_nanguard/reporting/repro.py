@@ -19,7 +19,10 @@ A bundle is a directory ``<log_dir>/nanguard/step-<N>/`` holding:
   it prints the same line as training did, from any working directory);
 - ``details_full.json``: the event's details with the lists an event keeps short in full (every
   non-finite BatchNorm channel of every layer);
-- ``hparams.pt``: the module's saved hyperparameters (``save_hyperparameters()``), if any.
+- ``hparams.pt``: the module's saved hyperparameters (``save_hyperparameters()``), if any;
+- ``reference.pt``: for a batch at fault as a whole (cause ``"batch"``), the reference samples of a
+  recent healthy step its samples were run beside: the evidence of that verdict, so ``replay`` reaches
+  it again.
 
 ``python -m lightning_nanguard replay <bundle>`` loads it with :func:`load_bundle`.
 """
@@ -86,6 +89,7 @@ def save_bundle(
     module_state: Mapping[str, Any] | str | None = None,
     layout: CombinedLayout | None = None,
     sample_loaders: list[str | int] | None = None,
+    reference_batch: Any = None,
 ) -> Path:
     """Write a bundle for ``event`` and return its path (``directory/step-<global_step>``).
 
@@ -109,6 +113,7 @@ def save_bundle(
             (``positions`` are then positions in each saved sample's own loader's part).
         sample_loaders: with several training loaders, the loader of each saved sample, aligned with
             ``positions``.
+        reference_batch: the reference samples of a healthy step the verdict rests on (cause ``"batch"``).
     """
     path = Path(directory) / f"{BUNDLE_PREFIX}{event.global_step}"
     if event.rank:
@@ -117,6 +122,8 @@ def save_bundle(
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.save(_to_cpu(batch), path / "batch.pt")
+    if reference_batch is not None:
+        torch.save(_to_cpu(reference_batch), path / "reference.pt")
     if isinstance(module_state, str):
         state_note = module_state
     else:
@@ -240,7 +247,10 @@ def _state_note(root: Path) -> str | None:
 
 @dataclass
 class ReproBundle:
-    """A loaded bundle: the rebuilt module (weights loaded), the samples and the saved event."""
+    """A loaded bundle: the rebuilt module (weights loaded), the samples and the saved event.
+
+    ``reference_batch``: the healthy reference samples a ``"batch"`` verdict rests on (``None``: none saved).
+    """
 
     path: Path
     module: nn.Module
@@ -248,6 +258,7 @@ class ReproBundle:
     batch_idx: int
     event: NanEvent
     meta: dict[str, Any]
+    reference_batch: Any = None
 
 
 def load_bundle(path: str | os.PathLike[str], module_class: str | None = None) -> ReproBundle:
@@ -281,4 +292,5 @@ def load_bundle(path: str | os.PathLike[str], module_class: str | None = None) -
     module.load_state_dict(torch.load(root / "module_state.pt", weights_only=True))
     module.train()
     batch = torch.load(root / "batch.pt", weights_only=False)
-    return ReproBundle(root, module, batch, int(meta.get("batch_idx", 0)), event, meta)
+    reference = torch.load(root / "reference.pt", weights_only=False) if (root / "reference.pt").exists() else None
+    return ReproBundle(root, module, batch, int(meta.get("batch_idx", 0)), event, meta, reference)

@@ -306,3 +306,28 @@ def test_the_bundle_holds_the_remedies_applied(tmp_path: Path) -> None:
     assert saved["remedies"] == list(event.remedies) and saved["action"] == "skipped"
     lines = (Path(event.repro_path).parent / "events.jsonl").read_text(encoding="utf-8").splitlines()
     assert json.loads(lines[-1]) == saved
+
+
+def test_a_batch_fault_replays_as_the_batch_beside_its_saved_reference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bundle of a "batch" verdict keeps the healthy samples it rests on; replay reaches the same verdict."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(17, 4, generator=g), torch.randn(17, generator=g))  # 8, 8, then 1 sample
+    with pytest.warns(UserWarning, match="degrees of freedom"):
+        event = train(fm.BatchStandardised(), DataLoader(data, batch_size=8), tmp_path)
+    assert (event.cause, event.offending_samples) == ("batch", None)
+    bundle = Path(event.repro_path or "")
+    reference = torch.load(bundle / "reference.pt", weights_only=True)
+    assert [t.shape[0] for t in reference] == [2, 2]  # the 2 reference samples of a healthy step
+    assert load_bundle(bundle).reference_batch is not None
+    with pytest.warns(UserWarning, match="degrees of freedom"):
+        assert main(["replay", str(bundle), "--json"]) == 0
+    replayed = json.loads(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("{")))
+    assert {f: replayed[f] for f in FIELDS} == {f: event.to_dict()[f] for f in FIELDS}
+    assert replayed["details"]["verify_passes"] == 1
+
+
+def test_only_a_batch_verdict_keeps_reference_samples(trained: dict[str, NanEvent]) -> None:
+    for name in ("cosine_norm", "log_zero", "interaction"):
+        assert not (Path(trained[name].repro_path or "") / "reference.pt").exists()
