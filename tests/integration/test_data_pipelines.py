@@ -475,6 +475,7 @@ def test_g_a_masked_lm_batch_without_a_masked_token_is_the_batch(kind: str, quar
 
 
 @QUARANTINE
+@pytest.mark.filterwarnings(r"ignore:std\(\). degrees of freedom:UserWarning")  # the point of the test
 def test_h_a_last_batch_of_one_sample_under_a_batch_std_is_the_batch(quarantine: bool, tmp_path: Path) -> None:
     """``h.std(0)`` over one sample is NaN: the sample is healthy beside any other (see test_everyday_patterns)."""
     data = pm.blank_rows(N + 1, blank=())  # 4 batches of 8, then one of 1
