@@ -186,8 +186,10 @@ class RowNamer:
         with _kept_rng():
             for part in parts:
                 rows = [p - part.start for p in wanted if part.holds(p)]
+                told = [p - part.start for p in offending if part.holds(p)]  # warnings speak of the offending rows
                 if rows:
-                    named.update({part.start + row: found for row, found in self._name_part(part, rows).items()})
+                    found_rows = self._name_part(part, rows, told)
+                    named.update({part.start + row: found for row, found in found_rows.items()})
         micro.row_indices = {
             p: n.records[0] if n.records is not None and len(n.records) == 1 else None for p, n in named.items()
         }
@@ -218,7 +220,7 @@ class RowNamer:
 
     # ------------------------------------------------------------------ one loader's rows
 
-    def _name_part(self, part: _Part, rows: list[int]) -> dict[int, _Named]:
+    def _name_part(self, part: _Part, rows: list[int], told: list[int]) -> dict[int, _Named]:
         hook = self.hook or self.settings.row_records
         if hook is not None:
             return self._from_hook(hook, part, rows)
@@ -245,7 +247,7 @@ class RowNamer:
             self.slicer,
             part.size,
         )
-        self._tell(check, part)
+        self._tell(check.only(told), part)
         return {found.row: _from_check(found) for found in check.rows}
 
     def _read(self, reader: RecordReader, index: int, part: _Part) -> Any:

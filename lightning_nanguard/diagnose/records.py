@@ -58,6 +58,9 @@ BROKEN_ASSUMPTIONS: tuple[BrokenAssumption, ...] = get_args(BrokenAssumption)
 
 RANDOM_READS = "re-reading a record gives different values (random augmentation or masking)"
 SEVERAL_RECORDS = "rows are built from several records (packing, mixup) or changed after the collate"
+STABLE_RECORD = (
+    "records of the batch read differently each time, but this row matches the one record that reads the same twice"
+)
 FIX_ROWS = "pass index_key= (one index per row, or a 2-D field of the records of each row) or row_records="
 
 
@@ -120,6 +123,23 @@ class RecordCheck:
     def reason(self) -> str:
         """Why some row is unverified or unknown (the first reason); empty when all are verified."""
         return next((row.reason for row in self.rows if not row.verified and row.reason), "")
+
+    def only(self, rows: Sequence[int]) -> RecordCheck:
+        """The check of some of its rows, with what *they* showed broken (warnings speak of the rows named).
+
+        Example:
+            >>> check = RecordCheck((RowRecord(1, 11, True), RowRecord(4, None, False, broke="random_reads")),
+            ...                     "random_reads", 8, 8)
+            >>> check.only([1]).broken, check.only([4]).broken
+            (None, 'random_reads')
+        """
+        kept = tuple(row for row in self.rows if row.row in rows)
+        broken: BrokenAssumption | None = None
+        if self.batch_rows is not None and self.batch_rows != self.recorded:
+            broken = "rows_not_records"
+        for row in kept:
+            broken = _worse(broken, row.broke)
+        return RecordCheck(kept, broken, self.batch_rows, self.recorded, self.reads)
 
     def notice(self) -> str:
         """What broke and how to fix it, for a warning (empty when nothing broke).
@@ -255,9 +275,14 @@ def verify_rows(
                 out.append(RowRecord(row, None, False, claim, _error(claim, error), "unreadable"))
                 broken = _worse(broken, "unreadable")
                 continue
-            if random:
-                out.append(RowRecord(row, None, False, claim, RANDOM_READS, "random_reads"))
-                broken = _worse(broken, "random_reads")
+            if random:  # only a record that reads the same every time can still be told by its content
+                found = _stable_match(got, distinct, reads, claim)
+                if found is not None:
+                    out.append(RowRecord(row, found, True, claim, STABLE_RECORD, "reorders"))
+                    broken = _worse(broken, "reorders")
+                else:
+                    out.append(RowRecord(row, None, False, claim, RANDOM_READS, "random_reads"))
+                    broken = _worse(broken, "random_reads")
                 continue
         found, note, failed = _search(got, distinct, reads, claim)
         if found is not None:
@@ -301,6 +326,17 @@ def _search(row: Any, distinct: Sequence[int], reads: _Reads, claim: int | None)
     if len(matches) > 1:
         return matches[0], f"records {matches} hold the same values (duplicates): named the first", ""
     return matches[0], "", ""
+
+
+def _stable_match(row: Any, distinct: Sequence[int], reads: _Reads, claim: int | None) -> int | None:
+    """The one record of the batch that matches ``row`` and reads the same twice (reads are random); else ``None``."""
+    found, note, _ = _search(row, distinct, reads, claim)
+    if found is None or note:  # no match, or several records of the same values: no guess
+        return None
+    try:
+        return found if same_reads(reads.get(found), reads.fresh(found)) else None
+    except Exception:
+        return None
 
 
 def _random_reads(distinct: Sequence[int], reads: _Reads) -> bool:

@@ -18,6 +18,7 @@ from torch import Tensor
 from lightning_nanguard.diagnose.records import (
     RANDOM_READS,
     SEVERAL_RECORDS,
+    STABLE_RECORD,
     RecordCheck,
     RowRecord,
     verify_rows,
@@ -112,8 +113,22 @@ def test_random_reads_leave_the_row_unverified() -> None:
     check = verify_rows(batch, [1], [1], [0, 1, 2, 3], noisy)
     assert check.indices == (None,) and not check.verified and check.broken == "random_reads"
     assert check.rows[0].claimed == 1 and check.reason == RANDOM_READS
-    assert check.reads == 2  # the claimed record, and once more: no search among random reads
+    assert check.reads == 2 + 3  # the claimed record twice, then the others once: none reads the same twice
     assert check.notice().startswith("indices cannot be verified: re-reading a record gives different values")
+
+
+def test_a_row_reordered_among_random_reads_is_named_by_the_one_record_that_reads_the_same_twice() -> None:
+    """A silent record (zeros) under a random gain: the others differ at each read, it does not."""
+    generator = torch.Generator().manual_seed(0)
+
+    def gained(index: int) -> Tensor:
+        values = torch.zeros(1, 3) if index == 7 else torch.full((1, 3), float(index))
+        return values * (1 + torch.rand(1, generator=generator))
+
+    batch = torch.cat([gained(i) for i in (7, 5, 6)])  # the collate put record 7 first; the sampler said 5, 6, 7
+    check = verify_rows(batch, [0], [5], [5, 6, 7], gained)
+    assert check.indices == (7,) and check.verified and check.broken == "reorders"
+    assert check.rows[0].reason == STABLE_RECORD
 
 
 def test_random_multi_crop_rows_say_so() -> None:
