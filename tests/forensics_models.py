@@ -389,18 +389,3 @@ def nan_sample_data(n: int = 32, bad: tuple[int, ...] = (11,), seed: int = 0) ->
     x[list(bad)] = math.nan
     return TensorDataset(x, torch.randn(n, generator=g))
 
-
-class BatchStandardised(pl.LightningModule):
-    """Standardises features over the batch: the std of a batch of one sample is NaN (no record at fault)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = batch
-        h = self.lin(x)
-        return ((h - h.mean(0)) / (h.std(0) + 1e-5)).sum(-1).sub(y).pow(2).mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=1e-2)

@@ -18,13 +18,14 @@ from typing import Any
 import lightning.pytorch as pl
 import multitask_models as mm
 import pattern_models as pm
+import pipeline_models as pp
 import pytest
 import third_party_models as tp
 import torch
 from conftest import build_trainer
 from forensics_models import one_thread  # noqa: F401 (fixture)
 from models import origin_line
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NanEvent, NanGuard
@@ -240,27 +241,11 @@ def test_sqrt_masked_after_the_fact_gets_the_domain_hint(tmp_path: Path) -> None
     assert guard.events[0].details["hint"].startswith("op applied outside its domain")  # not "sqrt at exactly 0"
 
 
-class BatchStd(pl.LightningModule):
-    """Standardises features over the batch: the unbiased std of a single sample is NaN."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = batch
-        h = self.lin(x)
-        return ((h - h.mean(0)) / (h.std(0) + 1e-5)).sum(-1).sub(y).pow(2).mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=1e-2)
-
-
 def test_a_last_batch_of_one_sample_is_not_blamed_on_the_sample(tmp_path: Path) -> None:
     """With n=1 no sub-batch tells the sample from the batch size: beside the healthy reference samples it is fine."""
     data = pm.blank_rows(33, blank=())  # 4 batches of 8, then one of 1
     guard = NanGuard(verbose=False)
-    build_trainer("lightning", tmp_path, callbacks=[guard]).fit(BatchStd(), DataLoader(data, batch_size=BATCH))
+    build_trainer("lightning", tmp_path, callbacks=[guard]).fit(pp.BatchStd(), DataLoader(data, batch_size=BATCH))
     (event,) = guard.events
     assert event.cause != "data" and event.offending_samples is None
     assert event.cause == "batch" and event.dataset_indices is None and event.blame_verified is None

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import forensics_models as fm
+import pipeline_models as pp
 import pytest
 import torch
 from conftest import build_trainer
@@ -315,7 +316,7 @@ def test_a_batch_fault_replays_as_the_batch_beside_its_saved_reference(
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(17, 4, generator=g), torch.randn(17, generator=g))  # 8, 8, then 1 sample
     with pytest.warns(UserWarning, match="degrees of freedom"):
-        event = train(fm.BatchStandardised(), DataLoader(data, batch_size=8), tmp_path)
+        event = train(pp.BatchStd(), DataLoader(data, batch_size=8), tmp_path)
     assert (event.cause, event.offending_samples) == ("batch", None)
     bundle = Path(event.repro_path or "")
     reference = torch.load(bundle / "reference.pt", weights_only=True)
