@@ -232,3 +232,21 @@ def read_tensorboard(logdir: str | Path) -> TensorBoardRun:
 def tb_reader() -> Callable[[str | Path], TensorBoardRun]:
     """``tb_reader(logdir)`` -> :class:`TensorBoardRun`."""
     return read_tensorboard
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """With ``NANGUARD_COMPAT_ROWS`` set, write the ``compat`` markers of the collected tests (scripts/compat_table.py)."""
+    import json
+    import os
+
+    out = os.environ.get("NANGUARD_COMPAT_ROWS")
+    if not out:
+        return
+    rows = []
+    for item in session.items:
+        for mark in item.iter_markers("compat"):
+            fields = {"feature": "", "kind": "", "status": "works", "note": "", **mark.kwargs}
+            if fields["kind"] not in ("callback", "flag", "strategy") or fields["status"] not in ("works", "refused"):
+                raise pytest.UsageError(f"{item.nodeid}: bad compat marker {mark.kwargs}")
+            rows.append({key: str(fields[key]) for key in ("feature", "kind", "status", "note")} | {"test": item.nodeid})
+    Path(out).write_text(json.dumps(rows), encoding="utf-8")
