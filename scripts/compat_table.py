@@ -77,6 +77,7 @@ def replace_table(text: str, table: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Rewrite (or with ``--check`` compare) the README's table; 0 on success."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail when README.md's table is out of date")
     args = parser.parse_args(argv)

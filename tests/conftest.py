@@ -235,7 +235,10 @@ def tb_reader() -> Callable[[str | Path], TensorBoardRun]:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """With ``NANGUARD_COMPAT_ROWS`` set, write the ``compat`` markers of the collected tests (scripts/compat_table.py)."""
+    """With ``NANGUARD_COMPAT_ROWS`` set, write the ``compat`` markers of the collected tests.
+
+    Read by ``scripts/compat_table.py``, which renders the README's compatibility table.
+    """
     import json
     import os
 
@@ -248,5 +251,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             fields = {"feature": "", "kind": "", "status": "works", "note": "", **mark.kwargs}
             if fields["kind"] not in ("callback", "flag", "strategy") or fields["status"] not in ("works", "refused"):
                 raise pytest.UsageError(f"{item.nodeid}: bad compat marker {mark.kwargs}")
-            rows.append({key: str(fields[key]) for key in ("feature", "kind", "status", "note")} | {"test": item.nodeid})
+            row = {key: str(fields[key]) for key in ("feature", "kind", "status", "note")}
+            rows.append(row | {"test": item.nodeid})
     Path(out).write_text(json.dumps(rows), encoding="utf-8")
