@@ -68,8 +68,8 @@ def make_checkpoint_finite(
     sharding = controller.sharding
     if sharding is not None and sharding.diagnoses_together:  # every rank's shards, the strategy's format
         substituted = make_sharded_checkpoint_finite_(
-            trainer, pl_module, controller.recovery, checkpoint, controller.agreement
+            trainer, pl_module, controller.recovery, checkpoint, controller.agreement, controller.policy.action
         )
         share_rank_states_(checkpoint, state_key, guard_state(controller), controller.agreement)
         return substituted
-    return controller.recovery.make_checkpoint_finite_(checkpoint)
+    return controller.recovery.make_checkpoint_finite_(checkpoint, controller.policy.action)

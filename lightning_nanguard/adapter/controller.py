@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -85,6 +86,8 @@ class StepController:
         self.after_step = AfterStep(self.state, self.recovery, self.recorder, self.window)
         self.named_params: list[tuple[str, nn.Parameter]] = []
         self.params: list[nn.Parameter] = []
+        # per optimizer: the signature of its parameter groups and the parameters it updates
+        self._step_params: dict[int, tuple[tuple[tuple[int, int], ...], list[Tensor]]] = {}
         self.sharding: ShardingLayout | None = None  # ModelParallelStrategy (adapter/sharding.py)
 
     # ------------------------------------------------------------------ setup
@@ -115,6 +118,7 @@ class StepController:
         self.agreement = RankAgreement(trainer.strategy, trainer.world_size)
         self.named_params = list(pl_module.named_parameters())
         self.params = [p for _, p in self.named_params]
+        self._step_params = {}
         self.window.attach(pl_module, self.track_batchnorm)
         unsupported = self.window.metrics.describe_unsupported() if self.window.metrics is not None else None
         if unsupported is not None:
@@ -130,6 +134,45 @@ class StepController:
                     self.recorder.notices.warn("sync_free", f"NanGuard(sync_free=True): {reason}")
         self.recorder.rank = trainer.global_rank
 
+    # ------------------------------------------------------------------ tensors other code replaces
+
+    def follow(self, trainer: Trainer) -> None:
+        """Follow BatchNorm buffers that other code assigned anew (an identity check per buffer, no read)."""
+        if self.window.follow() and self.sync_free:
+            self.sync.attach([t for _, t in self.window.batchnorm_buffers])
+
+    def rediscover(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Find parameters, BatchNorm buffers and metrics again (an epoch starts: modules may have changed)."""
+        self._name_params(pl_module)
+        self.window.rediscover(pl_module)
+        if self.sync_free:
+            self.sync.attach([t for _, t in self.window.batchnorm_buffers])
+
+    def _name_params(self, pl_module: LightningModule, extra: Sequence[Tensor] = ()) -> None:
+        """The model's named parameters, and a name for each tensor an optimizer updates that the model lacks."""
+        model = list(pl_module.named_parameters())
+        known = {id(p) for _, p in model}
+        lacking = [(f"<optimizer tensor {i} not in the model>", p) for i, p in enumerate(extra) if id(p) not in known]
+        self.named_params = [*model, *lacking]  # type: ignore[list-item]
+        self.after_step.named_params = model
+
+    def step_params(self, pl_module: LightningModule, optimizer: Optimizer) -> list[Tensor]:
+        """The tensors ``optimizer`` updates, the ones its step is checked on.
+
+        Cached per optimizer and found again when its parameter groups change (a group added by
+        ``BackboneFinetuning``, groups replaced): the signature is one ``id`` and one length per group.
+        """
+        signature = tuple((id(group["params"]), len(group["params"])) for group in optimizer.param_groups)
+        cached = self._step_params.get(id(optimizer))
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+        params = _optimizer_params(optimizer)
+        named = {id(p) for _, p in self.named_params}
+        if cached is not None or any(id(p) not in named for p in params):
+            self._name_params(pl_module, params)  # new or replaced tensors: name them
+        self._step_params[id(optimizer)] = (signature, params)
+        return params
+
     def scalar_tags(self, trainer: Trainer) -> list[str]:
         """The ``nanguard/`` scalar tags this run can log."""
         remedies = self.recovery.book.enabled
@@ -140,6 +183,7 @@ class StepController:
         """The first micro-batch of an optimizer step: resolve a sync-free step still pending, open the window."""
         self.resolve_pending(trainer, pl_module)
         checking = self.checking(trainer, every_n_steps)
+        self.follow(trainer)  # before the BatchNorm buffers are captured
         self.window.begin(checking=checking, trainer=trainer)
         if self.window.metrics_changed and self.window.metrics is not None:
             self.window.metrics_changed = False
@@ -165,7 +209,8 @@ class StepController:
         if isinstance(inner, torch.optim.LBFGS) and self.state.reported_step == trainer.global_step:
             return  # LBFGS evaluates its closure (and this hook) many times per step: one event per step
         # manual optimisation steps optimizers one by one: the gradients this step applies are its own
-        params = self.params if pl_module.automatic_optimization else _optimizer_params(inner)
+        self.follow(trainer)  # BatchNorm buffers replaced during the step are checked as they are
+        params = self.step_params(pl_module, inner)  # the tensors this step really updates
         grads = [g for p in params if (g := p.grad) is not None]
         vector = self._agreed_vector(trainer, pl_module, grads, optimizer)
         sync_free = self.sync_free and pl_module.automatic_optimization and not self.state.failing

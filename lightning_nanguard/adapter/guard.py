@@ -23,6 +23,7 @@ from lightning_nanguard.adapter.checkpoint import guard_state, load_guard_state,
 from lightning_nanguard.adapter.config import GuardSettings, validate_arguments, warn_what_cannot_be_skipped
 from lightning_nanguard.adapter.controller import StepController
 from lightning_nanguard.adapter.failsafe import CounterView, failsafe
+from lightning_nanguard.adapter.forward_only import ForwardOnlyEpoch, forward_only
 from lightning_nanguard.adapter.indices import indices_from_batch
 from lightning_nanguard.adapter.reporting import IncidentRecorder
 from lightning_nanguard.adapter.sharding import own_rank_state
@@ -216,6 +217,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.controller.configure(GuardSettings.from_arguments(self._arguments()))  # again at setup: the one path
         self._trainer: Trainer | None = None
         self._hooks: StrategyHooks | None = None
+        self._forward_only = ForwardOnlyEpoch()
+        self._forward_only_indices: Any = None
 
     # ------------------------------------------------------------------ state, read-only
 
@@ -335,7 +338,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     @override
     @failsafe
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Make this epoch's training loaders record their dataset indices (if the strategy did not already)."""
+        """Find what the model holds again (modules, buffers, metrics may have changed); record this epoch's indices."""
+        self.controller.rediscover(trainer, pl_module)
         if self._hooks is not None:
             self._hooks.start_epoch(trainer.train_dataloader)  # one loader or several (their keys, quarantines)
 
@@ -350,6 +354,10 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             indices = self._hooks.batch_indices(batch, self.index_key)
         else:
             indices = indices_from_batch(batch, self.index_key) if self.index_key is not None else None
+        if forward_only(trainer):  # SWA's BatchNorm epoch: no training step, only statistics to keep finite
+            self._forward_only_indices = indices
+            self._forward_only.before_batch(window)
+            return
         # a new optimizer step: the first micro-batch, or a window left open by a step Lightning never took
         # (training_step returned None); every batch in manual optimisation
         first = batch_idx % max(1, getattr(trainer, "accumulate_grad_batches", 1)) == 0
@@ -364,6 +372,12 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Manual optimisation: a batch that ``guard.check`` found bad leaves no trace in logs and metrics."""
+        if forward_only(trainer):
+            window, indices = self.controller.window, self._forward_only_indices
+            event = self._forward_only.after_batch(trainer, window, batch_idx, indices)
+            if event is not None:
+                self.controller.recorder.record(trainer, event)
+            return
         state = self.controller.state
         if state.dropped_by_check:
             state.dropped_by_check = False
@@ -380,6 +394,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         """Check loss, gradients and BatchNorm statistics; make the one decision of the step on every rank."""
         self.controller.window.close()
+        if forward_only(trainer):  # no backward ran: there is no step to check (each batch was, after its forward)
+            return
         if self.controller.checking(trainer, self.check_every_n_steps):
             self.controller.check_step(trainer, pl_module, optimizer)
 

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_map
 from lightning_nanguard.adapter.strategy import strategy_kind
 from lightning_nanguard.core.dtensor import any_dtensor, local_tensors
 from lightning_nanguard.decide.agreement import RankAgreement
+from lightning_nanguard.decide.messages import checkpoint_refusal
 from lightning_nanguard.decide.policy import shared_part
 from lightning_nanguard.detect.confirm import all_finite
 from lightning_nanguard.detect.sharded import global_norm, shard_weights, sharded_health_check
@@ -195,6 +196,7 @@ def make_sharded_checkpoint_finite_(
     recovery: Recovery,
     checkpoint: dict[str, Any],
     agreement: RankAgreement,
+    action: str | None = None,
 ) -> str | None:
     """Under sharding: never save non-finite weights; save the last good snapshot's shards instead, or refuse.
 
@@ -217,11 +219,7 @@ def make_sharded_checkpoint_finite_(
         return None
     snapshot = recovery.snapshot
     if not snapshot.available:
-        raise NonFiniteTrainingError(
-            "NanGuard refuses to save a checkpoint with non-finite weights (on some rank's shards). Use "
-            "action='skip' or 'rollback' so NaN/Inf never reaches the weights.",
-            [],
-        )
+        raise NonFiniteTrainingError(checkpoint_refusal([], action), [])
     optimizers = list(trainer.optimizers)
     current = TrainingSnapshot()
     current.capture(pl_module, optimizers)

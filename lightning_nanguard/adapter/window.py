@@ -96,6 +96,25 @@ class StepWindow:
         self.logged = LoggedValues()
         self.open = False
 
+    def follow(self) -> bool:
+        """Re-find the BatchNorm buffers when code assigned new tensors to them; True if it did.
+
+        An identity check of each tracked buffer (no read of a value): a callback or hook that
+        replaces ``running_mean``/``running_var`` (``StochasticWeightAveraging``'s BatchNorm reset,
+        ``load_state_dict(assign=True)``) is followed from the next check on.
+        """
+        if self._bn is None or not self._bn.stale():
+            return False
+        self._bn.refresh()
+        return True
+
+    def rediscover(self, module: nn.Module) -> None:
+        """Find the BatchNorm buffers and metrics of ``module`` again (modules added or changed since)."""
+        if self._bn is not None:
+            self._bn.module = module
+            self._bn.refresh()
+        self.metrics = MetricStates(module)
+
     # ------------------------------------------------------------------ one optimizer step
 
     def begin(self, checking: bool, trainer: Any = None) -> None:
@@ -173,6 +192,11 @@ class StepWindow:
     def running_vars(self) -> list[Tensor]:
         """The ``running_var`` buffers among :attr:`batchnorm_buffers`."""
         return batchnorm_running_vars(self.batchnorm_buffers)
+
+    def capture_batchnorm(self) -> None:
+        """Copy the BatchNorm buffers as they are now (a forward-only batch: no step window opens)."""
+        if self._bn is not None:
+            self._bn.capture()
 
     def restore_batchnorm(self) -> None:
         """Put the BatchNorm buffers back as they were before the step's first forward."""

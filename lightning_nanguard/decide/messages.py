@@ -18,7 +18,7 @@ from typing import Any
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.decide.policy import Counters, Policy, StepDecision
 
-__all__ = ["stop_history", "stop_message"]
+__all__ = ["checkpoint_refusal", "stop_history", "stop_message"]
 
 
 def stop_message(
@@ -57,3 +57,28 @@ def stop_history(
     if decision.escalation == "max_events":
         return list(events)
     return list(events[-policy.max_consecutive_bad_steps :])
+
+
+def checkpoint_refusal(bad: Sequence[str], action: str | None) -> str:
+    """Why a checkpoint with non-finite weights is not saved, and what to do, for the run's own ``action``.
+
+    Example:
+        >>> checkpoint_refusal(["net.1.running_var"], "skip")[:98]
+        "NanGuard refuses to save a checkpoint with non-finite weights (['net.1.running_var']): with action"
+        >>> "action='skip' or 'rollback'" in checkpoint_refusal(["w"], "warn")
+        True
+    """
+    shown = list(bad[:5]) if bad else "on some rank's shards"
+    head = f"NanGuard refuses to save a checkpoint with non-finite weights ({shown})"
+    if action == "warn":
+        return f"{head}: action='warn' lets bad steps update them. Use action='skip' or 'rollback'."
+    buffers = bool(bad) and all(name.rsplit(".", 1)[-1].startswith(("running_", "num_batches")) for name in bad)
+    written = (
+        "code outside the optimizer step wrote them (a callback or hook assigning BatchNorm buffers)"
+        if buffers
+        else "code outside the optimizer step wrote them (a callback, a hook, or loading a state)"
+    )
+    return (
+        f"{head}: with action={action!r} no bad step reaches the weights, so {written}. action='rollback' keeps a "
+        "last good state that is saved instead; or find that code with guard.check(model) after it runs."
+    )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_nanguard.detect.batchnorm import batchnorm_buffers
+from lightning_nanguard.detect.batchnorm import batchnorm_slots
 
 __all__ = ["BatchNormSnapshot"]
 
@@ -36,15 +36,33 @@ class BatchNormSnapshot:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.named_buffers: list[tuple[str, Tensor]] = []
+        self._slots: list[tuple[nn.Module, str]] = []
         self._live: list[Tensor] = []
         self._saved: list[Tensor] = []
         self.refresh()
 
     def refresh(self) -> None:
         """Re-discover the buffers (after the module was moved, reloaded or modified)."""
-        self.named_buffers = batchnorm_buffers(self.module)
+        found = batchnorm_slots(self.module)
+        self.named_buffers = [(name, tensor) for name, _, _, tensor in found]
+        self._slots = [(owner, stat) for _, owner, stat, _ in found]
         self._live = [tensor for _, tensor in self.named_buffers]
         self._saved = [tensor.detach().clone() for tensor in self._live]
+
+    def stale(self) -> bool:
+        """Whether some code assigned new tensors to the buffers (``bn.running_var = ...``): identity only, no read.
+
+        Example:
+            >>> net = nn.BatchNorm1d(2)
+            >>> snapshot = BatchNormSnapshot(net)
+            >>> snapshot.stale()
+            False
+            >>> net.running_var = torch.ones(2)  # e.g. StochasticWeightAveraging's BatchNorm reset
+            >>> snapshot.stale()
+            True
+        """
+        slots = zip(self._slots, self._live, strict=True)
+        return any(getattr(owner, stat, None) is not live for (owner, stat), live in slots)
 
     def capture(self) -> None:
         """Copy the current buffer values into the snapshot (no host synchronisation)."""

@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 
 from lightning_nanguard.core.defaults import default_of
 from lightning_nanguard.core.events import NonFiniteTrainingError
+from lightning_nanguard.decide.messages import checkpoint_refusal
 from lightning_nanguard.detect.confirm import all_finite, nonfinite_names
 from lightning_nanguard.recover.remedies import RemedyBook, clip_threshold, lr_backoff_, raise_eps_
 from lightning_nanguard.recover.snapshot import TrainingSnapshot
@@ -201,11 +202,13 @@ class Recovery:
 
     # ------------------------------------------------------------------ checkpoint
 
-    def make_checkpoint_finite_(self, checkpoint: dict[str, Any]) -> str | None:
+    def make_checkpoint_finite_(self, checkpoint: dict[str, Any], action: str | None = None) -> str | None:
         """Never let a checkpoint hold NaN/Inf weights: put the last good snapshot in, or refuse.
 
         Returns:
             ``None`` when the weights are finite (nothing changed), else a description of the substitution.
+
+        ``action``: the run's ``NanGuard(action=...)``, for a message that fits it.
 
         Raises:
             NonFiniteTrainingError: the weights are not finite and there is no snapshot to save instead.
@@ -220,11 +223,7 @@ class Recovery:
             step = self.snapshot.global_step
             return f"the weights hold NaN/Inf; the checkpoint holds the last good snapshot (step {step})"
         bad = nonfinite_names((k, v) for k, v in state.items() if isinstance(v, Tensor) and v.is_floating_point())
-        raise NonFiniteTrainingError(
-            f"NanGuard refuses to save a checkpoint with non-finite weights ({bad[:5]}). Use action='skip' or "
-            "'rollback' so NaN/Inf never reaches the weights.",
-            [],
-        )
+        raise NonFiniteTrainingError(checkpoint_refusal(bad, action), [])
 
     def state_dict(self) -> dict[str, Any]:
         """Remedy state and rollback count (primitives only)."""
