@@ -36,7 +36,7 @@ class BatchNormSnapshot:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.named_buffers: list[tuple[str, Tensor]] = []
-        self._slots: list[tuple[nn.Module, str]] = []
+        self._slots: list[tuple[dict[str, Tensor | None], str]] = []
         self._live: list[Tensor] = []
         self._saved: list[Tensor] = []
         self.refresh()
@@ -45,7 +45,7 @@ class BatchNormSnapshot:
         """Re-discover the buffers (after the module was moved, reloaded or modified)."""
         found = batchnorm_slots(self.module)
         self.named_buffers = [(name, tensor) for name, _, _, tensor in found]
-        self._slots = [(owner, stat) for _, owner, stat, _ in found]
+        self._slots = [(owner._buffers, stat) for _, owner, stat, _ in found]  # where an assignment lands
         self._live = [tensor for _, tensor in self.named_buffers]
         self._saved = [tensor.detach().clone() for tensor in self._live]
 
@@ -62,7 +62,7 @@ class BatchNormSnapshot:
             True
         """
         slots = zip(self._slots, self._live, strict=True)
-        return any(getattr(owner, stat, None) is not live for (owner, stat), live in slots)
+        return any(buffers.get(stat) is not live for (buffers, stat), live in slots)  # dict reads: ~0.1 us each
 
     def capture(self) -> None:
         """Copy the current buffer values into the snapshot (no host synchronisation)."""
