@@ -1,0 +1,333 @@
+"""Trainer flags and calls that change the step or the loop: under each, a NaN at a known step is skipped.
+
+Each test runs a real ``Trainer`` with ``NanGuard(verbose=False)`` on :mod:`flag_models`' BatchNorm
+regression (64 samples, batches of 8, no shuffling: sample ``i`` is in batch ``i // 8`` at position
+``i % 8``) with a NaN in known samples, and checks:
+
+- the bad step is skipped: the weights, BatchNorm buffers and Adam state are bitwise the same before and
+  after it, and the whole run equals, bit for bit and step by step, a reference run with no guard in
+  which :class:`~flag_models.HandSkip` dropped that step's update by hand. The reference has no guard,
+  so this equality also shows that the guard changed none of the healthy steps around the bad one;
+- a healthy run (no NaN) with the guard equals one without, bit for bit (:func:`_check_flag`);
+- the event names the right step, batch, position and dataset index;
+- the flag still does what it does (validation at the same points, the run ends at the same step...).
+
+Gradient accumulation, AMP overflows and DDP decisions have their own files (``test_accumulation.py``,
+``test_amp.py``, ``test_ddp.py``); checkpoint round trips of the guard's state are in
+``tests/adapter/test_guard.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import StepRecorder, build_trainer, states_equal
+from flag_models import (
+    BATCH_SIZE,
+    N_SAMPLES,
+    HandSkip,
+    ValidationPoints,
+    flag_module,
+    model_state,
+    nan_data,
+    nan_loader,
+)
+from torch.utils.data import DataLoader
+
+from lightning_nanguard import NanGuard
+
+Loader = Callable[[tuple[int, ...]], DataLoader]
+
+
+def compat(feature: str, note: str) -> pytest.MarkDecorator:
+    """The README compatibility row of a Trainer flag or call that works with the guard."""
+    return pytest.mark.compat(feature=feature, kind="flag", status="works", note=note)
+
+
+# ------------------------------------------------------------------------------------ running and comparing
+
+
+@dataclass
+class Run:
+    """One finished ``fit``: its Trainer and module, per-step states, validation points, guard or hand skip."""
+
+    trainer: Any
+    module: Any
+    steps: StepRecorder
+    points: ValidationPoints
+    guard: NanGuard | None
+    hand: HandSkip | None
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return model_state(self.module, self.trainer.optimizers[0] if self.trainer.optimizers else None)
+
+    def unchanged_steps(self) -> list[int]:
+        """Global steps whose batch left weights, buffers and optimizer state bitwise as they were."""
+        return [r.global_step for r in self.steps.records if r.unchanged()]
+
+    def per_step(self) -> list[dict[str, torch.Tensor]]:
+        return [r.params_after | r.buffers_after for r in self.steps.records]
+
+    def events(self) -> list[tuple[Any, ...]]:
+        """``(global_step, epoch, batch_idx, offending_samples, dataset_indices, action)`` of each event."""
+        assert self.guard is not None
+        return [
+            (e.global_step, e.epoch, e.batch_idx, e.offending_samples, e.dataset_indices, e.action)
+            for e in self.guard.events
+        ]
+
+
+def _fit(
+    root: Path,
+    callback: Any,
+    train: DataLoader | None,
+    val: DataLoader | None = None,
+    module: Any = None,
+    extra_callbacks: Iterable[Any] = (),
+    fit_kwargs: dict[str, Any] | None = None,
+    **flags: Any,
+) -> Run:
+    steps, points = StepRecorder(), ValidationPoints()
+    callbacks = [c for c in (callback, steps, points, *extra_callbacks) if c is not None]
+    trainer = build_trainer("lightning", root, callbacks=callbacks, **flags)
+    module = module if module is not None else flag_module()
+    trainer.fit(module, train, val, **(fit_kwargs or {}))
+    guard = callback if isinstance(callback, NanGuard) else None
+    if guard is not None:
+        assert guard.active, "NanGuard disabled itself after an internal error (see the log)"
+    return Run(trainer, module, steps, points, guard, callback if isinstance(callback, HandSkip) else None)
+
+
+def _check_flag(
+    tmp_path: Path,
+    nan_at: tuple[int, ...],
+    skipped: Iterable[int],
+    *,
+    loader: Loader | None = nan_loader,
+    val: Callable[[], DataLoader] | None = None,
+    module: Callable[[], Any] = flag_module,
+    extra: Callable[[], Iterable[Any]] = tuple,
+    healthy: bool = True,
+    **flags: Any,
+) -> tuple[Run, Run]:
+    """Fit with the guard and with :class:`HandSkip` at ``skipped`` (NaN at ``nan_at``); both must be equal.
+
+    ``loader=None``: the module's own ``train_dataloader``. ``extra``: more callbacks for each fit.
+    ``healthy``: also fit without any NaN, with and without the guard, and require bitwise equality.
+    """
+    skipped = sorted(skipped)
+
+    def fit(name: str, callback: Any, nan: tuple[int, ...]) -> Run:
+        train = loader(nan) if loader is not None else None
+        return _fit(tmp_path / name, callback, train, val() if val else None, module(), extra(), **flags)
+
+    guarded = fit("guarded", NanGuard(verbose=False), nan_at)
+    reference = fit("reference", HandSkip(skipped), nan_at)
+    assert reference.hand is not None and reference.hand.skipped == skipped  # the reference did skip those steps
+    assert guarded.unchanged_steps() == reference.unchanged_steps() == skipped
+    assert states_equal(guarded.per_step(), reference.per_step()), "a step differs from the hand-skipped run"
+    assert states_equal(guarded.state, reference.state)
+    assert guarded.points.points == reference.points.points
+    assert guarded.points.train_batches == reference.points.train_batches
+    assert guarded.trainer.global_step == reference.trainer.global_step
+    assert guarded.guard is not None and guarded.guard.skipped_total == len(skipped)
+    assert _finite(guarded.module)
+    if healthy:
+        clean_guarded = fit("healthy_guarded", NanGuard(verbose=False), ())
+        clean = fit("healthy", None, ())
+        assert clean_guarded.guard is not None and clean_guarded.guard.events == []
+        assert states_equal(clean_guarded.per_step(), clean.per_step())
+        assert states_equal(clean_guarded.state, clean.state), "the guard changed a healthy run"
+    return guarded, reference
+
+
+def _finite(module: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in module.state_dict().values() if t.is_floating_point())
+
+
+def _val_losses_equal(a: Run, b: Run) -> bool:
+    return len(a.module.val_losses) > 0 and states_equal(a.module.val_losses, b.module.val_losses)
+
+
+def _permuted_loader(nan_at: tuple[int, ...], epoch: int = 0, stride: int = 37) -> DataLoader:
+    """Epoch ``epoch``'s data (its own values) read in a fixed non-trivial order (a plain list as the sampler)."""
+    return DataLoader(nan_data(nan_at, seed=epoch), batch_size=BATCH_SIZE, sampler=_order(epoch, stride))
+
+
+def _order(epoch: int, stride: int = 37) -> list[int]:
+    return [(i * stride + 5 * epoch) % N_SAMPLES for i in range(N_SAMPLES)]  # a permutation: stride is odd
+
+
+def _where(index: int, epoch: int = 0) -> tuple[int, int]:
+    """``(batch_idx, position)`` of dataset index ``index`` in :func:`_order`'s epoch ``epoch``."""
+    return divmod(_order(epoch).index(index), BATCH_SIZE)
+
+
+# ------------------------------------------------------------------------------------ validation schedule
+
+
+@compat("val_check_interval", "mid-epoch validation runs at the same steps and sees the skipped step's weights")
+@pytest.mark.parametrize(("interval", "points"), [(3, [(0, 3), (0, 6)]), (0.5, [(0, 4), (0, 8)])])
+def test_val_check_interval(tmp_path: Path, interval: float, points: list[tuple[int, int]]) -> None:
+    """The NaN is in the batch right before a mid-epoch validation (sample 19: step 2; sample 27: step 3)."""
+    nan_at, step = ((19,), 2) if interval == 3 else ((27,), 3)
+    guarded, reference = _check_flag(
+        tmp_path, nan_at, [step], val=lambda: nan_loader(n=16), val_check_interval=interval
+    )
+    assert guarded.events() == [(step, 0, step, (3,), nan_at, "skipped")]
+    assert guarded.points.points == points
+    assert [s for sanity, s in guarded.module.validated] == [s for _, s in points]
+    assert _val_losses_equal(guarded, reference)
+    assert all(torch.isfinite(loss) for loss in guarded.module.val_losses)
+
+
+@compat("check_val_every_n_epoch", "validation every 2nd epoch unchanged; the NaN of every epoch skipped")
+def test_check_val_every_n_epoch(tmp_path: Path) -> None:
+    """Four batches an epoch, sample 11 (batch 1) is NaN in every epoch: steps 1, 5, 9, 13."""
+    guarded, reference = _check_flag(
+        tmp_path,
+        (11,),
+        [1, 5, 9, 13],
+        loader=lambda nan: nan_loader(nan, n=32),
+        val=lambda: nan_loader(n=16),
+        check_val_every_n_epoch=2,
+        max_epochs=4,
+    )
+    assert guarded.events() == [(s, s // 4, 1, (3,), (11,), "skipped") for s in (1, 5, 9, 13)]
+    assert guarded.points.points == [(1, 8), (3, 16)]
+    assert _val_losses_equal(guarded, reference)
+
+
+# ------------------------------------------------------------------------------------ where the loop ends
+
+
+@compat("limit_train_batches", "only the batches within the limit are checked; the NaN among them is skipped")
+def test_limit_train_batches(tmp_path: Path) -> None:
+    """Sample 19 (batch 2, the last one allowed) is NaN, and sample 43 (batch 5, never read)."""
+    guarded, _ = _check_flag(tmp_path, (19, 43), [2, 5], limit_train_batches=3, max_epochs=2)
+    assert guarded.events() == [(2, 0, 2, (3,), (19,), "skipped"), (5, 1, 2, (3,), (19,), "skipped")]
+    assert guarded.points.train_batches == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert guarded.trainer.global_step == 6
+
+
+@compat("max_steps", "a run ending mid-epoch on a bad step ends at max_steps with that step skipped")
+def test_max_steps_ending_mid_epoch_on_the_bad_step(tmp_path: Path) -> None:
+    """Sample 35 (batch 4) is NaN and ``max_steps=5``: the last step of the run is the bad one."""
+    guarded, _ = _check_flag(tmp_path, (35,), [4], max_steps=5, max_epochs=-1)
+    assert guarded.events() == [(4, 0, 4, (3,), (35,), "skipped")]
+    assert guarded.trainer.global_step == 5  # a skipped step still counts toward max_steps
+    assert guarded.points.train_batches == [(0, b) for b in range(5)]
+
+
+class FakeClock(pl.Callback):
+    """The clock of Lightning's ``Timer`` in a test: 0 at each ``fit``'s start, 10 s more at every training batch."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def on_fit_start(self, *args: Any) -> None:
+        self.now = 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.now += 10.0
+
+
+@compat("max_time", "the run still ends at the step where max_time runs out; the NaN before it is skipped")
+def test_max_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each batch takes 10 s of a fake clock: with ``max_time`` 45 s Lightning's Timer stops after 5 batches.
+
+    The clock is fake so that the stop is exact however long the guard's diagnosis takes.
+    """
+    import lightning.pytorch.callbacks.timer as timer_module
+
+    clock = FakeClock()
+    monkeypatch.setattr(timer_module, "time", clock)  # the Timer's `time.monotonic()`
+    guarded, _ = _check_flag(tmp_path, (27,), [3], extra=lambda: [clock], max_time={"seconds": 45}, max_epochs=3)
+    assert guarded.events() == [(3, 0, 3, (3,), (27,), "skipped")]
+    assert guarded.trainer.global_step == 5  # 50 s >= 45 s after the fifth batch
+    assert guarded.points.train_batches == [(0, b) for b in range(5)]
+
+
+@compat("overfit_batches", "the repeated batches keep their dataset indices (Lightning's unshuffled sampler)")
+def test_overfit_batches(tmp_path: Path) -> None:
+    """A shuffling loader: Lightning turns the shuffle off; batch 1 (sample 11 NaN) comes back every epoch."""
+    guarded, _ = _check_flag(
+        tmp_path, (11,), [1, 3, 5], loader=lambda nan: nan_loader(nan, shuffle=True), overfit_batches=2, max_epochs=3
+    )
+    assert guarded.events() == [(s, s // 2, 1, (3,), (11,), "skipped") for s in (1, 3, 5)]
+    assert guarded.points.train_batches == [(e, b) for e in range(3) for b in range(2)]
+
+
+@compat("fast_dev_run", "the few batches of a dev run are guarded; validation still runs once at the end")
+def test_fast_dev_run(tmp_path: Path) -> None:
+    guarded, reference = _check_flag(tmp_path, (11,), [1], val=lambda: nan_loader(n=32), fast_dev_run=3)
+    assert guarded.events() == [(1, 0, 1, (3,), (11,), "skipped")]
+    assert guarded.trainer.global_step == 3
+    assert guarded.points.points == [(0, 3)]
+    assert len(guarded.module.val_losses) == 3  # fast_dev_run=3 limits validation to 3 batches too
+    assert _val_losses_equal(guarded, reference)
+
+
+@compat("num_sanity_val_steps", "with or without the sanity check, a NaN in the very first step is skipped")
+@pytest.mark.parametrize("sanity_steps", [0, 2])
+def test_num_sanity_val_steps(tmp_path: Path, sanity_steps: int) -> None:
+    """Sample 3 (batch 0: global step 0, before any update) is NaN."""
+    guarded, reference = _check_flag(
+        tmp_path, (3,), [0], val=lambda: nan_loader(n=32), num_sanity_val_steps=sanity_steps
+    )
+    assert guarded.events() == [(0, 0, 0, (3,), (3,), "skipped")]
+    assert guarded.module.validated == [(True, 0)] * bool(sanity_steps) + [(False, 8)]
+    assert len(guarded.module.val_losses) == sanity_steps + 4
+    assert _val_losses_equal(guarded, reference)
+
+
+# ------------------------------------------------------------------------------------ which data
+
+
+@compat("reload_dataloaders_every_n_epochs", "each reloaded loader's own order and data name the right index")
+def test_reload_dataloaders_every_n_epochs(tmp_path: Path) -> None:
+    """A new dataset and order each epoch (from the module's ``train_dataloader``); NaN at 21 in epoch 1, 50 in 2.
+
+    Indices kept from the loader of the epoch before would name other samples (the order changes).
+    """
+    nan_by_epoch = {0: (), 1: (21,), 2: (50,)}
+
+    def module() -> Any:
+        return flag_module(train_loader=lambda epoch: _permuted_loader(nan_by_epoch[epoch], epoch))
+
+    expected = []
+    for epoch, (index,) in ((1, (21,)), (2, (50,))):
+        batch, position = _where(index, epoch)
+        expected.append((8 * epoch + batch, epoch, batch, (position,), (index,), "skipped"))
+    guarded, _ = _check_flag(
+        tmp_path,
+        (),
+        [e[0] for e in expected],
+        loader=None,
+        module=module,
+        healthy=False,  # the NaN comes with the module's loaders
+        reload_dataloaders_every_n_epochs=1,
+        max_epochs=3,
+    )
+    assert guarded.events() == expected
+    assert guarded.module.loaders_built == [0, 1, 2]
+    assert guarded.guard is not None and all(e.indices_verified for e in guarded.guard.events)
+
+
+@compat("use_distributed_sampler=False", "the user's own sampler is kept and its order names the right index")
+def test_use_distributed_sampler_false(tmp_path: Path) -> None:
+    """A plain list as the sampler (a fixed permutation); Lightning leaves it alone. See ``test_ddp.py`` for DDP."""
+    batch, position = _where(21)
+    guarded, _ = _check_flag(tmp_path, (21,), [batch], loader=_permuted_loader, use_distributed_sampler=False)
+    assert guarded.events() == [(batch, 0, batch, (position,), (21,), "skipped")]
+    assert guarded.trainer.train_dataloader.sampler == _order(0)
