@@ -69,7 +69,13 @@ def nan_loader(nan_at: Iterable[int] = (), n: int = N_SAMPLES, seed: int = 0, **
 class _FlagModule:
     """The regression; ``log=False`` for ``barebones=True`` (where ``self.log`` raises)."""
 
-    def __init__(self, log: bool = True, lr: float = 1e-2, train_loader: Callable[[int], DataLoader] | None = None):
+    def __init__(
+        self,
+        log: bool = True,
+        lr: float = 1e-2,
+        train_loader: Callable[[int], DataLoader] | None = None,
+        clip_without_grads: bool = True,
+    ) -> None:
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
@@ -77,9 +83,11 @@ class _FlagModule:
         self.log_values = log
         self.lr = lr
         self.train_loader = train_loader
+        self.clip_without_grads = clip_without_grads
         self.loaders_built: list[int] = []  # the epoch of each train_dataloader() call
         self.validated: list[tuple[bool, int]] = []  # (sanity checking, global step) at each validation batch 0
         self.val_losses: list[torch.Tensor] = []
+        self.val_grad_modes: list[tuple[bool, bool]] = []  # (inference mode, grad enabled) in validation_step
         self.tested: list[int] = []  # global step at each test batch
         self.test_losses: list[torch.Tensor] = []
 
@@ -97,6 +105,7 @@ class _FlagModule:
         trainer = self.trainer  # type: ignore[attr-defined]
         if batch_idx == 0:
             self.validated.append((trainer.sanity_checking, trainer.global_step))
+        self.val_grad_modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
         loss = self._loss(batch)
         self.val_losses.append(loss.detach().clone())
         if self.log_values:
@@ -118,6 +127,18 @@ class _FlagModule:
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.lr)  # type: ignore[attr-defined]
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        """Lightning's default; ``clip_without_grads=False`` leaves a step without gradients alone.
+
+        torch's ``clip_grad_value_`` raises on an empty list of gradients, so a hand-skipped step
+        (every ``p.grad`` None) must not be clipped by value.
+        """
+        params = self.parameters()  # type: ignore[attr-defined]
+        if self.clip_without_grads or any(p.grad is not None for p in params):
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)  # type: ignore[attr-defined]
 
 
 class FlagModule(_FlagModule, lightning_pytorch.LightningModule):
