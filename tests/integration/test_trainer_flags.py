@@ -19,6 +19,10 @@ Gradient accumulation, AMP overflows and DDP decisions have their own files (``t
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +42,11 @@ from flag_models import (
     nan_data,
     nan_loader,
 )
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
 from torch.utils.data import DataLoader
 
-from lightning_nanguard import NanGuard
+from lightning_nanguard import NanGuard, read_events
 
 Loader = Callable[[tuple[int, ...]], DataLoader]
 
@@ -74,7 +79,7 @@ class Run:
         return [r.global_step for r in self.steps.records if r.unchanged()]
 
     def per_step(self) -> list[dict[str, torch.Tensor]]:
-        return [r.params_after | r.buffers_after for r in self.steps.records]
+        return _after_each_step(self.steps)
 
     def events(self) -> list[tuple[Any, ...]]:
         """``(global_step, epoch, batch_idx, offending_samples, dataset_indices, action)`` of each event."""
@@ -92,14 +97,13 @@ def _fit(
     val: DataLoader | None = None,
     module: Any = None,
     extra_callbacks: Iterable[Any] = (),
-    fit_kwargs: dict[str, Any] | None = None,
     **flags: Any,
 ) -> Run:
     steps, points = StepRecorder(), ValidationPoints()
     callbacks = [c for c in (callback, steps, points, *extra_callbacks) if c is not None]
     trainer = build_trainer("lightning", root, callbacks=callbacks, **flags)
     module = module if module is not None else flag_module()
-    trainer.fit(module, train, val, **(fit_kwargs or {}))
+    trainer.fit(module, train, val)
     guard = callback if isinstance(callback, NanGuard) else None
     if guard is not None:
         assert guard.active, "NanGuard disabled itself after an internal error (see the log)"
@@ -457,9 +461,12 @@ def test_deterministic(tmp_path: Path, torch_flags: Any) -> None:
             self.enabled.append(torch.are_deterministic_algorithms_enabled())
 
     flags: list[Deterministic] = []
-    guarded, _ = _check_flag(
-        tmp_path, (11,), [1], extra=lambda: flags.append(Deterministic()) or flags[-1:], deterministic=True
-    )
+
+    def extra() -> list[Deterministic]:
+        flags.append(Deterministic())
+        return flags[-1:]
+
+    guarded, _ = _check_flag(tmp_path, (11,), [1], extra=extra, deterministic=True)
     assert guarded.events() == [(1, 0, 1, (3,), (11,), "skipped")]
     assert all(flag.enabled == [True] * 8 for flag in flags)
 
@@ -594,3 +601,209 @@ def test_16_mixed_with_a_grad_scaler(tmp_path: Path) -> None:
     assert guarded.events() == [(1, 0, 1, (3,), (11,), "skipped")]
     assert guarded.guard is not None and guarded.guard.amp_overflow_total == 0  # a NaN from the data: an incident
     assert [s.get_scale() for s in scalers] == [512.0, 512.0, 1024.0, 1024.0]  # guarded, reference, healthy x2
+
+
+# ------------------------------------------------------------------------------------ calls on the Trainer
+
+
+class StageProbe(pl.Callback):
+    """The strategy class and the loader's batch sampler class when validation, test or prediction starts."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, str]] = []
+
+    def _probe(self, trainer: Any, stage: str, loaders: Any) -> None:
+        self.seen.append((stage, type(trainer.strategy).__name__, type(loaders.batch_sampler).__name__))
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.training:  # trainer.validate, not the validation inside fit
+            self._probe(trainer, "validate", trainer.val_dataloaders)
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        self._probe(trainer, "test", trainer.test_dataloaders)
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        self._probe(trainer, "predict", trainer.predict_dataloaders)
+
+
+def _outputs(call: str, module: Any, returned: Any) -> Any:
+    """What an evaluation call produced: the step losses it computed, or the predictions."""
+    if call == "validate":
+        return list(module.val_losses)
+    if call == "test":
+        return list(module.test_losses)
+    return returned
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(
+            name, marks=compat(f"trainer.{name}", "before and after fit, NaN in its data: no event, no change")
+        )
+        for name in ("validate", "test", "predict")
+    ],
+)
+def test_evaluation_calls(tmp_path: Path, call: str) -> None:
+    """``trainer.<call>`` on NaN data, then ``fit`` (a bad step), then ``<call>`` again, on one Trainer.
+
+    The calls leave the guard, the model and the loaders alone, and give exactly what they give in the
+    same session without a guard (whose fit skipped the bad step by hand).
+    """
+
+    def session(root: Path, callback: Any) -> tuple[Any, Any, list[Any], StageProbe]:
+        probe = StageProbe()
+        trainer = build_trainer("lightning", root, callbacks=[callback, probe])
+        module, outputs = flag_module(), []
+        for when in ("before", "fit", "after"):
+            if when == "fit":
+                trainer.fit(module, nan_loader((11,)))
+                continue
+            state = model_state(module)
+            guard_state = callback.state_dict() if isinstance(callback, NanGuard) else None
+            returned = getattr(trainer, call)(module, nan_loader((3, 20), n=24))
+            outputs.append(_outputs(call, module, returned))
+            assert states_equal(model_state(module), state), f"{call} ({when} fit) changed the model"
+            if guard_state is not None:
+                assert callback.state_dict() == guard_state, f"{call} ({when} fit) changed the guard's state"
+        return trainer, module, outputs, probe
+
+    guard = NanGuard(verbose=False)
+    trainer, module, outputs, probe = session(tmp_path / "guarded", guard)
+    _, reference_module, reference_outputs, reference_probe = session(tmp_path / "reference", HandSkip([1]))
+    assert [(e.global_step, e.dataset_indices) for e in guard.events] == [(1, (11,))]  # the fit's, nothing more
+    assert states_equal(outputs, reference_outputs)
+    assert states_equal(model_state(module), model_state(reference_module))
+    assert probe.seen == reference_probe.seen  # predict wraps the batch sampler its own way, with or without a guard
+    assert [(stage, strategy) for stage, strategy, _ in probe.seen] == [(call, "SingleDeviceStrategy")] * 2
+    assert not any(sampler.startswith("NanGuard") for _, _, sampler in probe.seen)  # not recording indices
+    assert type(trainer.strategy).__name__ == "SingleDeviceStrategy"
+    losses = outputs[1] if call != "predict" else [torch.cat(outputs[1])]
+    assert any(bool(torch.isnan(loss).any()) for loss in losses)  # the NaN data did reach the call
+
+
+@compat("trainer.fit (twice)", "a second fit on one Trainer is guarded again; counters and events carry on")
+def test_fit_twice_on_one_trainer(tmp_path: Path) -> None:
+    """Fit one epoch, raise ``max_epochs`` and fit again: the second fit trains epoch 1 with its own loader."""
+
+    def session(root: Path, callback: Any) -> tuple[Any, Any, StepRecorder, list[str]]:
+        steps = StepRecorder()
+        trainer = build_trainer("lightning", root, callbacks=[callback, steps])
+        module, strategies = flag_module(), []
+        trainer.fit(module, nan_loader((11,)))
+        strategies.append(type(trainer.strategy).__name__)
+        trainer.fit_loop.max_epochs = 2
+        trainer.fit(module, nan_loader((11, 43)))
+        strategies.append(type(trainer.strategy).__name__)
+        return trainer, module, steps, strategies
+
+    guard = NanGuard(verbose=False)
+    trainer, module, steps, strategies = session(tmp_path / "guarded", guard)
+    reference_trainer, reference_module, reference_steps, _ = session(tmp_path / "reference", HandSkip([1, 9, 13]))
+    assert [(e.global_step, e.epoch, e.batch_idx, e.offending_samples, e.dataset_indices) for e in guard.events] == [
+        (1, 0, 1, (3,), (11,)),
+        (9, 1, 1, (3,), (11,)),
+        (13, 1, 5, (3,), (43,)),
+    ]
+    assert (guard.bad_steps_total, guard.skipped_total) == (3, 3)
+    assert [r.global_step for r in steps.records if r.unchanged()] == [1, 9, 13]
+    assert states_equal(_after_each_step(steps), _after_each_step(reference_steps))
+    assert trainer.global_step == reference_trainer.global_step == 16
+    assert states_equal(
+        model_state(module, trainer.optimizers[0]), model_state(reference_module, reference_trainer.optimizers[0])
+    )
+    assert strategies == ["SingleDeviceStrategy"] * 2  # unwrapped after each fit
+
+
+@compat('ckpt_path="last"', "resumed mid-epoch: counters and events carried over, the re-read data named right")
+def test_ckpt_path_last_resumes_mid_epoch(tmp_path: Path) -> None:
+    """Fit 4 steps (NaN at sample 11: step 1), then resume from ``"last"`` with a fresh guard to the epoch's end.
+
+    Lightning resumes a non-resumable loader mid-epoch from its first batch while ``batch_idx`` goes on
+    from 4 (it warns): step 5 reads batch 1 again, sample 11 among it, and the event names it.
+    """
+
+    def session(root: Path, make: Callable[[int], Any]) -> tuple[Any, Any, Any, StepRecorder]:
+        first = make(0)
+        trainer = build_trainer(
+            "lightning", root, callbacks=[first, _last_checkpoint(root)], max_steps=4, enable_checkpointing=True
+        )
+        trainer.fit(flag_module(), nan_loader((11, 51)))
+        second, steps = make(1), StepRecorder()
+        trainer = build_trainer(
+            "lightning", root, callbacks=[second, steps, _last_checkpoint(root)], enable_checkpointing=True
+        )
+        module = flag_module()
+        trainer.fit(module, nan_loader((11, 51)), ckpt_path="last")
+        return first, second, (trainer, module), steps
+
+    first, resumed, (trainer, module), steps = session(tmp_path / "guarded", lambda _: NanGuard(verbose=False))
+    _, _, (reference_trainer, reference_module), reference_steps = session(
+        tmp_path / "reference", lambda fit: HandSkip([1] if fit == 0 else [5])
+    )
+    assert [(e.global_step, e.batch_idx, e.dataset_indices) for e in first.events] == [(1, 1, (11,))]
+    assert [e.to_dict() for e in resumed.events[:1]] == [e.to_dict() for e in first.events]
+    assert [(e.global_step, e.batch_idx, e.offending_samples, e.dataset_indices) for e in resumed.events[1:]] == [
+        (5, 5, (3,), (11,))
+    ]
+    assert (resumed.bad_steps_total, resumed.skipped_total) == (2, 2)
+    assert len(read_events(tmp_path / "guarded" / "nanguard" / "events.jsonl")) == 2
+    assert [r.batch_idx for r in steps.records] == [4, 5, 6, 7]
+    assert [r.global_step for r in steps.records if r.unchanged()] == [5]
+    assert states_equal(_after_each_step(steps), _after_each_step(reference_steps))
+    assert states_equal(
+        model_state(module, trainer.optimizers[0]), model_state(reference_module, reference_trainer.optimizers[0])
+    )
+
+
+def _after_each_step(steps: StepRecorder) -> list[dict[str, torch.Tensor]]:
+    return [r.params_after | r.buffers_after for r in steps.records]
+
+
+def _last_checkpoint(root: Path) -> ModelCheckpoint:
+    return ModelCheckpoint(dirpath=str(root / "checkpoints"), save_last=True, every_n_train_steps=2)
+
+
+# ------------------------------------------------------------------------------------ sync_batchnorm (two processes)
+
+
+@compat(
+    "sync_batchnorm=True", "DDP on 2 ranks: both skip the step alike (diagnosis off, said once); bitwise = hand skip"
+)
+@pytest.mark.slow
+def test_sync_batchnorm(tmp_path: Path) -> None:
+    """Two gloo processes, each its own data; rank 1's sample 11 (step 1) is NaN, and the shared BatchNorm
+    statistics carry it to rank 0 too. The run is compared, per step, with a hand-skipped one.
+
+    torch runs SyncBatchNorm on GPUs only: the script lets it train on CPU with the same math through
+    ``all_reduce`` (:func:`flag_models.cpu_sync_batchnorm`).
+    """
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    for var in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
+        env.pop(var, None)
+    script = Path(__file__).resolve().parents[1] / "flag_models.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "syncbn", str(tmp_path)],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,  # a rank left alone in a collective would hang: this turns it into a failure
+        check=False,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text(encoding="utf-8")) for r in (0, 1)]
+    for rank in ranks:
+        guarded, reference = rank["guard"], rank["reference"]
+        assert guarded["batchnorm"] == reference["batchnorm"] == "SyncBatchNorm"
+        assert guarded["active"] and guarded["finite"] and guarded["global_step"] == 4
+        assert guarded["unchanged"] == reference["unchanged"] == [1]
+        assert guarded["hashes"] == reference["hashes"]  # every step bitwise as the hand-skipped run
+        assert guarded["counters"] == [1, 1]
+        (event,) = guarded["events"]  # the NaN reached both ranks through the shared statistics
+        assert (event["global_step"], event["action"], event["offending_samples"]) == (1, "skipped", None)
+        assert {"grad", "bn_stats"} <= set(event["kinds"])
+        assert len(guarded["warnings"]) == 1 and "SyncBatchNorm" in guarded["warnings"][0]
+        assert "bisection and localisation are off" in guarded["warnings"][0]
+    assert ranks[0]["guard"]["hashes"] == ranks[1]["guard"]["hashes"]  # one model on both ranks, buffers included
