@@ -286,7 +286,10 @@ def test_batch_size_finder_finds_the_same_size(tmp_path: Path) -> None:
     note="the finder's losses and suggested learning rate are bit for bit those found without the guard",
 )
 def test_learning_rate_finder_result_is_unaffected(tmp_path: Path) -> None:
-    """The finder runs 20 steps on batches 0-19 (healthy); the fit that follows meets the NaN sample in batch 25."""
+    """The finder runs 20 steps on batches 0-19 (healthy); the fit that follows meets the NaN sample in batch 25.
+
+    Lightning runs the search with its own callback only (the guard's hooks are off, its strategy wrapper stays).
+    """
     bad = 25 * BATCH + 3
 
     def run(root: Path, nan_guard: NanGuard | None, hand: HandSkip | None) -> tuple[Any, Any]:
