@@ -28,6 +28,7 @@ import torch
 
 from lightning_nanguard.adapter.after_step import ParamCheckSettings
 from lightning_nanguard.adapter.diagnosis import DiagnosisSettings
+from lightning_nanguard.adapter.failsafe import UnguardableSetupError
 from lightning_nanguard.adapter.records import RecordSettings
 from lightning_nanguard.adapter.spikes import SpikeSettings
 from lightning_nanguard.decide.policy import Policy, SpikeAction, StepAction
@@ -256,4 +257,32 @@ def warn_what_cannot_be_skipped(trainer: Any, pl_module: Any, action: str, notic
             "lbfgs",
             "NanGuard: LBFGS evaluates its closure many times per step, so a step cannot "
             "be skipped halfway; bad steps are detected and reported only.",
+        )
+
+
+def refuse_what_cannot_be_guarded(trainer: Any) -> None:
+    """Refuse, at setup, Trainer settings under which no bad step can be skipped (with the fix).
+
+    ``Trainer(detect_anomaly=True)``: autograd's anomaly mode raises inside the backward of the first
+    step whose gradients hold NaN, before the guard sees the step, so the fit crashes instead of
+    skipping it (and anomaly mode slows every healthy step).
+
+    Raises:
+        UnguardableSetupError: naming the setting and what to do instead.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> refuse_what_cannot_be_guarded(SimpleNamespace(_detect_anomaly=False))
+        >>> refuse_what_cannot_be_guarded(SimpleNamespace(_detect_anomaly=True))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_nanguard...UnguardableSetupError: NanGuard cannot skip bad steps under Trainer(detect_anomaly=True)...
+    """
+    if getattr(trainer, "_detect_anomaly", False):
+        raise UnguardableSetupError(
+            "NanGuard cannot skip bad steps under Trainer(detect_anomaly=True): autograd's anomaly mode raises "
+            "inside the backward of the first step whose gradients hold NaN, before the guard sees the step, "
+            "and it slows every step. Remove detect_anomaly=True (or set detect_anomaly=False): NanGuard names "
+            "the module, op and source line of a bad step itself (localize=True). To use anomaly mode alone, "
+            "remove NanGuard from the callbacks."
         )

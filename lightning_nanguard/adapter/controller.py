@@ -182,6 +182,7 @@ class StepController:
     def begin_step(self, trainer: Trainer, pl_module: LightningModule, every_n_steps: int) -> None:
         """The first micro-batch of an optimizer step: resolve a sync-free step still pending, open the window."""
         self.resolve_pending(trainer, pl_module)
+        self.window.resume_clipping(trainer)  # in case no after-step hook ran since a discarded step
         checking = self.checking(trainer, every_n_steps)
         self.follow(trainer)  # before the BatchNorm buffers are captured
         self.window.begin(checking=checking, trainer=trainer)
@@ -449,6 +450,7 @@ class StepController:
 
     def after_optimizer_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The after-step work (rollback, weight check, snapshot), on every rank."""
+        self.window.resume_clipping(trainer)
         self.after_step.run(trainer, pl_module, self._collective(pl_module))
 
     def __getstate__(self) -> dict[str, Any]:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from lightning_nanguard.adapter.guard import NanGuard
     from lightning_nanguard.adapter.state import GuardState
 
-__all__ = ["CounterView", "fail", "failsafe"]
+__all__ = ["CounterView", "UnguardableSetupError", "fail", "failsafe"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -48,6 +48,10 @@ def fail(state: GuardState, distributed: bool, error: BaseException, where: str)
         state.disabled = True
 
 
+class UnguardableSetupError(ValueError):
+    """A Trainer setting under which the guard cannot work, refused at setup (:func:`failsafe` lets it through)."""
+
+
 def failsafe(hook: _F) -> _F:
     """Run a hook, timed, so that the guard's own failure never kills training (see ``StepController.fail``)."""
 
@@ -58,7 +62,7 @@ def failsafe(hook: _F) -> _F:
         try:
             with self.clock.measure(hook.__name__):
                 return hook(self, *args, **kwargs)
-        except NonFiniteTrainingError:
+        except (NonFiniteTrainingError, UnguardableSetupError):
             raise
         except Exception as error:
             self.controller.fail(error, hook.__name__)

@@ -20,7 +20,12 @@ from typing_extensions import override
 
 from lightning_nanguard.adapter._compat import CALLBACK_BASES
 from lightning_nanguard.adapter.checkpoint import guard_state, load_guard_state, make_checkpoint_finite
-from lightning_nanguard.adapter.config import GuardSettings, validate_arguments, warn_what_cannot_be_skipped
+from lightning_nanguard.adapter.config import (
+    GuardSettings,
+    refuse_what_cannot_be_guarded,
+    validate_arguments,
+    warn_what_cannot_be_skipped,
+)
 from lightning_nanguard.adapter.controller import StepController
 from lightning_nanguard.adapter.failsafe import CounterView, failsafe
 from lightning_nanguard.adapter.forward_only import ForwardOnlyEpoch, forward_only
@@ -287,6 +292,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         """Wrap the strategy (every process, before ``strategy.setup``) and refuse what cannot be guarded."""
         if stage != "fit":
             return
+        refuse_what_cannot_be_guarded(trainer)
         kind = supported_strategy_kind(trainer.strategy)
         self.controller.configure(GuardSettings.from_arguments(self._arguments(), strategy_kind=kind))
         self.recorder.sinks.verbose = self.verbose
@@ -334,6 +340,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         """Before the monitors read the epoch values: settle a sync-free step and what dropped steps logged."""
         self.controller.resolve_pending(trainer, pl_module)
         self.controller.window.logged.finish_withdrawals()
+        self.controller.window.logged.settle_monitors(trainer, last_step_dropped=self.controller.state.step_was_bad)
 
     @override
     @failsafe

@@ -17,7 +17,10 @@ What a dropped step leaves:
 - the step-level value (``on_step=True``) of the dropped step is its real value, shown and logged
   at that step like any other (the guard's event says the step was dropped);
 - an epoch whose every step was dropped has no epoch value: loggers get no epoch point, and
-  ``trainer.callback_metrics`` keeps the last epoch's value (monitors see no improvement).
+  ``trainer.callback_metrics`` keeps the last epoch's value (monitors see no improvement);
+- when the epoch's last step was dropped, a step-level value (``on_step=True, on_epoch=False``) that
+  monitors read at epoch end (``EarlyStopping``, ``ModelCheckpoint`` on a step metric) is the last
+  applied step's again (:meth:`LoggedValues.settle_monitors`), not the dropped step's NaN.
 
 The ``_ResultMetric`` layout was checked on Lightning 2.6.6 (``lightning.pytorch`` and
 ``pytorch_lightning``); where it differs, :meth:`LoggedValues.capture` gives up with one warning.
@@ -58,6 +61,7 @@ class LoggedValues:
         self._saved: dict[str, Any] = {}
         self._withdrawn: list[Any] = []  # metrics to mark reset once the step-level values are out
         self._checked: dict[int, Any] = {}  # result metrics whose layout was checked, by id (Metric hashes its states)
+        self._monitored: dict[str, Any] | None = None  # callback metrics as before the last dropped step
 
     @staticmethod
     def _results(trainer: Any) -> dict[str, Any] | None:
@@ -131,3 +135,35 @@ class LoggedValues:
         for metric in self._withdrawn:
             metric.has_reset = True
         self._withdrawn = []
+
+    def remember_monitors(self, trainer: Any) -> None:
+        """Keep what monitors read (``trainer.callback_metrics``) as before a step that is being dropped.
+
+        A shallow copy of a small dict, on dropped steps only; it is read lazily by Lightning, so at
+        the decision it still holds the last applied step's values.
+        """
+        callback = _callback_metrics(trainer)
+        self._monitored = dict(callback) if callback is not None else None
+
+    def settle_monitors(self, trainer: Any, last_step_dropped: bool) -> None:
+        """At epoch end: step-level values the monitors read are the last applied step's (see module docs)."""
+        kept, self._monitored = self._monitored, None
+        callback, results = _callback_metrics(trainer), self._results(trainer)
+        if not last_step_dropped or kept is None or callback is None or results is None:
+            return
+        for metric in results.values():
+            meta = getattr(metric, "meta", None)
+            if meta is None or not getattr(meta, "on_step", False) or getattr(meta, "on_epoch", True):
+                continue  # epoch values are computed again from the restored aggregates
+            name = getattr(meta, "name", None)
+            if name in kept:
+                callback[name] = kept[name]
+            elif name in callback:
+                del callback[name]  # first logged by the dropped step
+
+
+def _callback_metrics(trainer: Any) -> dict[str, Any] | None:
+    """The dict behind ``trainer.callback_metrics`` (Lightning's logger connector), ``None`` without one."""
+    connector = getattr(trainer, "_logger_connector", None)
+    callback = getattr(connector, "_callback_metrics", None)
+    return callback if isinstance(callback, dict) else None

@@ -87,6 +87,7 @@ class StepWindow:
         self.metrics: MetricStates | None = None
         self.metrics_changed = False  # a metric's state became unrestorable at the last capture
         self.logged = LoggedValues()
+        self._clip_val: float | None = None  # the Trainer's gradient_clip_val, off during a discarded step
 
     def attach(self, module: nn.Module, track_batchnorm: bool) -> None:
         """Find the BatchNorm buffers and torchmetrics metrics of ``module`` (once the model sits on its device)."""
@@ -220,12 +221,24 @@ class StepWindow:
                     torch._foreach_copy_([t for _, t in self._bn.named_buffers], current)
 
     def discard_update(self, optimizer: Any, trainer: Any = None) -> None:
-        """Make the coming ``optimizer.step`` a no-op and undo the step's BatchNorm updates, metrics and logs."""
+        """Make the coming ``optimizer.step`` a no-op and undo the step's BatchNorm updates, metrics and logs.
+
+        The Trainer's gradient clipping, which runs between this hook and the step, is off for this
+        step (:meth:`resume_clipping` after it): there is nothing to clip, and ``clip_grad_value_`` of
+        torch fails on a step without gradients.
+        """
         for group in optimizer.param_groups:
             for param in group["params"]:
                 param.grad = None  # optimizers skip parameters without grad: no state change at all
         self.restore_batchnorm()
         self.drop_logged(trainer)
+        if trainer is not None and getattr(trainer, "gradient_clip_val", None) is not None:
+            self._clip_val, trainer.gradient_clip_val = trainer.gradient_clip_val, None
+
+    def resume_clipping(self, trainer: Any) -> None:
+        """Give the Trainer its gradient clipping back after a discarded step (see :meth:`discard_update`)."""
+        if self._clip_val is not None:
+            trainer.gradient_clip_val, self._clip_val = self._clip_val, None
 
     def drop_logged(self, trainer: Any = None) -> None:
         """Undo what the step added to the torchmetrics states and (with a ``trainer``) the ``self.log`` aggregates."""
@@ -233,6 +246,7 @@ class StepWindow:
             self.metrics.restore()
         if trainer is not None:
             self.logged.restore(trainer)
+            self.logged.remember_monitors(trainer)
 
     # ------------------------------------------------------------------ reference sample
 
