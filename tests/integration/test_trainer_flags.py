@@ -47,6 +47,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch.utils.data import DataLoader
 
 from lightning_nanguard import NanGuard, read_events
+from lightning_nanguard.adapter.failsafe import UnguardableSetupError
 
 Loader = Callable[[tuple[int, ...]], DataLoader]
 
@@ -401,42 +402,36 @@ def test_gradient_clip_val(tmp_path: Path) -> None:
     _check_clipping(tmp_path, "norm", 0.05)
 
 
-# compat marker once it passes: compat('gradient_clip_algorithm="value"', "value clipping of the healthy steps
-# unchanged; the skipped step is not clipped")
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="guard bug: with gradient_clip_algorithm='value' the skip (every p.grad = None in "
-    "on_before_optimizer_step) leaves Lightning's clip_grad_value_ an empty gradient list; torch raises "
-    "RuntimeError 'Expected !nested_tensorlist[0].empty()' and the fit crashes at the bad step",
+@compat(
+    'gradient_clip_algorithm="value"', "value clipping of the healthy steps unchanged; a skipped step is not clipped"
 )
 def test_gradient_clip_algorithm_value(tmp_path: Path) -> None:
     _check_clipping(tmp_path, "value", 0.01)
 
 
-# compat marker once it passes: compat("detect_anomaly=True", ..., status="refused")
-@pytest.mark.xfail(
-    strict=True,
-    reason="guard bug: not refused at setup, and the bad step is not skipped: autograd's anomaly mode raises "
-    "RuntimeError(\"Function 'MseLossBackward0' returned nan values in its 0th output.\") inside the backward "
-    "of the bad step and the fit crashes; the guard records no event",
+@pytest.mark.compat(
+    feature="detect_anomaly=True",
+    kind="flag",
+    status="refused",
+    note="anomaly mode raises inside the bad step's backward before a skip: refused when fit starts, with the fix",
 )
 def test_detect_anomaly_is_refused_at_setup(tmp_path: Path) -> None:
     """``detect_anomaly=True`` raises at the first NaN in a backward, before the guard can skip the step.
 
-    The right behaviour: refuse the combination when ``fit`` starts, with a message naming the
-    setting and the fix (the guard names the op and line of a bad step itself, and anomaly mode slows
-    every healthy step). Skipping instead would need the guard to catch autograd's error in the
-    middle of Lightning's closure and to turn anomaly mode off for its own re-runs.
+    So the combination is refused when ``fit`` starts, with a message naming the setting and the fix (the
+    guard names the op and line of a bad step itself; anomaly mode also slows every healthy step).
+    Without the refusal the fit crashed inside the bad step's backward with autograd's
+    ``RuntimeError("Function 'MseLossBackward0' returned nan values in its 0th output.")``.
     """
     steps = StepRecorder()
     trainer = build_trainer("lightning", tmp_path, callbacks=[NanGuard(verbose=False), steps], detect_anomaly=True)
-    with pytest.raises(Exception) as info:
+    with pytest.raises(UnguardableSetupError) as info:
         trainer.fit(flag_module(), nan_loader((11,)))
     message = str(info.value)
-    assert "NanGuard" in message and "detect_anomaly" in message, message
-    assert "detect_anomaly=False" in message or "remove" in message.lower(), message  # says what to do
+    assert "NanGuard" in message and "detect_anomaly=True" in message, message  # the user's setting
+    assert "detect_anomaly=False" in message or "Remove detect_anomaly=True" in message, message  # the fix
     assert steps.records == []  # refused before the first step
+    assert type(trainer.strategy).__name__ == "SingleDeviceStrategy"  # left as it was
 
 
 @pytest.fixture
