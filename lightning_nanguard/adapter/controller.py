@@ -147,6 +147,16 @@ class StepController:
         self.window.rediscover(pl_module)
         if self.sync_free:
             self.sync.attach([t for _, t in self.window.batchnorm_buffers])
+        model = {id(p) for _, p in self.named_params}
+        stray = sum(id(p) not in model for optimizer in trainer.optimizers for p in _optimizer_params(optimizer))
+        if stray:
+            self.recorder.notices.warn(
+                "stray-params",
+                f"NanGuard: the optimizer updates {stray} tensor(s) that are no longer the model's parameters "
+                "(replaced by load_state_dict(..., assign=True) or by assigning new Parameters?): training no longer "
+                "changes those weights of the model. Load with assign=False, or build the optimizer after replacing "
+                "them.",
+            )
 
     def _name_params(self, pl_module: LightningModule, extra: Sequence[Tensor] = ()) -> None:
         """The model's named parameters, and a name for each tensor an optimizer updates that the model lacks."""

@@ -111,3 +111,21 @@ def test_a_parameter_group_added_mid_run_is_checked(tmp_path: Path) -> None:
     assert (event.epoch, event.batch_idx, event.kinds) == (1, 1, ("grad",))
     assert set(event.nonfinite_grads) == {"head.weight", "head.bias"}
     assert event.offending_samples == (2,) and event.dataset_indices == (6,)
+
+
+class LoadAssigned(pl.Callback):
+    """Loads a state with ``assign=True`` at epoch 1: the model's parameters become new tensors the optimizer lacks."""
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.current_epoch == 1:
+            state = {k: v.clone() for k, v in pl_module.state_dict().items()}
+            pl_module.load_state_dict(state, assign=True)
+
+
+def test_parameters_replaced_by_assign_are_told_once(tmp_path: Path, caplog: Any) -> None:
+    guard, model = NanGuard(verbose=False), Normed()
+    with caplog.at_level("WARNING", logger="lightning_nanguard"):
+        build_trainer("lightning", tmp_path, max_epochs=3, callbacks=[LoadAssigned(), guard]).fit(model, loader())
+    told = [r.getMessage() for r in caplog.records if "no longer the model's parameters" in r.getMessage()]
+    assert len(told) == 1 and "6 tensor(s)" in told[0] and "assign=False" in told[0]  # weight and bias of lin, bn, out
+    assert guard.events == []
