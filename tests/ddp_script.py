@@ -25,6 +25,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from process_group import leave_process_group
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -234,4 +235,7 @@ def main(name: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    try:
+        main(sys.argv[1], sys.argv[2])
+    finally:
+        leave_process_group()

@@ -29,6 +29,7 @@ from typing import Any
 import lightning.pytorch as lightning_pytorch
 import pytorch_lightning
 import torch
+from process_group import leave_process_group
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -335,4 +336,7 @@ def _sha(module: Any) -> str:
 if __name__ == "__main__":
     if sys.argv[1] != "syncbn":
         raise SystemExit(f"unknown scenario {sys.argv[1]!r}")
-    _syncbn_main(sys.argv[2])
+    try:
+        _syncbn_main(sys.argv[2])
+    finally:
+        leave_process_group()

@@ -46,6 +46,7 @@ from lightning_nanguard import NanGuard, NonFiniteTrainingError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_reads import HostReadCounter  # the tests' helper, next to this script
+from process_group import leave_process_group
 
 BATCH = 8
 FEATURES = 4
@@ -435,4 +436,7 @@ def main(mesh: str, run: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    try:
+        main(sys.argv[1], sys.argv[2], sys.argv[3])
+    finally:
+        leave_process_group()
