@@ -12,17 +12,26 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from lightning_nanguard.core.events import NonFiniteTrainingError
 
 log = logging.getLogger("lightning_nanguard")
 
 if TYPE_CHECKING:
-    from lightning_nanguard.adapter.guard import NanGuard
     from lightning_nanguard.adapter.state import GuardState
+    from lightning_nanguard.core.timing import GuardClock
 
-__all__ = ["CounterView", "UnguardableSetupError", "fail", "failsafe"]
+
+class Guarded(Protocol):
+    """What :func:`failsafe` and :class:`CounterView` need of the callback (``NanGuard``), without importing it."""
+
+    active: bool
+    controller: Any
+    clock: GuardClock
+    counters: Any
+
+__all__ = ["CounterView", "Guarded", "UnguardableSetupError", "fail", "failsafe"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -56,7 +65,7 @@ def failsafe(hook: _F) -> _F:
     """Run a hook, timed, so that the guard's own failure never kills training (see ``StepController.fail``)."""
 
     @functools.wraps(hook)
-    def wrapper(self: NanGuard, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: Guarded, *args: Any, **kwargs: Any) -> Any:
         if not self.active and not self.controller.state.failing:
             return None
         try:
@@ -77,7 +86,7 @@ class CounterView:
     def __init__(self, name: str, doc: str) -> None:
         self.name, self.__doc__ = name, doc
 
-    def __get__(self, guard: NanGuard | None, owner: type) -> int:
+    def __get__(self, guard: Guarded | None, owner: type) -> int:
         if guard is None:
             return self  # type: ignore[return-value]  # on the class: for help() and documentation tools
         return int(getattr(guard.counters, self.name))
