@@ -140,8 +140,8 @@ def _thumbnails(
     if image is None:
         return [], None, "the batch holds no image-like tensor"
     info = {"layout": image.layout, "shape": list(image.tensor.shape), "dtype": str(image.tensor.dtype)}
-    if positions is None:
-        return [], info, "no offending samples identified"
+    if positions is None:  # a batch at fault as a whole names no sample: the incident view says so already
+        return [], info, None if event.cause == "batch" else "no offending samples identified"
     indices = list(event.dataset_indices) if event.dataset_indices is not None else None
     records = list(event.sample_records) if event.sample_records is not None else None
     out = []
