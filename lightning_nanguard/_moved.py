@@ -1,9 +1,10 @@
 """The module paths of 0.2.0, still importable: each forwards to where its names live now.
 
 0.3.0 laid the package out by stage (``detect/``, ``decide/``, ``diagnose/``, ``recover/``,
-``reporting/``, ``adapter/``). Scripts that import an old path, e.g.
-``from lightning_nanguard.forensics import diagnose``, keep working and get one
-``DeprecationWarning`` naming the new path. The old paths will be removed in 0.4.
+``reporting/``, ``adapter/``). The module paths the 0.2.0 README documented (only
+``lightning_nanguard.spikes``; everything else was reached through ``lightning_nanguard`` itself,
+whose names are unchanged) keep working and give one ``DeprecationWarning`` naming the new path.
+They are removed in :data:`REMOVED_IN`.
 
 Example:
     >>> import warnings
@@ -25,53 +26,17 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "REMOVED_IN", "install"]
 
 _P = "lightning_nanguard."
+
+REMOVED_IN = "0.4"
+"""The version that removes the forwarding."""
 
 MOVED: dict[str, tuple[str, ...]] = {
     _P + old: tuple(_P + new for new in news)
     for old, news in {
-        "events": ("core.events",),
-        "timing": ("core.timing",),
-        "detection": ("detect.check", "detect.confirm", "detect.streaming"),
-        "spikes": ("detect.spikes",),
-        "syncfree": ("detect.syncfree",),
-        "batchnorm_buffers": ("detect.batchnorm", "recover.batchnorm"),
-        "decision": ("decide.policy",),
-        "agreement": ("decide.agreement",),
-        "messages": ("decide.messages",),
-        "batching": ("diagnose.batching",),
-        "bisection": ("diagnose.bisection",),
-        "verdict": ("diagnose.cause",),
-        "forensics": ("diagnose.diagnosis", "diagnose.event_fields"),
-        "runner": ("diagnose.runner",),
-        "isolation": ("diagnose.isolation", "core.rng"),
-        "localization": ("diagnose.localization", "diagnose.tracing"),
-        "frames": ("diagnose.frames",),
-        "hints": ("diagnose.hints",),
-        "compact": ("diagnose.compact",),
-        "rollback": ("recover.snapshot",),
-        "remedies": ("recover.remedies",),
-        "recovery": ("recover.recovery", "adapter.recovery"),
-        "explain": ("reporting.explain",),
-        "repro": ("reporting.repro",),
-        "guard": ("adapter.guard",),
-        "controller": ("adapter.controller",),
-        "strategy": ("adapter.strategy",),
-        "indices": ("adapter.indices",),
-        "window": ("adapter.window",),
-        "after_step": ("adapter.after_step",),
-        "incidents": ("adapter.incidents",),
-        "diagnosis": ("adapter.diagnosis",),
-        "spike_watch": ("adapter.spikes",),
-        "deferred": ("adapter.syncfree",),
-        "config": ("adapter.config",),
-        "settings": ("adapter.config",),
-        "state": ("adapter.state",),
-        "failsafe": ("adapter.failsafe",),
-        "reporting.recorder": ("adapter.reporting",),
-        "reporting.sinks": ("adapter.reporting",),
+        "spikes": ("detect.spikes",),  # the one module path the 0.2.0 README documented
     }.items()
 }
 """Old module path -> the modules that hold its names now (looked up in this order)."""
@@ -133,7 +98,7 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         warnings.warn(
             f"`{spec.name}` moved to `{targets[0]}`"
             + (f" (and {', '.join(f'`{t}`' for t in targets[1:])})" if len(targets) > 1 else "")
-            + "; the old path will be removed in lightning_nanguard 0.4.",
+            + f"; the old path will be removed in lightning_nanguard {REMOVED_IN}.",
             DeprecationWarning,
             stacklevel=_importer_stacklevel(),
         )

@@ -1,4 +1,4 @@
-"""The module paths of 0.2.0 (``lightning_nanguard._moved``): each still imports and forwards to its new home.
+"""The module path of 0.2.0 its README documented (``lightning_nanguard._moved``) still imports and forwards.
 
 Every old path imports with exactly one ``DeprecationWarning`` naming where it moved, pointed at the
 importing line; every public name of the new modules resolves through the old path to the very same
@@ -95,7 +95,7 @@ def test_an_old_path_imports_with_one_deprecation_warning_naming_the_new_path(ol
 
 @pytest.mark.usefixtures("fresh_old_paths")
 def test_the_warning_points_at_the_importing_line() -> None:
-    (warning,) = _import_warning("lightning_nanguard.frames")
+    (warning,) = _import_warning("lightning_nanguard.spikes")
     assert (warning.filename, warning.lineno) == (HERE, _IMPORT_LINE)
 
 
@@ -117,8 +117,8 @@ def test_every_public_name_resolves_through_the_old_path_to_the_same_object(old:
 def test_an_unknown_name_of_an_old_path_says_where_the_module_moved() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        moved = importlib.import_module("lightning_nanguard.hints")
-    with pytest.raises(AttributeError, match=r"moved to lightning_nanguard\.diagnose\.hints\) has no attribute 'nope'"):
+        moved = importlib.import_module("lightning_nanguard.spikes")
+    with pytest.raises(AttributeError, match=r"moved to lightning_nanguard\.detect\.spikes\) has no attribute 'nope'"):
         moved.nope  # noqa: B018
     with pytest.raises(AttributeError):
         moved.__wrapped__  # noqa: B018  # dunder lookups are not forwarded
@@ -126,12 +126,12 @@ def test_an_unknown_name_of_an_old_path_says_where_the_module_moved() -> None:
 
 @pytest.mark.usefixtures("fresh_old_paths")
 def test_from_import_of_an_old_path() -> None:
-    with pytest.warns(DeprecationWarning, match=r"`lightning_nanguard\.decision` moved to `lightning_nanguard\.decide"):
-        from lightning_nanguard.decision import decide  # type: ignore[import-not-found]
+    with pytest.warns(DeprecationWarning, match=r"`lightning_nanguard\.spikes` moved to `lightning_nanguard\.detect"):
+        from lightning_nanguard.spikes import SpikeDetector  # type: ignore[import-not-found]
 
-    from lightning_nanguard.decide.policy import decide as new_decide
+    from lightning_nanguard.detect.spikes import SpikeDetector as new_detector
 
-    assert decide is new_decide
+    assert SpikeDetector is new_detector
 
 
 def test_paths_that_exist_are_not_taken_over() -> None:
@@ -166,3 +166,12 @@ def test_importing_the_package_warns_about_nothing_of_its_own() -> None:
         if w[0] == "DeprecationWarning" and ("lightning_nanguard" in w[1] or w[2].startswith(package_dir))
     ]
     assert ours == []
+
+
+def test_only_the_documented_path_is_forwarded_until_the_removal_version() -> None:
+    """0.2.0's README documented ``lightning_nanguard.spikes`` only; other old paths are gone."""
+    from lightning_nanguard._moved import REMOVED_IN
+
+    assert set(MOVED) == {"lightning_nanguard.spikes"} and REMOVED_IN == "0.4"
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("lightning_nanguard.forensics")
