@@ -136,7 +136,7 @@ class StepController:
 
     # ------------------------------------------------------------------ tensors other code replaces
 
-    def follow(self, trainer: Trainer) -> None:
+    def follow(self) -> None:
         """Follow BatchNorm buffers that other code assigned anew (an identity check per buffer, no read)."""
         if self.window.follow() and self.sync_free:
             self.sync.attach([t for _, t in self.window.batchnorm_buffers])
@@ -144,6 +144,7 @@ class StepController:
     def rediscover(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Find parameters, BatchNorm buffers and metrics again (an epoch starts: modules may have changed)."""
         self._name_params(pl_module)
+        self._step_params = {}  # named again at the next check, with the tensors the optimizers update
         self.window.rediscover(pl_module)
         if self.sync_free:
             self.sync.attach([t for _, t in self.window.batchnorm_buffers])
@@ -194,7 +195,7 @@ class StepController:
         self.resolve_pending(trainer, pl_module)
         self.window.resume_clipping(trainer)  # in case no after-step hook ran since a discarded step
         checking = self.checking(trainer, every_n_steps)
-        self.follow(trainer)  # before the BatchNorm buffers are captured
+        self.follow()  # before the BatchNorm buffers are captured
         self.window.begin(checking=checking, trainer=trainer)
         if self.window.metrics_changed and self.window.metrics is not None:
             self.window.metrics_changed = False
@@ -220,7 +221,7 @@ class StepController:
         if isinstance(inner, torch.optim.LBFGS) and self.state.reported_step == trainer.global_step:
             return  # LBFGS evaluates its closure (and this hook) many times per step: one event per step
         # manual optimisation steps optimizers one by one: the gradients this step applies are its own
-        self.follow(trainer)  # BatchNorm buffers replaced during the step are checked as they are
+        self.follow()  # BatchNorm buffers replaced during the step are checked as they are
         params = self.step_params(pl_module, inner)  # the tensors this step really updates
         grads = [g for p in params if (g := p.grad) is not None]
         vector = self._agreed_vector(trainer, pl_module, grads, optimizer)

@@ -129,3 +129,30 @@ def test_parameters_replaced_by_assign_are_told_once(tmp_path: Path, caplog: Any
     told = [r.getMessage() for r in caplog.records if "no longer the model's parameters" in r.getMessage()]
     assert len(told) == 1 and "6 tensor(s)" in told[0] and "assign=False" in told[0]  # weight and bias of lin, bn, out
     assert guard.events == []
+
+
+class ScaleOutsideTheModel(pl.LightningModule):
+    """The optimizer also updates a plain tensor the module does not register; a flagged row makes its gradient NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.scale = torch.ones(1, requires_grad=True)  # not a Parameter: not in named_parameters()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y, flag = batch
+        out = self.lin(x).squeeze(-1).detach() * self.scale
+        masked = torch.where(flag > 0, torch.zeros_like(out), out / (1 - flag))  # NaN gradient of scale only
+        return (self.lin(x).squeeze(-1) - y).pow(2).mean() + masked.mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([*self.parameters(), self.scale], lr=0.01)
+
+
+def test_a_tensor_only_the_optimizer_holds_stays_checked_after_an_epoch_start(tmp_path: Path) -> None:
+    """Its gradient is checked and named in every epoch, not only until parameters are found again."""
+    guard, model = NanGuard(verbose=False), ScaleOutsideTheModel()
+    build_trainer("lightning", tmp_path, max_epochs=2, callbacks=[guard]).fit(model, loader(flag_rows=(6,)))
+    assert [(e.epoch, e.batch_idx, e.kinds) for e in guard.events] == [(0, 1, ("grad",)), (1, 1, ("grad",))]
+    assert all(e.nonfinite_grads == ("<optimizer tensor 2 not in the model>",) for e in guard.events)
+    assert bool(torch.isfinite(model.scale).all())
