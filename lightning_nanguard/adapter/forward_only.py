@@ -49,18 +49,21 @@ def forward_only(trainer: Any) -> bool:
 class ForwardOnlyEpoch:
     """Keeps a bad batch out of the BatchNorm statistics a forward-only epoch recomputes (see module docs)."""
 
-    def before_batch(self, window: StepWindow) -> None:
-        """Capture the BatchNorm buffers (followed if replaced: SWA assigns new ones) before the forward."""
-        window.follow()
-        window.capture_batchnorm()
+    def __init__(self) -> None:
+        self.dataset_indices: Any = None  # of the batch in progress
 
-    def after_batch(
-        self, trainer: Trainer, window: StepWindow, batch_idx: int, dataset_indices: Any = None
-    ) -> NanEvent | None:
-        """Check the statistics this batch produced; put them back and return the event when non-finite.
+    def before_batch(self, window: StepWindow, dataset_indices: Any = None) -> None:
+        """Capture the BatchNorm buffers (followed if replaced: SWA assigns new ones) before the forward.
 
         ``dataset_indices``: the batch's indices, when known (the batch is not searched: no sample is named).
         """
+        self.dataset_indices = dataset_indices
+        window.follow()
+        window.capture_batchnorm()
+
+    def after_batch(self, trainer: Trainer, window: StepWindow, batch_idx: int) -> NanEvent | None:
+        """Check the statistics this batch produced; put them back and return the event when non-finite."""
+        dataset_indices = self.dataset_indices
         buffers = window.batchnorm_buffers
         floats = [t for _, t in buffers if t.is_floating_point()]
         if not floats:

@@ -223,7 +223,6 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self._trainer: Trainer | None = None
         self._hooks: StrategyHooks | None = None
         self._forward_only = ForwardOnlyEpoch()
-        self._forward_only_indices: Any = None
 
     # ------------------------------------------------------------------ state, read-only
 
@@ -362,8 +361,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         else:
             indices = indices_from_batch(batch, self.index_key) if self.index_key is not None else None
         if forward_only(trainer):  # SWA's BatchNorm epoch: no training step, only statistics to keep finite
-            self._forward_only_indices = indices
-            self._forward_only.before_batch(window)
+            self._forward_only.before_batch(window, indices)
             return
         # a new optimizer step: the first micro-batch, or a window left open by a step Lightning never took
         # (training_step returned None); every batch in manual optimisation
@@ -380,8 +378,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     ) -> None:
         """Manual optimisation: a batch that ``guard.check`` found bad leaves no trace in logs and metrics."""
         if forward_only(trainer):
-            window, indices = self.controller.window, self._forward_only_indices
-            event = self._forward_only.after_batch(trainer, window, batch_idx, indices)
+            event = self._forward_only.after_batch(trainer, self.controller.window, batch_idx)
             if event is not None:
                 self.controller.recorder.record(trainer, event)
             return

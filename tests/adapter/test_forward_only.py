@@ -102,9 +102,9 @@ def test_a_batch_is_checked_on_the_buffers_as_they_are_after_a_reset() -> None:
     trainer = SimpleNamespace(global_step=9, current_epoch=3, global_rank=0)
     assert epoch.after_batch(trainer, window, 0) is None
     kept = net[1].running_mean.clone()
-    epoch.before_batch(window)
+    epoch.before_batch(window, [4, 5])
     net(torch.tensor([[float("nan"), 2.0], [3.0, 4.0]]))
-    event = epoch.after_batch(trainer, window, 1, [4, 5])
+    event = epoch.after_batch(trainer, window, 1)
     assert event is not None and event.nonfinite_buffers[0] == "1.running_mean"
     assert torch.equal(net[1].running_mean, kept) and int(net[1].num_batches_tracked) == 1
     assert event.details["batch_dataset_indices"] == [4, 5]
