@@ -48,6 +48,10 @@ class DiagnosisSettings:
     source_root: str | None
     records: RecordSettings | None = None
 
+    def slicer_for(self, pl_module: Any) -> Slicer | None:
+        """The batch slicer: the user's, else the module's ``nanguard_slice_batch``, else ``None`` (built-in)."""
+        return self.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
+
     def row_namer(self, trainer: Any, pl_module: Any, slicer: Slicer | None) -> RowNamer | None:
         """Who names the records of the offending rows at this fit (``None`` without :attr:`records`)."""
         return RowNamer.for_module(self.records, slicer, trainer, pl_module) if self.records is not None else None
@@ -120,7 +124,7 @@ def diagnose_step(
     """
     if not micro_batches:
         return StepDiagnosis(event)
-    slicer: Slicer | None = settings.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
+    slicer: Slicer | None = settings.slicer_for(pl_module)
     diagnosis: Diagnosis | None = None
     chosen = micro_batches[-1]
     if settings.bisect or settings.localize:

@@ -236,7 +236,7 @@ class ShardedIncidentInspector(IncidentInspector):
         Never raises: without a batch to run, the returned pass raises, and the first tick that needs
         it stops the diagnosis on every rank.
         """
-        slicer = self.settings.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
+        slicer = self.settings.slicer_for(pl_module)
         batch = self.window.reference
         if batch is None and self.window.micro_batches:
             first = self.window.micro_batches[0].batch
@@ -279,7 +279,7 @@ class ShardedIncidentInspector(IncidentInspector):
         settings = self.settings
         if not (settings.bisect or settings.localize):
             return None, self.window.micro_batches[-1] if self.window.micro_batches else None
-        slicer = settings.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
+        slicer = settings.slicer_for(pl_module)
         factory = functools.partial(LockstepRunner, lockstep=lockstep)
         diagnosis: Diagnosis | None = None
         chosen: MicroBatch | None = None
@@ -319,7 +319,7 @@ class ShardedIncidentInspector(IncidentInspector):
         if diagnosis is None or chosen is None:
             return Outcome(rank, peers, True, holds=False, event=base)
         pl_module = trainer.lightning_module
-        slicer = self.settings.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
+        slicer = self.settings.slicer_for(pl_module)
         event = fill_event(base, diagnosis, chosen, self.settings.row_namer(trainer, pl_module, slicer))
         event = event.replace(batch_idx=chosen.batch_idx)
         if len(self.window.micro_batches) > 1:
@@ -376,7 +376,7 @@ class ShardedIncidentInspector(IncidentInspector):
             return None
         if micro is None and self.window.micro_batches:
             micro = self.window.micro_batches[-1]
-        slicer = settings.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
+        slicer = settings.slicer_for(pl_module)
         found = StepDiagnosis(mine, diagnosis, micro, slicer, self.window.reference)
         return self.recorder.save_incident_files(
             pl_module, found, settings, module_state=state if state is not None else "not gathered"
