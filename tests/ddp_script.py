@@ -25,11 +25,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from process_group import leave_process_group
+from process_group import leave_process_group_at_exit
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NanGuard, NonFiniteTrainingError
+
+leave_process_group_at_exit()  # every process of the run, ddp_spawn's workers too (they import this file)
 
 BAD_RANK = 1
 
@@ -235,7 +237,4 @@ def main(name: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1], sys.argv[2])
-    finally:
-        leave_process_group()
+    main(sys.argv[1], sys.argv[2])

@@ -29,7 +29,7 @@ from typing import Any
 import lightning.pytorch as lightning_pytorch
 import pytorch_lightning
 import torch
-from process_group import leave_process_group
+from process_group import leave_process_group_at_exit
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -336,7 +336,5 @@ def _sha(module: Any) -> str:
 if __name__ == "__main__":
     if sys.argv[1] != "syncbn":
         raise SystemExit(f"unknown scenario {sys.argv[1]!r}")
-    try:
-        _syncbn_main(sys.argv[2])
-    finally:
-        leave_process_group()
+    leave_process_group_at_exit()
+    _syncbn_main(sys.argv[2])

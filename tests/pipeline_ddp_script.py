@@ -22,10 +22,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pipeline_models as pp  # beside this script: sys.path[0]
 import torch
-from process_group import leave_process_group
+from process_group import leave_process_group_at_exit
 from torch.utils.data import DataLoader
 
 from lightning_nanguard import NanGuard
+
+leave_process_group_at_exit()  # every process of the run, ddp_spawn's workers too (they import this file)
 
 N, BATCH, SEED, WORLD = 64, 8, 7, 2
 GUILTY_BATCH = {0: 1, 1: 2}  # the batch of each rank's own silent record
@@ -125,7 +127,4 @@ def main(name: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1], sys.argv[2])
-    finally:
-        leave_process_group()
+    main(sys.argv[1], sys.argv[2])
