@@ -7,7 +7,7 @@ Run from the repository root::
 A module that logs four values (mean, sum, max, min; ``on_epoch=True``) and updates two torchmetrics
 metrics (``MeanSquaredError``, ``MeanAbsoluteError``) every step: the guard captures, at the start
 of every checked step, the references to Lightning's four epoch aggregates
-(:class:`~lightning_nanguard.adapter.logged_values.LoggedValues`) and the metrics' states
+(:class:`~lightning_nanguard.trainer.logged_values.LoggedValues`) and the metrics' states
 (:class:`~lightning_nanguard.recover.metrics.MetricStates`, one fused device copy). Printed: the
 microseconds of each capture (median of repeated timings of many calls, side by side in one run),
 and of one plain ``Tensor.copy_`` for scale. No host read happens in either capture.
@@ -23,8 +23,8 @@ import torch
 import torchmetrics
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 
-from lightning_nanguard.adapter.logged_values import LoggedValues
 from lightning_nanguard.recover.metrics import MetricStates
+from lightning_nanguard.trainer.logged_values import LoggedValues
 
 
 def main() -> None:

@@ -7,7 +7,6 @@ Example:
 """
 
 from lightning_nanguard import _moved
-from lightning_nanguard.adapter.guard import NanGuard
 from lightning_nanguard.core.events import NanEvent, NonFiniteTrainingError
 from lightning_nanguard.decide.policy import Counters
 from lightning_nanguard.detect.check import fused_health_check
@@ -15,6 +14,7 @@ from lightning_nanguard.detect.confirm import nonfinite_names
 from lightning_nanguard.detect.spikes import SpikeDetector, SpikeStats
 from lightning_nanguard.recover.batchnorm import BatchNormSnapshot
 from lightning_nanguard.reporting import read_events
+from lightning_nanguard.trainer.callback import NanGuard
 
 __all__ = [
     "BatchNormSnapshot",

@@ -17,7 +17,7 @@ from models import NAMESPACES
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
-from lightning_nanguard.adapter._compat import CALLBACK_BASES
+from lightning_nanguard.trainer._compat import CALLBACK_BASES
 
 NAMESPACE_IDS = tuple(NAMESPACES)  # ("lightning", "pytorch_lightning")
 

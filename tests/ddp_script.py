@@ -134,7 +134,7 @@ class ActiveLog(pl.Callback):
 
 def _inject_failure(guard: NanGuard, rank: int, step: int) -> None:
     """Make rank ``rank``'s guard fail inside its per-step code at global step ``step`` (a bug in the guard)."""
-    import lightning_nanguard.adapter.controller as controller_module
+    import lightning_nanguard.engine.controller as controller_module
 
     original = controller_module.step_flags
 

@@ -27,7 +27,7 @@ from models import NAMESPACES
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from lightning_nanguard.adapter._compat import CALLBACK_BASES
+from lightning_nanguard.trainer._compat import CALLBACK_BASES
 
 __all__ = [
     "BATCH",

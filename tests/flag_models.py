@@ -33,7 +33,7 @@ from process_group import leave_process_group_at_exit
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_nanguard.adapter._compat import CALLBACK_BASES
+from lightning_nanguard.trainer._compat import CALLBACK_BASES
 
 __all__ = [
     "BATCH_SIZE",

@@ -388,4 +388,3 @@ def nan_sample_data(n: int = 32, bad: tuple[int, ...] = (11,), seed: int = 0) ->
     x = torch.randn(n, 8, generator=g)
     x[list(bad)] = math.nan
     return TensorDataset(x, torch.randn(n, generator=g))
-

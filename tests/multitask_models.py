@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler, TensorDataset
 
-from lightning_nanguard.adapter._compat import CALLBACK_BASES
+from lightning_nanguard.trainer._compat import CALLBACK_BASES
 
 __all__ = ["BatchKeeper", "MultiTaskModule", "OrderLog", "blank_dataset", "get_part", "loader", "stream_loader"]
 

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
-from lightning_nanguard.adapter._compat import CALLBACK_BASES
+from lightning_nanguard.trainer._compat import CALLBACK_BASES
 
 __all__ = [
     "CLASSES",

@@ -70,7 +70,7 @@ def test_the_checkout_keeps_every_contract(copy: Path) -> None:
             "The Trainer-free stages import no Lightning",
         ),
         (  # the dashboard's file layout is read by reporting only
-            "lightning_nanguard.adapter.window",
+            "lightning_nanguard.engine.step.window",
             "import lightning_nanguard_tensorboard.layout",
             "Only reporting reads the dashboard's file layout",
         ),
@@ -80,8 +80,8 @@ def test_the_checkout_keeps_every_contract(copy: Path) -> None:
             "The TensorBoard plugin imports neither",
         ),
         (  # an import circle made of a type-only import (the guard's state reaching back to the guard)
-            "lightning_nanguard.adapter.state",
-            "import typing\nif typing.TYPE_CHECKING:\n    import lightning_nanguard.adapter.guard",
+            "lightning_nanguard.engine.state",
+            "import typing\nif typing.TYPE_CHECKING:\n    import lightning_nanguard.trainer.callback",
             "No import circle between the modules of a package",
         ),
         (  # a circle between two stage modules

@@ -140,7 +140,7 @@ def test_paths_that_exist_are_not_taken_over() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         importlib.import_module("lightning_nanguard.reporting.jsonl")
-        importlib.import_module("lightning_nanguard.adapter.state")
+        importlib.import_module("lightning_nanguard.engine.state")
 
 
 def _exists_as_file(module: str) -> bool:

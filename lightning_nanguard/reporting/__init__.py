@@ -1,7 +1,7 @@
 """Where events go: ``events.jsonl``, TensorBoard and the terminal. Each sink works without a Trainer.
 
 Trainer-free: the Lightning side (where a run's events go, its scalars) is
-:mod:`lightning_nanguard.adapter.reporting`. Repro bundles (:mod:`.repro`) are written and read here too.
+:mod:`lightning_nanguard.engine.recording`. Repro bundles (:mod:`.repro`) are written and read here too.
 """
 
 from lightning_nanguard.reporting.jsonl import JsonlEventLog, read_events

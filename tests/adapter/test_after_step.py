@@ -1,4 +1,4 @@
-"""The work after the optimizer step (``lightning_nanguard.adapter.after_step``), with a stand-in Trainer and recovery.
+"""The work after the optimizer step (``lightning_nanguard.engine.after_step``), with a stand-in Trainer and recovery.
 
 The recovery itself (snapshot, rollback, remedies) has its own tests; here a recording stand-in
 shows what ``AfterStep`` asks of it, when, and what it records and raises.
@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_nanguard.adapter.after_step import AfterStep, ParamCheckSettings
-from lightning_nanguard.adapter.reporting import IncidentRecorder
-from lightning_nanguard.adapter.state import GuardState
-from lightning_nanguard.adapter.window import StepWindow
 from lightning_nanguard.core.events import NonFiniteTrainingError
 from lightning_nanguard.decide.policy import Counters
+from lightning_nanguard.engine.after_step import AfterStep, ParamCheckSettings
+from lightning_nanguard.engine.recording import IncidentRecorder
+from lightning_nanguard.engine.state import GuardState
+from lightning_nanguard.engine.step.window import StepWindow
 
 
 class FakeRecovery:

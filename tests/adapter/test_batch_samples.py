@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from lightning_nanguard.adapter.batch_samples import bundle_samples, context_samples, fill_event
-from lightning_nanguard.adapter.window import MicroBatch
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.diagnose.combined import CombinedIndices, CombinedLayout, LoaderSplit
 from lightning_nanguard.diagnose.diagnosis import Diagnosis
+from lightning_nanguard.engine.rows.samples import bundle_samples, context_samples, fill_event
+from lightning_nanguard.engine.step.window import MicroBatch
 
 AB = CombinedLayout.from_paths([("a",), ("b",)])
 EVENT = NanEvent(3, 0, 3, 0, ("grad",), "skipped")

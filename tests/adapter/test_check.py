@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NanGuard
-from lightning_nanguard.adapter.check import loss_scale, step_flags
 from lightning_nanguard.decide.policy import LOCAL_FIELDS
+from lightning_nanguard.engine.step.check import loss_scale, step_flags
 
 
 class Regression(pl.LightningModule):

@@ -69,9 +69,9 @@ def test_a_0_2_0_checkpoint_resumes_with_its_guard_state(tmp_path: Path) -> None
 
 
 def test_the_guard_state_round_trips_through_a_weights_only_checkpoint(tmp_path: Path) -> None:
-    from lightning_nanguard.adapter.checkpoint import guard_state, load_guard_state
     from lightning_nanguard.core.events import NanEvent
     from lightning_nanguard.decide.policy import Counters
+    from lightning_nanguard.trainer.checkpoint import guard_state, load_guard_state
 
     guard = NanGuard(remedies=["quarantine"], verbose=False)
     controller = guard.controller
@@ -88,8 +88,8 @@ def test_the_guard_state_round_trips_through_a_weights_only_checkpoint(tmp_path:
 
 
 def test_missing_keys_read_as_defaults() -> None:
-    from lightning_nanguard.adapter.checkpoint import load_guard_state
     from lightning_nanguard.decide.policy import Counters
+    from lightning_nanguard.trainer.checkpoint import load_guard_state
 
     guard = NanGuard(verbose=False)
     load_guard_state(guard.controller, {"bad_steps_total": 2})

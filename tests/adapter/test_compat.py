@@ -1,4 +1,4 @@
-"""One ``NanGuard`` for both Lightning namespaces (``lightning_nanguard.adapter._compat``)."""
+"""One ``NanGuard`` for both Lightning namespaces (``lightning_nanguard.trainer._compat``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import lightning.pytorch as lightning_pytorch
 import pytorch_lightning
 
 from lightning_nanguard import NanGuard
-from lightning_nanguard.adapter._compat import CALLBACK_BASES, TENSORBOARD_LOGGER_TYPES, lightning_namespaces
+from lightning_nanguard.trainer._compat import CALLBACK_BASES, TENSORBOARD_LOGGER_TYPES, lightning_namespaces
 
 
 def test_both_installed_namespaces_lightning_pytorch_first() -> None:

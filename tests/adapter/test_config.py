@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from lightning_nanguard import NanGuard
-from lightning_nanguard.adapter.config import RULES
+from lightning_nanguard.engine.settings import RULES
 
 BAD: dict[str, list[Any]] = {
     "action": ["skp", "SKIP", None, 1],

@@ -7,7 +7,7 @@ import pickle
 from typing import Any
 
 from lightning_nanguard import NanGuard
-from lightning_nanguard.adapter.config import GuardSettings
+from lightning_nanguard.engine.settings import GuardSettings
 
 
 def arguments(guard: NanGuard) -> dict[str, Any]:

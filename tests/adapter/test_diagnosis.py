@@ -8,10 +8,15 @@ import torch
 from lightning.pytorch import Trainer
 from torch import nn
 
-from lightning_nanguard.adapter.diagnosis import DiagnosisSettings, StepDiagnosis, diagnose_step, training_step_of
-from lightning_nanguard.adapter.window import MicroBatch
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.diagnose.diagnosis import Diagnosis
+from lightning_nanguard.engine.incident.diagnosis import (
+    DiagnosisSettings,
+    StepDiagnosis,
+    diagnose_step,
+    training_step_of,
+)
+from lightning_nanguard.engine.step.window import MicroBatch
 
 EVENT = NanEvent(5, 0, 5, 0, ("loss",), "skipped")
 SETTINGS = DiagnosisSettings(True, True, 128, True, 5, None, True, None)

@@ -1,4 +1,4 @@
-"""The guard's own failure never kills training (``lightning_nanguard.adapter.failsafe``), with a stand-in guard."""
+"""The guard's own failure never kills training (``lightning_nanguard.engine.failure``), with a stand-in guard."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 from event_factory import make_event
 
-from lightning_nanguard.adapter.failsafe import CounterView, failsafe
-from lightning_nanguard.adapter.state import GuardState
 from lightning_nanguard.core.events import NonFiniteTrainingError
 from lightning_nanguard.core.timing import GuardClock
 from lightning_nanguard.decide.policy import Counters
+from lightning_nanguard.engine.failure import CounterView, failsafe
+from lightning_nanguard.engine.state import GuardState
 
 
 class Guard:

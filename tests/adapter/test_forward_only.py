@@ -1,4 +1,4 @@
-"""Forward-only epochs (``adapter/forward_only.py``): SWA's BatchNorm epoch keeps a bad batch out of the statistics."""
+"""Forward-only epochs (``trainer/forward_only.py``): SWA's BatchNorm epoch keeps a bad batch out of the statistics."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NanGuard
-from lightning_nanguard.adapter.forward_only import FORWARD_ONLY_NOTE, ForwardOnlyEpoch, forward_only
-from lightning_nanguard.adapter.window import StepWindow
+from lightning_nanguard.engine.step.window import StepWindow
+from lightning_nanguard.trainer.forward_only import FORWARD_ONLY_NOTE, ForwardOnlyEpoch, forward_only
 
 BAD_ROW, BATCH = 20, 8  # the row sits in batch 2 of every epoch (no shuffling)
 

@@ -16,9 +16,9 @@ import torch
 from models import BATCH_SIZE, make_case, make_loader, make_module
 
 from lightning_nanguard import NanEvent, NanGuard, NonFiniteTrainingError, read_events
-from lightning_nanguard.adapter._compat import CALLBACK_BASES
 from lightning_nanguard.decide.policy import Counters
 from lightning_nanguard.reporting import event_markdown
+from lightning_nanguard.trainer._compat import CALLBACK_BASES
 
 TEXT_TAG = "nanguard/events/text_summary"
 COSINE_GRADS = ("net.feature.weight",)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_nanguard.adapter.incidents import check_module
+from lightning_nanguard.engine.incident.inspector import check_module
 
 
 class Net(nn.Module):

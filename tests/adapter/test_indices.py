@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler
 
-from lightning_nanguard.adapter.indices import indices_from_batch, record_batch_indices, records_from_batch
+from lightning_nanguard.engine.data.indices import indices_from_batch, record_batch_indices, records_from_batch
 
 
 class IndexDataset(Dataset):

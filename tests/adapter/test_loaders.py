@@ -8,10 +8,10 @@ import torch
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_nanguard.adapter.indices import mark_epoch_end, record_batch_indices
-from lightning_nanguard.adapter.loaders import Exclusion, TrainingLoaders, loader_paths
-from lightning_nanguard.adapter.strategy import StrategyHooks
 from lightning_nanguard.diagnose.combined import CombinedIndices
+from lightning_nanguard.engine.data.indices import mark_epoch_end, record_batch_indices
+from lightning_nanguard.engine.data.loaders import Exclusion, TrainingLoaders, loader_paths
+from lightning_nanguard.trainer.strategy import StrategyHooks
 
 
 class Items(Dataset):

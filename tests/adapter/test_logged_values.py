@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 
-from lightning_nanguard.adapter.logged_values import LoggedValues
+from lightning_nanguard.trainer.logged_values import LoggedValues
 
 
 def log(results: _ResultCollection, name: str, value: float, reduce_fx: str = "mean", batch_size: int = 4) -> None:

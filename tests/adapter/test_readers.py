@@ -12,9 +12,9 @@ import torch
 from conftest import build_trainer
 from torch.utils.data import DataLoader
 
-from lightning_nanguard.adapter._compat import CALLBACK_BASES
-from lightning_nanguard.adapter.readers import RecordReader, as_training_batch
 from lightning_nanguard.diagnose.combined import CombinedLayout
+from lightning_nanguard.engine.data.readers import RecordReader, as_training_batch
+from lightning_nanguard.trainer._compat import CALLBACK_BASES
 
 
 def test_a_map_style_loader_reads_with_its_own_collate() -> None:

@@ -22,12 +22,12 @@ from forensics_models import one_thread  # noqa: F401 (fixture)
 from torch.utils.data import DataLoader
 
 from lightning_nanguard import NanEvent, NanGuard
-from lightning_nanguard.adapter.batch_samples import bundle_samples, fill_event
-from lightning_nanguard.adapter.readers import RecordReader
-from lightning_nanguard.adapter.records import RecordSettings, RowNamer
-from lightning_nanguard.adapter.window import MicroBatch
 from lightning_nanguard.diagnose.combined import CombinedIndices, CombinedLayout, LoaderSplit
 from lightning_nanguard.diagnose.diagnosis import Diagnosis
+from lightning_nanguard.engine.data.readers import RecordReader
+from lightning_nanguard.engine.rows.records import RecordSettings, RowNamer
+from lightning_nanguard.engine.rows.samples import bundle_samples, fill_event
+from lightning_nanguard.engine.step.window import MicroBatch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_nanguard import NanEvent, NanGuard, NonFiniteTrainingError
-from lightning_nanguard.adapter._compat import CALLBACK_BASES
 from lightning_nanguard.recover.remedies import ZERO_EPS_START
+from lightning_nanguard.trainer._compat import CALLBACK_BASES
 
 # ------------------------------------------------------------------------------------ models and data
 

@@ -1,4 +1,4 @@
-"""The Lightning side of reporting (``lightning_nanguard.adapter.reporting``): sinks, scalars, progress bar.
+"""The Lightning side of reporting (``lightning_nanguard.engine.recording``): sinks, scalars, progress bar.
 
 With stand-in Trainers (the attributes each method reads) and a real ``TensorBoardLogger``.
 """
@@ -17,8 +17,8 @@ from event_factory import make_event
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from rich.console import Console
 
-from lightning_nanguard.adapter import reporting
-from lightning_nanguard.adapter.reporting import (
+from lightning_nanguard.engine import recording as reporting
+from lightning_nanguard.engine.recording import (
     PROGRESS_BAR_KEY,
     Count,
     EventSinks,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from lightning_nanguard import NanGuard
-from lightning_nanguard.adapter.incidents import IncidentInspector
-from lightning_nanguard.adapter.sharded_incidents import ShardedIncidentInspector, inspector_for
-from lightning_nanguard.adapter.sharding import ShardingLayout
 from lightning_nanguard.decide.agreement import RankAgreement
+from lightning_nanguard.engine.incident.inspector import IncidentInspector
+from lightning_nanguard.engine.incident.sharded import ShardedIncidentInspector, inspector_for
+from lightning_nanguard.engine.sharding import ShardingLayout
 
 
 def parts() -> tuple[object, ...]:

@@ -1,4 +1,4 @@
-"""adapter/sharding.py and adapter/sharded_incidents.py: the parts that need no second process."""
+"""engine/sharding.py and engine/incident/sharded.py: the parts that need no second process."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from typing import Any
 import torch
 from fake_mesh import fake_world
 
-from lightning_nanguard.adapter.sharding import (
+from lightning_nanguard.decide.policy import StepHealth, local_vector
+from lightning_nanguard.engine.sharding import (
     ShardingLayout,
     own_rank_state,
     sharding_notice,
     share_rank_states_,
 )
-from lightning_nanguard.decide.policy import StepHealth, local_vector
 
 
 class SummingAgreement:

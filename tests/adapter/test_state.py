@@ -1,9 +1,9 @@
-"""What the guard knows between hooks (``lightning_nanguard.adapter.state``)."""
+"""What the guard knows between hooks (``lightning_nanguard.engine.state``)."""
 
 from __future__ import annotations
 
-from lightning_nanguard.adapter.state import GuardState
 from lightning_nanguard.decide.policy import Counters
+from lightning_nanguard.engine.state import GuardState
 
 
 def test_a_new_state_is_clean() -> None:

@@ -12,10 +12,10 @@ from conftest import build_trainer
 from models import NAMESPACES, make_case, make_loader, make_module
 from torch.utils.data import DataLoader
 
-import lightning_nanguard.adapter.strategy as strategy_module
+import lightning_nanguard.trainer.strategy as strategy_module
 from lightning_nanguard import NanGuard, NonFiniteTrainingError
-from lightning_nanguard.adapter._compat import CALLBACK_BASES
-from lightning_nanguard.adapter.strategy import (
+from lightning_nanguard.trainer._compat import CALLBACK_BASES
+from lightning_nanguard.trainer.strategy import (
     NanGuardStrategyMixin,
     StrategyHooks,
     apply_nanguard_strategy,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_nanguard.adapter.window import REFERENCE_SIZE, MicroBatch, StepWindow
+from lightning_nanguard.engine.step.window import REFERENCE_SIZE, MicroBatch, StepWindow
 
 
 def batchnorm_net() -> nn.Sequential:

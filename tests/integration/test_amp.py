@@ -187,7 +187,7 @@ def test_nan_only_gradients_from_the_scaling_are_an_overflow(kind: str, tmp_path
 
 def test_under_a_grad_scaler_the_gradients_are_not_read_twice(tmp_path: Path, monkeypatch: Any) -> None:
     """The scaler tested every gradient when it unscaled them: its flag stands in for the guard's gradient read."""
-    import lightning_nanguard.adapter.check as controller
+    import lightning_nanguard.engine.step.check as controller
 
     checked: list[int] = []
     original = controller.fused_health_check

@@ -47,7 +47,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch.utils.data import DataLoader
 
 from lightning_nanguard import NanGuard, read_events
-from lightning_nanguard.adapter.failsafe import UnguardableSetupError
+from lightning_nanguard.engine.failure import UnguardableSetupError
 
 Loader = Callable[[tuple[int, ...]], DataLoader]
 

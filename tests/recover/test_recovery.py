@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_nanguard.adapter.recovery import training_parts
 from lightning_nanguard.recover.recovery import Recovery, RecoverySettings, TrainingParts
+from lightning_nanguard.trainer.parts import training_parts
 
 
 def _stand_in(module: nn.Module, lr: float = 0.1, sched: bool = False) -> SimpleNamespace:

@@ -23,8 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NanGuard
-from lightning_nanguard.adapter._compat import CALLBACK_BASES
 from lightning_nanguard.recover.snapshot import HostCopy, TrainingSnapshot
+from lightning_nanguard.trainer._compat import CALLBACK_BASES
 
 # ------------------------------------------------------------------------------------ HostCopy
 

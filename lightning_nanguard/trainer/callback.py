@@ -1,7 +1,7 @@
 """``NanGuard``: the Lightning callback. Configuration, and hooks that hand each moment of a step on.
 
 What happens at a step is decided in :mod:`~lightning_nanguard.decide.policy` (Trainer-free) and
-carried out by :class:`~lightning_nanguard.adapter.controller.StepController`; this module only maps
+carried out by :class:`~lightning_nanguard.engine.controller.StepController`; this module only maps
 Lightning's hooks onto them.
 
 Example:
@@ -18,34 +18,34 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_nanguard.adapter._compat import CALLBACK_BASES
-from lightning_nanguard.adapter.checkpoint import guard_state, load_guard_state, make_checkpoint_finite
-from lightning_nanguard.adapter.config import (
-    GuardSettings,
-    refuse_what_cannot_be_guarded,
-    validate_arguments,
-    warn_what_cannot_be_skipped,
-)
-from lightning_nanguard.adapter.controller import StepController
-from lightning_nanguard.adapter.failsafe import CounterView, failsafe
-from lightning_nanguard.adapter.forward_only import ForwardOnlyEpoch, forward_only
-from lightning_nanguard.adapter.indices import indices_from_batch
-from lightning_nanguard.adapter.reporting import IncidentRecorder
-from lightning_nanguard.adapter.sharding import own_rank_state
-from lightning_nanguard.adapter.strategy import (
-    StrategyHooks,
-    apply_nanguard_strategy,
-    remove_nanguard_strategy,
-    supported_strategy_kind,
-)
 from lightning_nanguard.core.defaults import default_of
 from lightning_nanguard.core.events import NanEvent, NonFiniteTrainingError
 from lightning_nanguard.core.timing import GuardClock
 from lightning_nanguard.decide.policy import Counters, Policy, SpikeAction, StepAction
 from lightning_nanguard.detect.spikes import SpikeDetector
 from lightning_nanguard.diagnose.diagnosis import diagnose
+from lightning_nanguard.engine.controller import StepController
+from lightning_nanguard.engine.data.indices import indices_from_batch
+from lightning_nanguard.engine.failure import CounterView, failsafe
+from lightning_nanguard.engine.recording import IncidentRecorder
+from lightning_nanguard.engine.settings import (
+    GuardSettings,
+    refuse_what_cannot_be_guarded,
+    validate_arguments,
+    warn_what_cannot_be_skipped,
+)
+from lightning_nanguard.engine.sharding import own_rank_state
 from lightning_nanguard.recover.recovery import Recovery, apply_module_eps
 from lightning_nanguard.recover.remedies import Remedy
+from lightning_nanguard.trainer._compat import CALLBACK_BASES
+from lightning_nanguard.trainer.checkpoint import guard_state, load_guard_state, make_checkpoint_finite
+from lightning_nanguard.trainer.forward_only import ForwardOnlyEpoch, forward_only
+from lightning_nanguard.trainer.strategy import (
+    StrategyHooks,
+    apply_nanguard_strategy,
+    remove_nanguard_strategy,
+    supported_strategy_kind,
+)
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer

@@ -1,6 +1,6 @@
 """A bad step under sharding: every rank inspects, searches or helps, in lockstep; the ranks that hold it report.
 
-:class:`ShardedIncidentInspector` replaces :class:`~lightning_nanguard.adapter.incidents.IncidentInspector`
+:class:`ShardedIncidentInspector` replaces :class:`~lightning_nanguard.engine.incident.inspector.IncidentInspector`
 under ``ModelParallelStrategy``. It runs on every rank when some rank's check flagged the step
 (the flags are shared), and differs in three ways:
 
@@ -36,10 +36,6 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from lightning_nanguard.adapter.batch_samples import fill_event
-from lightning_nanguard.adapter.diagnosis import MicroBatch, StepDiagnosis, training_step_of
-from lightning_nanguard.adapter.incidents import IncidentInspector, event_cause, quarantine_items_of, quarantine_of
-from lightning_nanguard.adapter.sharding import ShardingLayout
 from lightning_nanguard.core.dtensor import gathered_state
 from lightning_nanguard.core.events import SPIKE_KINDS, EventKind, NanEvent
 from lightning_nanguard.decide.agreement import RankAgreement
@@ -50,6 +46,15 @@ from lightning_nanguard.diagnose.batching import slice_batch
 from lightning_nanguard.diagnose.diagnosis import Diagnosis, diagnose
 from lightning_nanguard.diagnose.lockstep import Lockstep, LockstepRunner
 from lightning_nanguard.diagnose.runner import SubBatchRunner
+from lightning_nanguard.engine.incident.diagnosis import MicroBatch, StepDiagnosis, training_step_of
+from lightning_nanguard.engine.incident.inspector import (
+    IncidentInspector,
+    event_cause,
+    quarantine_items_of,
+    quarantine_of,
+)
+from lightning_nanguard.engine.rows.samples import fill_event
+from lightning_nanguard.engine.sharding import ShardingLayout
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -386,7 +391,7 @@ class ShardedIncidentInspector(IncidentInspector):
 def inspector_for(*parts: Any, sharding: ShardingLayout | None, agreement: RankAgreement) -> IncidentInspector:
     """The inspector of a bad step: every rank in lockstep under ``ModelParallelStrategy``, else each rank alone.
 
-    ``parts`` are :class:`~lightning_nanguard.adapter.incidents.IncidentInspector`'s arguments.
+    ``parts`` are :class:`~lightning_nanguard.engine.incident.inspector.IncidentInspector`'s arguments.
     """
     if sharding is not None and sharding.diagnoses_together:  # every rank takes part
         return ShardedIncidentInspector(*parts, layout=sharding, agreement=agreement)

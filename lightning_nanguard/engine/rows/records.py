@@ -15,7 +15,7 @@ applies:
    Verified: the batch carries them.
 3. The batch sampler's recorded indices, in the order it yielded them. Checked by re-reading each
    named record with the loader's own ``dataset[i]`` and ``collate_fn([item])``, transformed by the
-   same batch hooks (:mod:`~lightning_nanguard.adapter.readers`), and comparing it with the row
+   same batch hooks (:mod:`~lightning_nanguard.engine.data.readers`), and comparing it with the row
    (:func:`~lightning_nanguard.diagnose.records.verify_rows`): verified, corrected (the collate
    reorders rows), matched by content (rows are not one record each), or unknown (no record matches
    the row, reads are random, a read failed: no index is guessed, ``indices_verified=False`` with the
@@ -27,7 +27,7 @@ Each broken assumption of the pipeline is told once per run, on every rank that 
 (:class:`RecordNotices`), with the fix.
 
 Example:
-    >>> from lightning_nanguard.adapter.window import MicroBatch
+    >>> from lightning_nanguard.engine.step.window import MicroBatch
     >>> from lightning_nanguard.diagnose.diagnosis import Diagnosis
     >>> micro = MicroBatch({"x": torch.zeros(3, 2), "idx": torch.tensor([[4, 5], [6, -1], [7, -1]])}, 0, None)
     >>> namer = RowNamer(RecordSettings(index_key="idx", row_records=None, verify=True))
@@ -46,14 +46,14 @@ from typing import Any
 
 import torch
 
-from lightning_nanguard.adapter.indices import records_from_batch
-from lightning_nanguard.adapter.readers import RecordReader, as_training_batch
-from lightning_nanguard.adapter.window import MicroBatch
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.core.rng import RngState
 from lightning_nanguard.diagnose.combined import CombinedLayout, LoaderKey
 from lightning_nanguard.diagnose.diagnosis import Diagnosis
 from lightning_nanguard.diagnose.records import RecordCheck, RowRecord, verify_rows
+from lightning_nanguard.engine.data.indices import records_from_batch
+from lightning_nanguard.engine.data.readers import RecordReader, as_training_batch
+from lightning_nanguard.engine.step.window import MicroBatch
 
 __all__ = ["RecordNotices", "RecordSettings", "RowNamer", "RowRecordsHook"]
 

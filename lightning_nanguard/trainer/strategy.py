@@ -19,7 +19,7 @@ The mixin owns what happens around the optimizer step on every rank:
   (and drop quarantined items) before Lightning first iterates it; validation, test and predict
   loaders are left alone, and every swap is undone at teardown. With several training loaders,
   :meth:`StrategyHooks.start_epoch` then learns each loader's key (and quarantine) from the
-  collection Lightning built (:mod:`~lightning_nanguard.adapter.loaders`).
+  collection Lightning built (:mod:`~lightning_nanguard.engine.data.loaders`).
 
 The wrapper touches nothing of the guard's: it is given a :class:`StrategyHooks` with what it needs.
 """
@@ -33,18 +33,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, SupportsIndex
 
-from lightning_nanguard.adapter.indices import (
+from lightning_nanguard.core.events import NonFiniteTrainingError
+from lightning_nanguard.core.timing import GuardClock
+from lightning_nanguard.diagnose.combined import CombinedIndices, LoaderKey
+from lightning_nanguard.engine.data.indices import (
     RecordingBatchSampler,
     indices_from_batch,
     next_recorded_indices,
     record_batch_indices,
     stop_recording,
 )
-from lightning_nanguard.adapter.loaders import Exclusion, TrainingLoaders
-from lightning_nanguard.adapter.readers import RecordReader
-from lightning_nanguard.core.events import NonFiniteTrainingError
-from lightning_nanguard.core.timing import GuardClock
-from lightning_nanguard.diagnose.combined import CombinedIndices, LoaderKey
+from lightning_nanguard.engine.data.loaders import Exclusion, TrainingLoaders
+from lightning_nanguard.engine.data.readers import RecordReader
 
 __all__ = [
     "NanGuardStrategyMixin",
@@ -181,7 +181,7 @@ def strategy_kind(strategy: Any) -> str:
 
     ``"fsdp"`` is Lightning's ``FSDPStrategy`` (FSDP1: flat parameters, GPU only); ``"model_parallel"``
     its ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, tensor parallelism, or both: ``DTensor``
-    parameters), where the guard diagnoses as a collective (:mod:`~lightning_nanguard.adapter.sharding`).
+    parameters), where the guard diagnoses as a collective (:mod:`~lightning_nanguard.engine.sharding`).
 
     Example:
         >>> from lightning.pytorch.strategies import SingleDeviceStrategy

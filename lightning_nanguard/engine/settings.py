@@ -26,12 +26,12 @@ from typing import Any, get_args
 
 import torch
 
-from lightning_nanguard.adapter.after_step import ParamCheckSettings
-from lightning_nanguard.adapter.diagnosis import DiagnosisSettings
-from lightning_nanguard.adapter.failsafe import UnguardableSetupError
-from lightning_nanguard.adapter.records import RecordSettings
-from lightning_nanguard.adapter.spikes import SpikeSettings
 from lightning_nanguard.decide.policy import Policy, SpikeAction, StepAction
+from lightning_nanguard.engine.after_step import ParamCheckSettings
+from lightning_nanguard.engine.failure import UnguardableSetupError
+from lightning_nanguard.engine.incident.diagnosis import DiagnosisSettings
+from lightning_nanguard.engine.rows.records import RecordSettings
+from lightning_nanguard.engine.step.spikes import SpikeSettings
 from lightning_nanguard.recover.recovery import RecoverySettings
 from lightning_nanguard.recover.remedies import REMEDIES
 from lightning_nanguard.reporting.notices import RankNotices

@@ -30,7 +30,7 @@ from lightning_nanguard.detect.confirm import bad_batchnorm_names
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
-    from lightning_nanguard.adapter.window import StepWindow
+    from lightning_nanguard.engine.step.window import StepWindow
 
 __all__ = ["FORWARD_ONLY_NOTE", "ForwardOnlyEpoch", "forward_only"]
 

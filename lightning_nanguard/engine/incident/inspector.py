@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from lightning_nanguard.adapter.diagnosis import DiagnosisSettings, diagnose_step
-from lightning_nanguard.adapter.recovery import grad_scaler
-from lightning_nanguard.adapter.reporting import IncidentRecorder
-from lightning_nanguard.adapter.spikes import SpikeWatch
-from lightning_nanguard.adapter.window import StepWindow
 from lightning_nanguard.core.events import EventKind, NanEvent
 from lightning_nanguard.decide.policy import RankReport, StepHealth
 from lightning_nanguard.detect.batchnorm import batchnorm_buffers
 from lightning_nanguard.detect.check import grouped_norms
 from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_names
+from lightning_nanguard.engine.incident.diagnosis import DiagnosisSettings, diagnose_step
+from lightning_nanguard.engine.recording import IncidentRecorder
+from lightning_nanguard.engine.step.spikes import SpikeWatch
+from lightning_nanguard.engine.step.window import StepWindow
+from lightning_nanguard.trainer.parts import grad_scaler
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer

@@ -15,14 +15,14 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from lightning_nanguard.adapter.sharding import make_sharded_checkpoint_finite_, share_rank_states_
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.decide.policy import Counters
+from lightning_nanguard.engine.sharding import make_sharded_checkpoint_finite_, share_rank_states_
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
-    from lightning_nanguard.adapter.controller import StepController
+    from lightning_nanguard.engine.controller import StepController
 
 __all__ = ["EVENTS_KEPT_IN_CHECKPOINT", "guard_state", "load_guard_state", "make_checkpoint_finite"]
 

@@ -8,17 +8,17 @@ fetched:
 
 - the layout of the combined batch (:class:`~lightning_nanguard.diagnose.combined.CombinedLayout`:
   each loader's key and where its part sits), ``None`` for a bare loader;
-- each loader's recording batch sampler (:mod:`~lightning_nanguard.adapter.indices`), so the indices
+- each loader's recording batch sampler (:mod:`~lightning_nanguard.engine.data.indices`), so the indices
   of a batch are popped from the FIFO of the loader that gave that part, and only when it gave
   one (an exhausted loader of ``CombinedLoader(mode="max_size")`` gives ``None``);
 - each loader's quarantine: the indices quarantined for that loader, and those of an older
   checkpoint's flat list (which applied to every loader);
-- each loader's :class:`~lightning_nanguard.adapter.readers.RecordReader`, which reads a record again
+- each loader's :class:`~lightning_nanguard.engine.data.readers.RecordReader`, which reads a record again
   at an incident to check that an index names the record really in its row.
 
 Example:
     >>> from torch.utils.data import DataLoader, TensorDataset
-    >>> from lightning_nanguard.adapter.indices import record_batch_indices
+    >>> from lightning_nanguard.engine.data.indices import record_batch_indices
     >>> a = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=4)
     >>> b = DataLoader(TensorDataset(torch.arange(6.0)), batch_size=3)
     >>> loaders = TrainingLoaders.of({"a": a, "b": b}, record=record_batch_indices)
@@ -46,15 +46,15 @@ from torch.utils._pytree import (
 )
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_nanguard.adapter.indices import (
+from lightning_nanguard.diagnose.combined import CombinedIndices, CombinedLayout, LoaderKey
+from lightning_nanguard.engine.data.indices import (
     RecordingBatchSampler,
     index_field,
     indices_from_batch,
     mark_epoch_end,
     next_recorded_indices,
 )
-from lightning_nanguard.adapter.readers import RecordReader
-from lightning_nanguard.diagnose.combined import CombinedIndices, CombinedLayout, LoaderKey
+from lightning_nanguard.engine.data.readers import RecordReader
 
 __all__ = ["Exclusion", "TrainingLoaders", "loader_paths"]
 
@@ -177,7 +177,7 @@ class TrainingLoaders:
     def mark_epoch_end(self) -> None:
         """An epoch starts: indices recorded ahead and never trained on are dropped at each loader's next pass.
 
-        See :func:`~lightning_nanguard.adapter.indices.mark_epoch_end`.
+        See :func:`~lightning_nanguard.engine.data.indices.mark_epoch_end`.
         """
         for sampler in self.samplers:
             if sampler is not None:

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_nanguard.adapter.recovery import grad_scaler
-from lightning_nanguard.adapter.window import MicroBatch, StepWindow
 from lightning_nanguard.decide.policy import LOCAL_FIELDS, Policy, shared_part
 from lightning_nanguard.detect.syncfree import DeferredRead, DeviceSkip, SelectRestore, device_skip_unsupported
+from lightning_nanguard.engine.step.window import MicroBatch, StepWindow
 from lightning_nanguard.recover.remedies import clip_gradients_
+from lightning_nanguard.trainer.parts import grad_scaler
 
 __all__ = ["DeferredStep", "StepView", "SyncFreeSteps"]
 

@@ -18,17 +18,17 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from lightning_nanguard.adapter.recovery import training_parts
-from lightning_nanguard.adapter.reporting import IncidentRecorder
-from lightning_nanguard.adapter.state import GuardState
-from lightning_nanguard.adapter.window import StepWindow
 from lightning_nanguard.core.events import NanEvent, NonFiniteTrainingError
 from lightning_nanguard.decide.agreement import RankAgreement
 from lightning_nanguard.decide.policy import Counters, decide_weights
 from lightning_nanguard.detect.batchnorm import batchnorm_buffers
 from lightning_nanguard.detect.confirm import all_finite, nonfinite_names
+from lightning_nanguard.engine.recording import IncidentRecorder
+from lightning_nanguard.engine.state import GuardState
+from lightning_nanguard.engine.step.window import StepWindow
 from lightning_nanguard.recover.recovery import Recovery
 from lightning_nanguard.reporting.scalars import scalar_values
+from lightning_nanguard.trainer.parts import training_parts
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer

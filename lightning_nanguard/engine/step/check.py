@@ -2,7 +2,7 @@
 
 :func:`step_flags` runs the fused check on what a Trainer's step produced: the gradients the
 optimizer is about to apply, the step's losses and BatchNorm statistics (kept by the
-:class:`~lightning_nanguard.adapter.window.StepWindow`), the GradScaler's own NaN/Inf flag where it
+:class:`~lightning_nanguard.engine.step.window.StepWindow`), the GradScaler's own NaN/Inf flag where it
 has one, and the loss-spike flag. The result stays on the device (the controller reduces it over
 ranks and reads it once).
 """
@@ -14,19 +14,19 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lightning_nanguard.adapter.recovery import grad_scaler
 from lightning_nanguard.decide.policy import local_vector
 from lightning_nanguard.detect.check import fused_health_check
 from lightning_nanguard.detect.syncfree import scaler_found_inf
+from lightning_nanguard.trainer.parts import grad_scaler
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
     from torch.optim import Optimizer
 
-    from lightning_nanguard.adapter.reporting import IncidentRecorder
-    from lightning_nanguard.adapter.sharding import ShardingLayout
-    from lightning_nanguard.adapter.spikes import SpikeWatch
-    from lightning_nanguard.adapter.window import StepWindow
+    from lightning_nanguard.engine.recording import IncidentRecorder
+    from lightning_nanguard.engine.sharding import ShardingLayout
+    from lightning_nanguard.engine.step.spikes import SpikeWatch
+    from lightning_nanguard.engine.step.window import StepWindow
 
 __all__ = ["loss_scale", "step_flags"]
 

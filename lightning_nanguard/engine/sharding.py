@@ -9,7 +9,7 @@ changes for the guard, and where it is handled:
   ``clip_grad`` uses is the global one and there is still one reduce and one host read per step
   (:meth:`ShardingLayout.agree`);
 - a bad step's diagnosis re-runs sharded forwards, which are collectives: every rank takes part
-  (:mod:`~lightning_nanguard.adapter.sharded_incidents`, :mod:`~lightning_nanguard.diagnose.lockstep`);
+  (:mod:`~lightning_nanguard.engine.incident.sharded`, :mod:`~lightning_nanguard.diagnose.lockstep`);
 - snapshots, rollback and clipping act on local shards (:mod:`~lightning_nanguard.recover.snapshot`,
   :func:`~lightning_nanguard.recover.remedies.clip_gradients_`);
 - a checkpoint that would hold non-finite weights gets the last good snapshot's shards in the
@@ -30,7 +30,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from lightning_nanguard.adapter.strategy import strategy_kind
 from lightning_nanguard.core.dtensor import any_dtensor, local_tensors
 from lightning_nanguard.decide.agreement import RankAgreement
 from lightning_nanguard.decide.messages import checkpoint_refusal
@@ -38,6 +37,7 @@ from lightning_nanguard.decide.policy import shared_part
 from lightning_nanguard.detect.confirm import all_finite
 from lightning_nanguard.detect.sharded import global_norm, shard_weights, sharded_health_check
 from lightning_nanguard.recover.snapshot import TrainingSnapshot
+from lightning_nanguard.trainer.strategy import strategy_kind
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer

@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from torch import nn
 
-from lightning_nanguard.adapter._compat import TENSORBOARD_LOGGER_TYPES
-from lightning_nanguard.adapter.batch_samples import bundle_samples, context_samples
 from lightning_nanguard.core.events import NanEvent
+from lightning_nanguard.engine.rows.samples import bundle_samples, context_samples
 from lightning_nanguard.reporting.context import save_incident_context
 from lightning_nanguard.reporting.jsonl import EVENTS_FILENAME, JsonlEventLog
 from lightning_nanguard.reporting.notices import RankNotices
@@ -31,11 +30,12 @@ from lightning_nanguard.reporting.repro import prune_bundles, save_bundle, updat
 from lightning_nanguard.reporting.scalars import ScalarLog, scalar_tags
 from lightning_nanguard.reporting.tensorboard import TensorBoardReporter
 from lightning_nanguard.reporting.terminal import TerminalReporter
+from lightning_nanguard.trainer._compat import TENSORBOARD_LOGGER_TYPES
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
-    from lightning_nanguard.adapter.diagnosis import DiagnosisSettings, StepDiagnosis
+    from lightning_nanguard.engine.incident.diagnosis import DiagnosisSettings, StepDiagnosis
 
 __all__ = ["Count", "EventSinks", "IncidentRecorder", "show_in_progress_bar"]
 
@@ -259,7 +259,7 @@ def _save_bundle(
     """Save the offending samples (or the whole batch) of the step's diagnosed micro-batch; never raises.
 
     Known-good samples are saved next to them (see
-    :func:`~lightning_nanguard.adapter.batch_samples.bundle_samples`); with several training loaders
+    :func:`~lightning_nanguard.engine.rows.samples.bundle_samples`); with several training loaders
     the bundle records the layout and each saved sample's loader.
     """
     event, micro = found.event, found.micro_batch

@@ -19,8 +19,8 @@ from lightning_nanguard.core.events import NonFiniteTrainingError
 log = logging.getLogger("lightning_nanguard")
 
 if TYPE_CHECKING:
-    from lightning_nanguard.adapter.state import GuardState
     from lightning_nanguard.core.timing import GuardClock
+    from lightning_nanguard.engine.state import GuardState
 
 
 class Guarded(Protocol):
@@ -30,6 +30,7 @@ class Guarded(Protocol):
     controller: Any
     clock: GuardClock
     counters: Any
+
 
 __all__ = ["CounterView", "Guarded", "UnguardableSetupError", "fail", "failsafe"]
 

@@ -3,7 +3,7 @@
 The check that a dataset index names the record really in a row
 (:mod:`~lightning_nanguard.diagnose.records`) compares the row with the record read again. A
 :class:`RecordReader` is kept per training loader, next to its recording batch sampler
-(:class:`~lightning_nanguard.adapter.loaders.TrainingLoaders`): it reads ``dataset[i]`` and collates
+(:class:`~lightning_nanguard.engine.data.loaders.TrainingLoaders`): it reads ``dataset[i]`` and collates
 it alone with the loader's own ``collate_fn``. :func:`as_training_batch` then does to that record
 what Lightning's fit loop does to every collated batch before ``training_step`` sees it
 (``loops/training_epoch_loop.py``): the precision plugin's ``convert_input``, the

@@ -3,7 +3,7 @@
 Called by the guard on a bad step, before the step is discarded, with the BatchNorm buffers
 already restored to their values before the step's first forward. It writes nothing: the
 incident's files (repro bundle, dashboard context) are the reporting adapter's
-(:meth:`~lightning_nanguard.adapter.reporting.IncidentRecorder.save_incident_files`).
+(:meth:`~lightning_nanguard.engine.recording.IncidentRecorder.save_incident_files`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lightning_nanguard.adapter.batch_samples import fill_event
-from lightning_nanguard.adapter.records import RecordSettings, RowNamer
-from lightning_nanguard.adapter.window import MicroBatch
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.diagnose.diagnosis import Diagnosis, diagnose
+from lightning_nanguard.engine.rows.records import RecordSettings, RowNamer
+from lightning_nanguard.engine.rows.samples import fill_event
+from lightning_nanguard.engine.step.window import MicroBatch
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer

@@ -9,7 +9,7 @@ keep, or to undo, about that step, and is the only place that touches the BatchN
 - the BatchNorm buffers as they were before the first forward: captured when the window opens,
   restored when the step is discarded or diagnosed;
 - what the step's ``training_step`` adds to what users monitor: the epoch aggregates of
-  ``self.log`` (:class:`~lightning_nanguard.adapter.logged_values.LoggedValues`) and the states of
+  ``self.log`` (:class:`~lightning_nanguard.trainer.logged_values.LoggedValues`) and the states of
   the module's torchmetrics metrics (:class:`~lightning_nanguard.recover.metrics.MetricStates`),
   captured when the window opens and put back when the step is dropped;
 - a small known-good reference sub-batch, refreshed rarely from a healthy step (a diagnosis runs
@@ -37,13 +37,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_nanguard.adapter.logged_values import LoggedValues
-from lightning_nanguard.adapter.readers import RecordReader
 from lightning_nanguard.detect.batchnorm import batchnorm_running_vars
 from lightning_nanguard.diagnose.batching import slice_batch
 from lightning_nanguard.diagnose.combined import CombinedBatch, CombinedIndices
+from lightning_nanguard.engine.data.readers import RecordReader
 from lightning_nanguard.recover.batchnorm import BatchNormSnapshot
 from lightning_nanguard.recover.metrics import MetricStates
+from lightning_nanguard.trainer.logged_values import LoggedValues
 
 __all__ = ["MicroBatch", "StepWindow"]
 

@@ -2,11 +2,11 @@
 
 :class:`StepController` is what ``NanGuard``'s hooks call. Per optimizer step, on every rank:
 
-1. the :class:`~lightning_nanguard.adapter.window.StepWindow` collects the micro-batches and losses;
+1. the :class:`~lightning_nanguard.engine.step.window.StepWindow` collects the micro-batches and losses;
 2. :meth:`StepController.check_step` runs the fused check, reduces its flags over ranks and reads
    them to the host once (:class:`~lightning_nanguard.decide.policy.StepHealth`);
 3. a step that is healthy everywhere ends there; otherwise each rank describes what it found
-   (:class:`~lightning_nanguard.adapter.incidents.IncidentInspector`), the reports are gathered, and
+   (:class:`~lightning_nanguard.engine.incident.inspector.IncidentInspector`), the reports are gathered, and
    :func:`~lightning_nanguard.decide.policy.decide` gives one decision for every rank, which this class
    carries out: drop the update, remedies, rollback, the event, raising;
 4. after the optimizer step, :meth:`StepController.after_optimizer_step` rolls back when due,
@@ -23,19 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from lightning_nanguard.adapter.after_step import AfterStep
-from lightning_nanguard.adapter.check import step_flags
-from lightning_nanguard.adapter.config import GuardSettings
-from lightning_nanguard.adapter.failsafe import fail
-from lightning_nanguard.adapter.incidents import check_module, loss_scale_event, quarantine_refusal
-from lightning_nanguard.adapter.recovery import grad_scaler, next_loss_scale, training_parts
-from lightning_nanguard.adapter.reporting import IncidentRecorder
-from lightning_nanguard.adapter.sharded_incidents import inspector_for
-from lightning_nanguard.adapter.sharding import ShardingLayout, announce_sharding, sharding_notice
-from lightning_nanguard.adapter.spikes import SpikeWatch
-from lightning_nanguard.adapter.state import GuardState
-from lightning_nanguard.adapter.syncfree import DeferredStep, StepView, SyncFreeSteps
-from lightning_nanguard.adapter.window import StepWindow
 from lightning_nanguard.core.events import EventAction, NanEvent, NonFiniteTrainingError
 from lightning_nanguard.decide.agreement import RankAgreement
 from lightning_nanguard.decide.messages import stop_history, stop_message
@@ -49,9 +36,22 @@ from lightning_nanguard.decide.policy import (
     local_vector,
     shared_part,
 )
+from lightning_nanguard.engine.after_step import AfterStep
+from lightning_nanguard.engine.failure import fail
+from lightning_nanguard.engine.incident.inspector import check_module, loss_scale_event, quarantine_refusal
+from lightning_nanguard.engine.incident.sharded import inspector_for
+from lightning_nanguard.engine.recording import IncidentRecorder
+from lightning_nanguard.engine.settings import GuardSettings
+from lightning_nanguard.engine.sharding import ShardingLayout, announce_sharding, sharding_notice
+from lightning_nanguard.engine.state import GuardState
+from lightning_nanguard.engine.step.check import step_flags
+from lightning_nanguard.engine.step.spikes import SpikeWatch
+from lightning_nanguard.engine.step.syncfree import DeferredStep, StepView, SyncFreeSteps
+from lightning_nanguard.engine.step.window import StepWindow
 from lightning_nanguard.recover.recovery import Recovery
 from lightning_nanguard.recover.remedies import clip_gradients_
 from lightning_nanguard.reporting.scalars import scalar_tags
+from lightning_nanguard.trainer.parts import grad_scaler, next_loss_scale, training_parts
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -88,7 +88,7 @@ class StepController:
         self.params: list[nn.Parameter] = []
         # per optimizer: the signature of its parameter groups and the parameters it updates
         self._step_params: dict[int, tuple[tuple[tuple[int, int], ...], list[Tensor]]] = {}
-        self.sharding: ShardingLayout | None = None  # ModelParallelStrategy (adapter/sharding.py)
+        self.sharding: ShardingLayout | None = None  # ModelParallelStrategy (engine/sharding.py)
 
     # ------------------------------------------------------------------ setup
 
