@@ -4,16 +4,16 @@ Every path of the guard goes through the same three steps, on every rank:
 
 1. :class:`StepHealth` names the values of the step's one host read: this rank's flags from the
    fused check (and, under DDP, their sums over all ranks, reduced in the same tensor).
-2. When a step is not healthy on some rank, each rank describes what it found in a
-   :class:`RankReport` (its own NaN/Inf incident, an AMP overflow, a loss spike, an internal
-   failure, the cause and what the remedies need), and the reports of all ranks are gathered.
-3. :func:`decide` turns the reports, the shared :class:`Counters` and the :class:`Policy` into one
+2. When a step is not healthy on some rank, each rank puts what it found into a
+   :class:`RankVote` (its own NaN/Inf incident, an AMP overflow, a loss spike, an internal
+   failure, the cause and what the remedies need), and the votes of all ranks are gathered.
+3. :func:`decide` turns the votes, the shared :class:`Counters` and the :class:`Policy` into one
    :class:`StepDecision`. Its inputs are identical on every rank, so is its output: every rank
    skips, raises, rolls back and applies remedies at the same step, for the same reason.
 
 Example:
     >>> policy = Policy(action="skip", max_consecutive_bad_steps=2)
-    >>> bad = [RankReport(rank=0, incident=True, cause="data", quarantine=(7,))]
+    >>> bad = [RankVote(rank=0, incident=True, cause="data", quarantine=(7,))]
     >>> first, counters = decide(bad, Counters(), policy)
     >>> first.outcome, first.action, first.discard, counters.consecutive_bad_steps
     ('incident', 'skip', True, 1)
@@ -40,9 +40,9 @@ __all__ = [
     "LOCAL_FIELDS",
     "SHARED_FIELDS",
     "Counters",
-    "Outcome",
+    "StepOutcome",
     "Policy",
-    "RankReport",
+    "RankVote",
     "SpikeAction",
     "StepAction",
     "StepDecision",
@@ -53,7 +53,7 @@ __all__ = [
     "shared_part",
 ]
 
-Outcome = Literal["healthy", "incident", "overflow", "loss_scale", "spike"]
+StepOutcome = Literal["healthy", "incident", "overflow", "loss_scale", "spike"]
 StepAction = Literal["skip", "raise", "warn", "rollback"]
 SpikeAction = Literal["skip", "warn", "off"]
 
@@ -169,8 +169,8 @@ class StepHealth:
 
 
 @dataclass(frozen=True)
-class RankReport:
-    """What one rank found on a step that was not healthy somewhere.
+class RankVote:
+    """What one rank puts into the shared decision on a step that was not healthy somewhere.
 
     Attributes:
         rank: global rank.
@@ -179,7 +179,7 @@ class RankReport:
             (the scaler skips such a step itself).
         spike: this rank's loss is a spike.
         failed: this rank's guard failed internally.
-        cause: the diagnosis verdict of this rank's incident (``None``: not investigated).
+        cause: the cause the diagnosis gave for this rank's incident (``None``: not investigated).
         quarantine: dataset indices of the offending samples (cause ``data``/``input``).
         culprit_module: module where the first NaN/Inf was produced (for ``raise_eps``).
         quarantine_items: with several training loaders, ``(loader key, dataset index)`` of the
@@ -256,7 +256,7 @@ class StepDecision:
         disable: some rank's guard failed: every rank disables its guard after this step.
     """
 
-    outcome: Outcome
+    outcome: StepOutcome
     action: StepAction | None = None
     discard: bool = False
     escalation: str | None = None
@@ -266,7 +266,7 @@ class StepDecision:
     culprit_module: str | None = None
     rebaseline: bool = False
     disable: bool = False
-    reports: tuple[RankReport, ...] = field(default=(), repr=False)
+    reports: tuple[RankVote, ...] = field(default=(), repr=False)
     quarantine_items: tuple[tuple[str | int, int], ...] = ()
 
     @property
@@ -275,18 +275,18 @@ class StepDecision:
         return self.outcome in ("incident", "loss_scale")
 
 
-def _items(reports: Iterable[RankReport]) -> tuple[tuple[str | int, int], ...]:
+def _items(reports: Iterable[RankVote]) -> tuple[tuple[str | int, int], ...]:
     """The union of the reports' ``(loader key, dataset index)`` items, in a stable order."""
     found = {item for r in reports for item in r.quarantine_items}
     return tuple(sorted(found, key=lambda item: (str(item[0]), item[1])))
 
 
-def _shared_cause(reports: Sequence[RankReport]) -> str | None:
+def _shared_cause(reports: Sequence[RankVote]) -> str | None:
     causes = {r.cause for r in reports if r.incident and r.cause}
     return next((c for c in _CAUSE_PRIORITY if c in causes), None)
 
 
-def _rank(report: RankReport) -> int:
+def _rank(report: RankVote) -> int:
     return report.rank
 
 
@@ -299,7 +299,7 @@ def _escalation(counters: Counters, policy: Policy) -> str | None:
 
 
 def decide(
-    reports: Sequence[RankReport],
+    reports: Sequence[RankVote],
     counters: Counters,
     policy: Policy,
     next_loss_scale: float | None = None,
@@ -313,7 +313,7 @@ def decide(
         next_loss_scale: the loss scale the GradScaler will use after an overflow (``None``: no scaler).
 
     Example:
-        >>> overflow = [RankReport(rank=0, overflow=True)]
+        >>> overflow = [RankVote(rank=0, overflow=True)]
         >>> decision, counters = decide(overflow, Counters(), Policy(), next_loss_scale=2.0**15)
         >>> decision.outcome, decision.discard, counters.amp_overflow_total
         ('overflow', False, 1)
@@ -374,7 +374,7 @@ def decide_weights(counters: Counters, action: str, snapshot_available: bool) ->
 
 
 def _incident(
-    reports: Sequence[RankReport], counters: Counters, policy: Policy, outcome: Outcome, disable: bool
+    reports: Sequence[RankVote], counters: Counters, policy: Policy, outcome: StepOutcome, disable: bool
 ) -> tuple[StepDecision, Counters]:
     counters = counters.replace(
         bad_steps_total=counters.bad_steps_total + 1,

@@ -3,7 +3,7 @@
 Under ``ModelParallelStrategy`` every rank takes part in the diagnosis of a bad step
 (:mod:`~lightning_nanguard.diagnose.lockstep`), but not every rank's batch holds the incident. Each
 rank describes what it found (:class:`Finding`) and, after the search, what the search gave
-(:class:`Outcome`); these are gathered from every rank, and every rank derives the same plan from
+(:class:`SearchResult`); these are gathered from every rank, and every rank derives the same plan from
 them: :func:`plan_search` (which batches to search, and for a loss spike the threshold) and
 :func:`recorders` (which rank records which event).
 
@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 from lightning_nanguard.core.events import NanEvent
 
-__all__ = ["Finding", "Outcome", "plan_search", "recorders"]
+__all__ = ["Finding", "SearchResult", "plan_search", "recorders"]
 
 
 @dataclass(frozen=True)
 class Finding:
-    """What one rank found before the diagnosis (gathered from every rank).
+    """What one rank found on a bad step before the search, shared with every rank to plan it.
 
     Attributes:
         rank: global rank.
@@ -53,7 +53,7 @@ class Finding:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class SearchResult:
     """What one rank's search gave (gathered from every rank).
 
     Attributes:
@@ -99,21 +99,21 @@ def plan_search(findings: Sequence[Finding]) -> dict[tuple[int, ...], float | No
     return plan
 
 
-def recorders(outcomes: Sequence[Outcome]) -> dict[int, NanEvent]:
+def recorders(results: Sequence[SearchResult]) -> dict[int, NanEvent]:
     """Which ranks record which event (see module docs).
 
     Example:
         >>> event = NanEvent(1, 0, 1, 0, ("grad",), "warned")
-        >>> out = [Outcome(0, (0,), True, False, event), Outcome(1, (1,), True, True, event.replace(rank=1))]
+        >>> out = [SearchResult(0, (0,), True, False, event), SearchResult(1, (1,), True, True, event.replace(rank=1))]
         >>> {rank: e.rank for rank, e in recorders(out).items()}
         {1: 1}
     """
-    groups_seen = list(dict.fromkeys(o.peers for o in outcomes))
-    holding = [group for group in groups_seen if any(o.holds for o in outcomes if o.peers == group)]
+    groups_seen = list(dict.fromkeys(o.peers for o in results))
+    holding = [group for group in groups_seen if any(o.holds for o in results if o.peers == group)]
     chosen: dict[int, NanEvent] = {}
     groups = holding or groups_seen
     for group in groups:
-        members = sorted((o for o in outcomes if o.peers == group and o.event is not None), key=lambda o: o.rank)
+        members = sorted((o for o in results if o.peers == group and o.event is not None), key=lambda o: o.rank)
         if not members:
             continue
         members = [o for o in members if o.searched] if holding else [o for o in members if o.own]

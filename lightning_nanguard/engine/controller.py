@@ -29,7 +29,7 @@ from lightning_nanguard.decide.messages import stop_history, stop_message
 from lightning_nanguard.decide.policy import (
     Counters,
     Policy,
-    RankReport,
+    RankVote,
     StepDecision,
     StepHealth,
     decide,
@@ -351,11 +351,11 @@ class StepController:
         optimizer: Optimizer,
         health: StepHealth,
         grads: list[Tensor],
-    ) -> tuple[RankReport, NanEvent | None]:
+    ) -> tuple[RankVote, NanEvent | None]:
         """What this rank found; never raises (a failure becomes a ``failed`` report)."""
         rank = trainer.global_rank
         if self.state.failing:
-            return RankReport(rank, failed=True), None
+            return RankVote(rank, failed=True), None
         try:
             parts = (self.diagnosis, self.window, self.named_params, self.recorder, self.spikes)
             inspector = inspector_for(*parts, sharding=self.sharding, agreement=self.agreement)
@@ -364,7 +364,7 @@ class StepController:
             raise
         except Exception as error:
             self.fail(error, "the check of a bad step")
-            return RankReport(rank, failed=True), None
+            return RankVote(rank, failed=True), None
 
     def _carry_out(
         self,

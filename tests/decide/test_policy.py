@@ -18,7 +18,7 @@ from lightning_nanguard.decide.policy import (
     SHARED_FIELDS,
     Counters,
     Policy,
-    RankReport,
+    RankVote,
     StepHealth,
     decide,
     decide_weights,
@@ -30,11 +30,11 @@ CAUSES = ("state", "input", "data", "interaction", "batch")
 """From the strongest verdict to the weakest: the shared cause is the strongest any incident rank gave."""
 
 
-def incident(rank: int = 0, **fields: object) -> RankReport:
-    return RankReport(rank=rank, incident=True, **fields)  # type: ignore[arg-type]
+def incident(rank: int = 0, **fields: object) -> RankVote:
+    return RankVote(rank=rank, incident=True, **fields)  # type: ignore[arg-type]
 
 
-def run(steps: int, reports: list[RankReport], policy: Policy, counters: Counters | None = None) -> list:
+def run(steps: int, reports: list[RankVote], policy: Policy, counters: Counters | None = None) -> list:
     """``decide`` the same reports ``steps`` times in a row; the ``(decision, counters)`` of each step."""
     counters = counters or Counters()
     out = []
@@ -137,7 +137,7 @@ def test_a_healthy_step_ends_every_run_and_keeps_the_totals() -> None:
 
 
 def test_reports_that_found_nothing_are_a_healthy_step() -> None:
-    reports = [RankReport(rank=0), RankReport(rank=1)]
+    reports = [RankVote(rank=0), RankVote(rank=1)]
     decision, after = decide(reports, Counters(consecutive_bad_steps=1), Policy())
     assert decision.outcome == "healthy" and decision.reports == tuple(reports)
     assert after.consecutive_bad_steps == 0
@@ -250,14 +250,14 @@ def test_no_max_events_never_escalates_on_the_total() -> None:
 
 def test_an_overflow_is_counted_and_left_to_the_grad_scaler() -> None:
     before = Counters(consecutive_bad_steps=2, bad_steps_total=2, consecutive_spikes=1)
-    decision, after = decide([RankReport(rank=0, overflow=True)], before, Policy(), next_loss_scale=2.0**15)
+    decision, after = decide([RankVote(rank=0, overflow=True)], before, Policy(), next_loss_scale=2.0**15)
     assert (decision.outcome, decision.action, decision.discard, decision.bad) == ("overflow", None, False, False)
     assert after == before.replace(amp_overflow_total=1, consecutive_overflows=1)
 
 
 @pytest.mark.parametrize(("scale", "outcome"), [(0.5, "loss_scale"), (1.0, "overflow"), (None, "overflow")])
 def test_a_loss_scale_below_min_loss_scale_is_an_incident(scale: float | None, outcome: str) -> None:
-    decision, after = decide([RankReport(rank=0, overflow=True)], Counters(), Policy(min_loss_scale=1.0), scale)
+    decision, after = decide([RankVote(rank=0, overflow=True)], Counters(), Policy(min_loss_scale=1.0), scale)
     assert decision.outcome == outcome
     assert after.amp_overflow_total == 1 and after.consecutive_overflows == 1
     if outcome == "loss_scale":
@@ -269,7 +269,7 @@ def test_a_loss_scale_below_min_loss_scale_is_an_incident(scale: float | None, o
 
 def test_max_consecutive_overflows_is_a_loss_scale_incident() -> None:
     policy = Policy(max_consecutive_overflows=3)
-    steps = run(3, [RankReport(rank=0, overflow=True)], policy)
+    steps = run(3, [RankVote(rank=0, overflow=True)], policy)
     assert [d.outcome for d, _ in steps] == ["overflow", "overflow", "loss_scale"]
     assert [c.consecutive_overflows for _, c in steps] == [1, 2, 3]
     _, after = decide([], steps[-1][1], policy)
@@ -278,7 +278,7 @@ def test_max_consecutive_overflows_is_a_loss_scale_incident() -> None:
 
 def test_a_collapsed_loss_scale_escalates_like_any_incident() -> None:
     decision, _ = decide(
-        [RankReport(rank=0, overflow=True)], Counters(consecutive_bad_steps=1), Policy(max_consecutive_bad_steps=2), 0.0
+        [RankVote(rank=0, overflow=True)], Counters(consecutive_bad_steps=1), Policy(max_consecutive_bad_steps=2), 0.0
     )
     assert (decision.outcome, decision.action, decision.escalation) == (
         "loss_scale",
@@ -291,7 +291,7 @@ def test_a_collapsed_loss_scale_escalates_like_any_incident() -> None:
 
 
 def test_a_spike_with_spike_action_skip_is_skipped_and_counted() -> None:
-    spike = [RankReport(rank=0, spike=True, cause="data", quarantine=(4, 2))]
+    spike = [RankVote(rank=0, spike=True, cause="data", quarantine=(4, 2))]
     decision, after = decide(spike, Counters(consecutive_bad_steps=1, bad_steps_total=1), Policy(spike_action="skip"))
     assert (decision.outcome, decision.action, decision.discard, decision.bad) == ("spike", "skip", True, False)
     assert (decision.cause, decision.quarantine, decision.rebaseline) == ("data", (2, 4), False)
@@ -301,28 +301,26 @@ def test_a_spike_with_spike_action_skip_is_skipped_and_counted() -> None:
 
 
 def test_a_spike_with_spike_action_warn_is_applied_and_counted() -> None:
-    decision, after = decide([RankReport(rank=0, spike=True)], Counters(), Policy(spike_action="warn"))
+    decision, after = decide([RankVote(rank=0, spike=True)], Counters(), Policy(spike_action="warn"))
     assert (decision.outcome, decision.action, decision.discard) == ("spike", "warn", False)
     assert (after.spikes_total, after.consecutive_spikes, after.skipped_total) == (1, 1, 0)
 
 
 def test_a_spike_with_spike_action_off_is_a_healthy_step() -> None:
-    decision, after = decide(
-        [RankReport(rank=0, spike=True)], Counters(consecutive_spikes=2), Policy(spike_action="off")
-    )
+    decision, after = decide([RankVote(rank=0, spike=True)], Counters(consecutive_spikes=2), Policy(spike_action="off"))
     assert (decision.outcome, decision.action, decision.discard) == ("healthy", None, False)
     assert (after.spikes_total, after.consecutive_spikes) == (0, 0)
 
 
 def test_a_spike_without_can_skip_warns() -> None:
-    decision, after = decide([RankReport(rank=0, spike=True)], Counters(), Policy(spike_action="skip", can_skip=False))
+    decision, after = decide([RankVote(rank=0, spike=True)], Counters(), Policy(spike_action="skip", can_skip=False))
     assert (decision.action, decision.discard, after.skipped_total) == ("warn", False, 0)
 
 
 def test_spikes_in_a_row_rebaseline_the_statistic() -> None:
     """After ``spike_rebaseline_after`` spikes in a row the new level is the norm: start the statistic over."""
     policy = Policy(spike_rebaseline_after=3)
-    steps = run(5, [RankReport(rank=0, spike=True)], policy)
+    steps = run(5, [RankVote(rank=0, spike=True)], policy)
     assert [d.rebaseline for d, _ in steps] == [False, False, True, False, False]
     assert [c.consecutive_spikes for _, c in steps] == [1, 2, 0, 1, 2]
     assert [c.spikes_total for _, c in steps] == [1, 2, 3, 4, 5]
@@ -331,17 +329,17 @@ def test_spikes_in_a_row_rebaseline_the_statistic() -> None:
 
 def test_a_healthy_step_between_spikes_restarts_the_run_of_spikes() -> None:
     policy = Policy(spike_rebaseline_after=2)
-    _, counters = decide([RankReport(rank=0, spike=True)], Counters(), policy)
+    _, counters = decide([RankVote(rank=0, spike=True)], Counters(), policy)
     _, counters = decide([], counters, policy)
-    decision, counters = decide([RankReport(rank=0, spike=True)], counters, policy)
+    decision, counters = decide([RankVote(rank=0, spike=True)], counters, policy)
     assert not decision.rebaseline and counters.consecutive_spikes == 1
 
 
 def test_spike_cause_and_quarantine_come_from_the_ranks_that_spiked() -> None:
     reports = [
-        RankReport(rank=0, spike=True, cause="interaction", quarantine=(8,)),
-        RankReport(rank=1, cause="state", quarantine=(99,)),  # did not spike: not counted
-        RankReport(rank=2, spike=True, cause="data", quarantine=(3, 8)),
+        RankVote(rank=0, spike=True, cause="interaction", quarantine=(8,)),
+        RankVote(rank=1, cause="state", quarantine=(99,)),  # did not spike: not counted
+        RankVote(rank=2, spike=True, cause="data", quarantine=(3, 8)),
     ]
     decision, _ = decide(reports, Counters(), Policy())
     assert (decision.outcome, decision.cause, decision.quarantine) == ("spike", "data", (3, 8))
@@ -363,13 +361,13 @@ def test_spike_cause_and_quarantine_come_from_the_ranks_that_spiked() -> None:
 def test_any_failed_rank_disables_every_guard_whatever_the_outcome(
     found: dict[str, bool], outcome: str, failed_rank: int
 ) -> None:
-    reports = [RankReport(rank=0, failed=failed_rank == 0, **found), RankReport(rank=1, failed=failed_rank == 1)]  # type: ignore[arg-type]
+    reports = [RankVote(rank=0, failed=failed_rank == 0, **found), RankVote(rank=1, failed=failed_rank == 1)]  # type: ignore[arg-type]
     decision, _ = decide(reports, Counters(), Policy())
     assert decision.outcome == outcome and decision.disable
 
 
 def test_no_failed_rank_disables_nothing() -> None:
-    decision, _ = decide([incident(0), RankReport(rank=1, spike=True)], Counters(), Policy())
+    decision, _ = decide([incident(0), RankVote(rank=1, spike=True)], Counters(), Policy())
     assert not decision.disable
 
 
@@ -393,7 +391,7 @@ def test_the_stronger_cause_wins_at_any_rank_among_four(stronger: str, weaker: s
     """One rank's stronger verdict among three ranks of the weaker one, and ranks that found nothing."""
     reports = [incident(rank, cause=weaker) for rank in range(4)]
     reports[position] = incident(position, cause=stronger)
-    reports.append(RankReport(rank=4))  # healthy rank
+    reports.append(RankVote(rank=4))  # healthy rank
     reports.append(incident(5, cause=None))  # NaN/Inf not investigated
     decision, _ = decide(reports, Counters(), Policy())
     assert decision.cause == stronger
@@ -415,10 +413,10 @@ def test_a_rank_whose_incident_was_not_investigated_does_not_hide_a_cause(cause:
 @pytest.mark.parametrize("cause", CAUSES)
 def test_a_cause_without_an_incident_does_not_count(cause: str) -> None:
     """A rank that only spiked (``incident=False``) may carry a verdict: it is not the incident's."""
-    reports = [RankReport(rank=0, spike=True, cause="state"), incident(1, cause=cause)]
+    reports = [RankVote(rank=0, spike=True, cause="state"), incident(1, cause=cause)]
     for ordered in (reports, reports[::-1]):
         assert decide(ordered, Counters(), Policy())[0].cause == cause
-    only_other = [RankReport(rank=0, cause="state"), incident(1)]
+    only_other = [RankVote(rank=0, cause="state"), incident(1)]
     assert decide(only_other, Counters(), Policy())[0].cause is None
 
 
@@ -435,7 +433,7 @@ def test_a_cause_without_an_incident_does_not_count(cause: str) -> None:
     ids=["data+input", "data+state", "interaction+data", "none+input", "state+interaction", "duplicates"],
 )
 def test_quarantine_is_the_sorted_union_over_data_and_input_ranks(
-    reports: list[RankReport], quarantine: tuple[int, ...]
+    reports: list[RankVote], quarantine: tuple[int, ...]
 ) -> None:
     for ordered in (reports, reports[::-1]):
         assert decide(ordered, Counters(), Policy())[0].quarantine == quarantine
@@ -454,7 +452,7 @@ def test_no_culprit_module_from_any_rank_is_none() -> None:
 
 @pytest.mark.parametrize("incident_rank", [0, 1])
 def test_an_incident_on_one_rank_and_an_overflow_on_another_is_an_incident(incident_rank: int) -> None:
-    reports = [RankReport(rank=0, overflow=True), RankReport(rank=1, overflow=True)]
+    reports = [RankVote(rank=0, overflow=True), RankVote(rank=1, overflow=True)]
     reports[incident_rank] = incident(incident_rank, cause="data", quarantine=(3,))
     decision, after = decide(reports, Counters(consecutive_overflows=4), Policy(), next_loss_scale=0.0)
     assert (decision.outcome, decision.action, decision.cause, decision.quarantine) == (
@@ -468,7 +466,7 @@ def test_an_incident_on_one_rank_and_an_overflow_on_another_is_an_incident(incid
 
 @pytest.mark.parametrize("incident_rank", [0, 1])
 def test_a_spike_on_one_rank_and_an_incident_on_another_is_an_incident(incident_rank: int) -> None:
-    reports = [RankReport(rank=0, spike=True, cause="data"), RankReport(rank=1, spike=True, cause="data")]
+    reports = [RankVote(rank=0, spike=True, cause="data"), RankVote(rank=1, spike=True, cause="data")]
     reports[incident_rank] = incident(incident_rank, cause="interaction")
     decision, after = decide(reports, Counters(consecutive_spikes=2, spikes_total=2), Policy(spike_action="skip"))
     assert (decision.outcome, decision.cause, decision.rebaseline) == ("incident", "interaction", False)
@@ -476,7 +474,7 @@ def test_a_spike_on_one_rank_and_an_incident_on_another_is_an_incident(incident_
 
 
 def test_a_spike_on_one_rank_and_an_overflow_on_another_is_an_overflow() -> None:
-    reports = [RankReport(rank=0, spike=True), RankReport(rank=1, overflow=True)]
+    reports = [RankVote(rank=0, spike=True), RankVote(rank=1, overflow=True)]
     decision, after = decide(reports, Counters(), Policy())
     assert decision.outcome == "overflow" and after.spikes_total == 0
 
@@ -485,7 +483,7 @@ def test_every_rank_gets_the_same_decision_from_the_same_reports() -> None:
     """Each rank decides alone from the gathered reports: the list is the same on every rank, so is the result."""
     reports = [
         incident(1, cause="data", quarantine=(4,), culprit_module="b"),
-        RankReport(rank=0, overflow=True),
+        RankVote(rank=0, overflow=True),
         incident(2, cause="state", culprit_module="c"),
     ]
     counters = Counters(consecutive_bad_steps=1, bad_steps_total=5)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_nanguard.core.events import NanEvent
-from lightning_nanguard.decide.sharded import Finding, Outcome, plan_search, recorders
+from lightning_nanguard.decide.sharded import Finding, SearchResult, plan_search, recorders
 
 
 def _event(rank: int, phase: str | None = None) -> NanEvent:
@@ -24,10 +24,10 @@ def test_gradients_only_every_batch_is_searched_and_spikes_with_their_threshold(
 
 def test_the_batch_that_holds_it_records_once_with_the_origin_any_peer_found() -> None:
     outcomes = [
-        Outcome(0, (0, 1), True, False, _event(0)),  # its shards got the NaN, its data is fine
-        Outcome(1, (0, 1), True, False, _event(1)),
-        Outcome(2, (2, 3), True, True, _event(2)),
-        Outcome(3, (2, 3), True, True, _event(3, phase="backward")),  # the origin was in this rank's shard
+        SearchResult(0, (0, 1), True, False, _event(0)),  # its shards got the NaN, its data is fine
+        SearchResult(1, (0, 1), True, False, _event(1)),
+        SearchResult(2, (2, 3), True, True, _event(2)),
+        SearchResult(3, (2, 3), True, True, _event(3, phase="backward")),  # the origin was in this rank's shard
     ]
     chosen = recorders(outcomes)
     assert list(chosen) == [2]
@@ -35,7 +35,7 @@ def test_the_batch_that_holds_it_records_once_with_the_origin_any_peer_found() -
 
 
 def test_when_no_batch_holds_it_each_batch_keeps_its_own_event() -> None:
-    outcomes = [Outcome(0, (0,), True, False, _event(0)), Outcome(1, (1,), False, False, None)]
+    outcomes = [SearchResult(0, (0,), True, False, _event(0)), SearchResult(1, (1,), False, False, None)]
     assert list(recorders(outcomes)) == [0]
-    made_for_the_search = Outcome(1, (1,), True, False, _event(1), own=False)  # its shards were finite
+    made_for_the_search = SearchResult(1, (1,), True, False, _event(1), own=False)  # its shards were finite
     assert list(recorders([outcomes[0], made_for_the_search])) == [0]

@@ -4,7 +4,7 @@
 this rank's own NaN/Inf element by element (a finite tensor can overflow a norm), tells an AMP
 overflow (the GradScaler's business) from an incident, diagnoses its own incident (bisection,
 localisation, repro bundle) from the BatchNorm state before the step, and returns a
-:class:`~lightning_nanguard.decide.policy.RankReport` for the shared decision plus its own event.
+:class:`~lightning_nanguard.decide.policy.RankVote` for the shared decision plus its own event.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_nanguard.core.events import EventKind, NanEvent
-from lightning_nanguard.decide.policy import RankReport, StepHealth
+from lightning_nanguard.decide.policy import RankVote, StepHealth
 from lightning_nanguard.detect.batchnorm import batchnorm_buffers
 from lightning_nanguard.detect.check import grouped_norms
 from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_names
@@ -191,7 +191,7 @@ class IncidentInspector:
         pl_module: LightningModule,
         health: StepHealth,
         grads: list[Tensor],
-    ) -> tuple[RankReport, NanEvent | None]:
+    ) -> tuple[RankVote, NanEvent | None]:
         """This rank's report and its own event (``None`` when the NaN/Inf is not its own)."""
         rank = trainer.global_rank
         grad_norm = health.grad_norm
@@ -221,7 +221,7 @@ class IncidentInspector:
             event, reproduced = self._diagnose(trainer, pl_module, event, loss_threshold=threshold, scaled=scaled)
             if scaled and not reproduced:  # NaN-only gradients the unscaled re-run does not give
                 event, overflow = None, True
-        report = RankReport(
+        report = RankVote(
             rank,
             incident=event is not None and not spiked,
             overflow=overflow,

@@ -15,7 +15,7 @@ under ``ModelParallelStrategy``. It runs on every rank when some rank's check fl
    :class:`~lightning_nanguard.diagnose.lockstep.LockstepRunner`; the others, and those done early,
    run dummy passes of a healthy reference sub-batch until all are done. A diagnosis that cannot
    finish on one rank ends on all, with the reason in the event.
-3. **Who reports** is decided from every rank's outcome (:class:`Outcome`, a second
+3. **Who reports** is decided from every rank's search result (:class:`SearchResult`, a second
    ``all_gather_object``): the lowest rank of each batch that reproduced the incident records the
    event (with the gradient names every rank found); ranks whose own shards only received another
    batch's NaN/Inf record nothing. When no batch reproduces it, ranks keep their own events as
@@ -39,8 +39,8 @@ from torch import Tensor
 from lightning_nanguard.core.dtensor import gathered_state
 from lightning_nanguard.core.events import SPIKE_KINDS, EventKind, NanEvent
 from lightning_nanguard.decide.agreement import RankAgreement
-from lightning_nanguard.decide.policy import RankReport, StepHealth
-from lightning_nanguard.decide.sharded import Finding, Outcome, plan_search, recorders
+from lightning_nanguard.decide.policy import RankVote, StepHealth
+from lightning_nanguard.decide.sharded import Finding, SearchResult, plan_search, recorders
 from lightning_nanguard.detect.confirm import nonfinite_names
 from lightning_nanguard.diagnose.batching import slice_batch
 from lightning_nanguard.diagnose.diagnosis import Diagnosis, diagnose
@@ -83,7 +83,7 @@ class ShardedIncidentInspector(IncidentInspector):
         pl_module: LightningModule,
         health: StepHealth,
         grads: list[Tensor],
-    ) -> tuple[RankReport, NanEvent | None]:
+    ) -> tuple[RankVote, NanEvent | None]:
         """This rank's report and the event it records (``None``: another rank records it, or none)."""
         rank = trainer.global_rank
         # a failing rank skips this inspector altogether: with a failure anywhere, no collective here
@@ -146,8 +146,8 @@ class ShardedIncidentInspector(IncidentInspector):
             nonfinite_weights=weights,
         )
 
-    def _report(self, rank: int, event: NanEvent | None, spiked: bool, failed: bool) -> RankReport:
-        return RankReport(
+    def _report(self, rank: int, event: NanEvent | None, spiked: bool, failed: bool) -> RankVote:
+        return RankVote(
             rank,
             incident=event is not None and not spiked,
             spike=spiked and event is not None,
@@ -177,7 +177,7 @@ class ShardedIncidentInspector(IncidentInspector):
         threshold = plan.get(self.layout.peers)
         weights = sorted({name for f in findings for name in f.nonfinite_weights})
         lockstep = Lockstep(self.layout.peers, self._dummy(trainer, pl_module), device=self.layout.device)
-        outcome = Outcome(trainer.global_rank, self.layout.peers, searched=searching, event=event)
+        outcome = SearchResult(trainer.global_rank, self.layout.peers, searched=searching, event=event)
         with self.window.before_step_batchnorm(keep_after=True):
             chosen: MicroBatch | None = None
             diagnosis: Diagnosis | None = None
@@ -319,10 +319,10 @@ class ShardedIncidentInspector(IncidentInspector):
         diagnosis: Diagnosis | None,
         chosen: MicroBatch | None,
         threshold: float | None,
-    ) -> Outcome:
+    ) -> SearchResult:
         rank, peers = trainer.global_rank, self.layout.peers
         if diagnosis is None or chosen is None:
-            return Outcome(rank, peers, True, holds=False, event=base)
+            return SearchResult(rank, peers, True, holds=False, event=base)
         pl_module = trainer.lightning_module
         slicer = self.settings.slicer_for(pl_module)
         event = fill_event(base, diagnosis, chosen, self.settings.row_namer(trainer, pl_module, slicer))
@@ -338,10 +338,10 @@ class ShardedIncidentInspector(IncidentInspector):
         )
         if threshold is not None and diagnosis.offending is None and diagnosis.cause is None:
             holds = False
-        return Outcome(rank, peers, True, holds=holds, event=event)
+        return SearchResult(rank, peers, True, holds=holds, event=event)
 
     def _merged(
-        self, event: NanEvent, findings: Sequence[Finding], outcomes: Sequence[Outcome], lockstep: Lockstep
+        self, event: NanEvent, findings: Sequence[Finding], outcomes: Sequence[SearchResult], lockstep: Lockstep
     ) -> NanEvent:
         """The recorded event: the gradient names every rank found, the diagnosis's cost and any rank's failure."""
         details = dict(event.details)
