@@ -23,15 +23,15 @@ from lightning_nanguard.decide.agreement import RankAgreement
 from lightning_nanguard.decide.policy import Counters, decide_weights
 from lightning_nanguard.detect.batchnorm import batchnorm_buffers
 from lightning_nanguard.detect.confirm import all_finite, nonfinite_names
+from lightning_nanguard.engine.frontend import training_parts
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.state import GuardState
 from lightning_nanguard.engine.step.window import StepWindow
 from lightning_nanguard.recover.recovery import Recovery
 from lightning_nanguard.reporting.scalars import scalar_values
-from lightning_nanguard.trainer.parts import training_parts
 
 if TYPE_CHECKING:
-    from lightning.pytorch import LightningModule, Trainer
+    from lightning_nanguard.engine.frontend import FrontEnd
 
 __all__ = ["AfterStep", "ParamCheckSettings"]
 
@@ -66,16 +66,16 @@ class AfterStep:
         self.agreement = RankAgreement(None, 1)
         self.named_params: Sequence[tuple[str, nn.Parameter]] = ()
 
-    def run(self, trainer: Trainer, pl_module: LightningModule, collective: bool) -> None:
+    def run(self, front: FrontEnd, collective: bool) -> None:
         """Roll back when due; check the weights and refresh the snapshot every few steps (every rank)."""
         state, settings = self.state, self.settings
         if settings is None:
             return
         if state.pending_rollback and not state.failing:
             state.pending_rollback = False
-            self.rollback(trainer, pl_module, reason="consecutive bad steps")
+            self.rollback(front, reason="consecutive bad steps")
             return
-        step = trainer.global_step + 1  # global_step increments after this call
+        step = front.global_step + 1  # global_step increments after this call
         every = settings.check_params_every_n_steps
         check_params = bool(every) and step % every == 0
         snapshot_due = (
@@ -83,43 +83,43 @@ class AfterStep:
         )
         if not (check_params or snapshot_due):
             return
-        finite_here = True if state.failing else all_finite(list(pl_module.state_dict().values()))
+        finite_here = True if state.failing else all_finite(list(front.module.state_dict().values()))
         nonfinite_anywhere = self.agreement.any(not finite_here) if collective else not finite_here
         if state.failing:
             return
         if not nonfinite_anywhere:
             if snapshot_due:
-                self.capture(trainer, pl_module)
+                self.capture(front)
             return
-        self._nonfinite_weights(trainer, pl_module, finite_here, settings.action)
+        self._nonfinite_weights(front, finite_here, settings.action)
 
-    def _nonfinite_weights(self, trainer: Trainer, pl_module: LightningModule, finite_here: bool, action: str) -> None:
+    def _nonfinite_weights(self, front: FrontEnd, finite_here: bool, action: str) -> None:
         before = self.state.counters
         action, self.state.counters = decide_weights(before, action, self.recovery.snapshot.available)
-        event = None if finite_here else self._event(trainer, pl_module)
+        event = None if finite_here else self._event(front)
         if action == "rollback":
-            description = self.rollback(trainer, pl_module, reason="non-finite weights")
-            remedies = self.recovery.apply(training_parts(trainer, pl_module), cause="state", rolled_back=True)
+            description = self.rollback(front, reason="non-finite weights")
+            remedies = self.recovery.apply(training_parts(front), cause="state", rolled_back=True)
             if event is not None:
                 event = event.replace(action="rolled_back", remedies=(description, *remedies))
         elif action == "raise" and event is not None:
             event = event.replace(action="raised")
         if event is not None:
-            self.recorder.record(trainer, event)
-        self.recorder.scalars(trainer, self.values(self.state.counters), previous=self.values(before))
+            self.recorder.record(front, event)
+        self.recorder.scalars(front, self.values(self.state.counters), previous=self.values(before))
         if action == "raise":
             shown = event.nonfinite_params[:3] if event is not None else "on another rank"
             raise NonFiniteTrainingError(
-                f"NanGuard: NaN/Inf reached the weights ({shown}) at step {trainer.global_step}; skipping steps "
+                f"NanGuard: NaN/Inf reached the weights ({shown}) at step {front.global_step}; skipping steps "
                 "cannot undo that. Use action='rollback' (keeps a last good snapshot) or restart from the last "
                 "checkpoint with a lower learning rate.",
                 [event] if event is not None else [],
             )
 
-    def _event(self, trainer: Trainer, pl_module: LightningModule) -> NanEvent:
-        names = tuple(nonfinite_names(self.named_params) + nonfinite_names(batchnorm_buffers(pl_module)))
+    def _event(self, front: FrontEnd) -> NanEvent:
+        names = tuple(nonfinite_names(self.named_params) + nonfinite_names(batchnorm_buffers(front.module)))
         return NanEvent.at_step(
-            trainer,
+            front,
             self.window.batch_idx,
             ("param",),
             nonfinite_params=names,
@@ -127,22 +127,22 @@ class AfterStep:
             details={"hint": "NaN/Inf reached the weights through an update with finite gradients (overflow)"},
         )
 
-    def rollback(self, trainer: Trainer, pl_module: LightningModule, reason: str) -> str:
+    def rollback(self, front: FrontEnd, reason: str) -> str:
         """Restore the last good snapshot (every rank at the same step); raise when there is none."""
-        description = self.recovery.rollback(training_parts(trainer, pl_module))
+        description = self.recovery.rollback(training_parts(front))
         if description is None:
             raise NonFiniteTrainingError(
                 f"NanGuard: a rollback is due ({reason}) but no last good snapshot exists yet.", self.recorder.events
             )
         self.state.counters = self.state.counters.replace(consecutive_bad_steps=0)
-        log.warning("[rank %d] NanGuard: %s (%s)", trainer.global_rank, description, reason)
-        self.recorder.scalars(trainer, self.values(self.state.counters), force=True)
+        log.warning("[rank %d] NanGuard: %s (%s)", front.global_rank, description, reason)
+        self.recorder.scalars(front, self.values(self.state.counters), force=True)
         return description
 
-    def capture(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def capture(self, front: FrontEnd) -> None:
         """Take a last good snapshot (the weights were checked finite on every rank)."""
         first = not self.recovery.snapshot.available
-        self.recovery.capture(training_parts(trainer, pl_module))
+        self.recovery.capture(training_parts(front))
         if first:
             snapshot = self.recovery.snapshot
             log.info(
@@ -151,17 +151,17 @@ class AfterStep:
                 snapshot.seconds * 1e3,
             )
 
-    def initial_snapshot(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def initial_snapshot(self, front: FrontEnd) -> None:
         """The first last-good snapshot, at the start of training, when the weights are finite on every rank.
 
         Every rank calls it: with sharded weights one rank's shards can be non-finite alone, and every
         rank must have a snapshot, or none.
         """
-        finite = all_finite(list(pl_module.state_dict().values()))
+        finite = all_finite(list(front.module.state_dict().values()))
         if self.agreement.distributed:
             finite = not self.agreement.any(not finite)
         if finite:
-            self.capture(trainer, pl_module)
+            self.capture(front)
 
     def values(self, counters: Counters) -> dict[str, float | None]:
         """The ``nanguard/`` scalar values for ``counters``."""

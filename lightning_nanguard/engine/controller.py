@@ -1,4 +1,4 @@
-"""One optimizer step under the guard: check, agree, decide, act. The Trainer-facing half of the policy.
+"""One optimizer step under the guard: check, agree, decide, act. The policy carried out, for any front-end.
 
 :class:`StepController` is what ``NanGuard``'s hooks call. Per optimizer step, on every rank:
 
@@ -38,24 +38,25 @@ from lightning_nanguard.decide.policy import (
 )
 from lightning_nanguard.engine.after_step import AfterStep
 from lightning_nanguard.engine.failure import fail
-from lightning_nanguard.engine.incident.inspector import check_module, loss_scale_event, quarantine_refusal
+from lightning_nanguard.engine.frontend import StepView, training_parts
+from lightning_nanguard.engine.incident.inspector import loss_scale_event, quarantine_refusal
 from lightning_nanguard.engine.incident.sharded import inspector_for
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.settings import GuardSettings
 from lightning_nanguard.engine.sharding import ShardingLayout, announce_sharding, sharding_notice
 from lightning_nanguard.engine.state import GuardState
-from lightning_nanguard.engine.step.check import step_flags
+from lightning_nanguard.engine.step.check import check_module, next_loss_scale, step_flags
 from lightning_nanguard.engine.step.spikes import SpikeWatch
-from lightning_nanguard.engine.step.syncfree import DeferredStep, StepView, SyncFreeSteps
+from lightning_nanguard.engine.step.syncfree import DeferredStep, SyncFreeSteps
 from lightning_nanguard.engine.step.window import StepWindow
 from lightning_nanguard.recover.recovery import Recovery
 from lightning_nanguard.recover.remedies import clip_gradients_
 from lightning_nanguard.reporting.scalars import scalar_tags
-from lightning_nanguard.trainer.parts import grad_scaler, next_loss_scale, training_parts
 
 if TYPE_CHECKING:
-    from lightning.pytorch import LightningModule, Trainer
     from torch.optim import Optimizer
+
+    from lightning_nanguard.engine.frontend import FrontEnd
 
 __all__ = ["StepController"]
 
@@ -113,26 +114,26 @@ class StepController:
             self.spikes = SpikeWatch(settings.spikes, watch_grad_norm=self.with_norm)
             self.spikes.load_state_dict(state)
 
-    def attach(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Bind to the Trainer's strategy and the model's parameters (``on_train_start``)."""
-        self.agreement = RankAgreement(trainer.strategy, trainer.world_size)
-        self.named_params = list(pl_module.named_parameters())
+    def attach(self, front: FrontEnd) -> None:
+        """Bind to the front-end's strategy and the model's parameters (once the model sits on its device)."""
+        self.agreement = RankAgreement(front.strategy, front.world_size)
+        self.named_params = list(front.module.named_parameters())
         self.params = [p for _, p in self.named_params]
         self._step_params = {}
-        self.window.attach(pl_module, self.track_batchnorm)
+        self.window.attach(front.module, self.track_batchnorm)
         unsupported = self.window.metrics.describe_unsupported() if self.window.metrics is not None else None
         if unsupported is not None:
             self.recorder.notices.warn("metrics", f"NanGuard: {unsupported}.")
         self.after_step.agreement, self.after_step.named_params = self.agreement, self.named_params
-        self.sharding = ShardingLayout.detect(trainer, self.params)
-        announce_sharding(self.sharding, trainer.is_global_zero)
+        self.sharding = ShardingLayout.detect(front, self.params)
+        announce_sharding(self.sharding, front.is_global_zero)
         if self.sync_free:
             self.sync.attach([t for _, t in self.window.batchnorm_buffers])
-            for optimizer in trainer.optimizers:
-                reason = self.sync.unsupported(optimizer, grad_scaler(trainer))
+            for optimizer in front.optimizers:
+                reason = self.sync.unsupported(optimizer, front.grad_scaler)
                 if reason is not None:
                     self.recorder.notices.warn("sync_free", f"NanGuard(sync_free=True): {reason}")
-        self.recorder.rank = trainer.global_rank
+        self.recorder.rank = front.global_rank
 
     # ------------------------------------------------------------------ tensors other code replaces
 
@@ -141,15 +142,15 @@ class StepController:
         if self.window.follow() and self.sync_free:
             self.sync.attach([t for _, t in self.window.batchnorm_buffers])
 
-    def rediscover(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def rediscover(self, front: FrontEnd) -> None:
         """Find parameters, BatchNorm buffers and metrics again (an epoch starts: modules may have changed)."""
-        self._name_params(pl_module)
+        self._name_params(front.module)
         self._step_params = {}  # named again at the next check, with the tensors the optimizers update
-        self.window.rediscover(pl_module)
+        self.window.rediscover(front.module)
         if self.sync_free:
             self.sync.attach([t for _, t in self.window.batchnorm_buffers])
         model = {id(p) for _, p in self.named_params}
-        stray = sum(id(p) not in model for optimizer in trainer.optimizers for p in _optimizer_params(optimizer))
+        stray = sum(id(p) not in model for optimizer in front.optimizers for p in _optimizer_params(optimizer))
         if stray:
             self.recorder.notices.warn(
                 "stray-params",
@@ -159,15 +160,15 @@ class StepController:
                 "them.",
             )
 
-    def _name_params(self, pl_module: LightningModule, extra: Sequence[Tensor] = ()) -> None:
+    def _name_params(self, module: nn.Module, extra: Sequence[Tensor] = ()) -> None:
         """The model's named parameters, and a name for each tensor an optimizer updates that the model lacks."""
-        model = list(pl_module.named_parameters())
+        model = list(module.named_parameters())
         known = {id(p) for _, p in model}
         lacking = [(f"<optimizer tensor {i} not in the model>", p) for i, p in enumerate(extra) if id(p) not in known]
         self.named_params = [*model, *lacking]  # type: ignore[list-item]
         self.after_step.named_params = model
 
-    def step_params(self, pl_module: LightningModule, optimizer: Optimizer) -> list[Tensor]:
+    def step_params(self, module: nn.Module, optimizer: Optimizer) -> list[Tensor]:
         """The tensors ``optimizer`` updates, the ones its step is checked on.
 
         Cached per optimizer and found again when its parameter groups change (a group added by
@@ -180,62 +181,61 @@ class StepController:
         params = _optimizer_params(optimizer)
         named = {id(p) for _, p in self.named_params}
         if cached is not None or any(id(p) not in named for p in params):
-            self._name_params(pl_module, params)  # new or replaced tensors: name them
+            self._name_params(module, params)  # new or replaced tensors: name them
         self._step_params[id(optimizer)] = (signature, params)
         return params
 
-    def scalar_tags(self, trainer: Trainer) -> list[str]:
+    def scalar_tags(self, front: FrontEnd) -> list[str]:
         """The ``nanguard/`` scalar tags this run can log."""
         remedies = self.recovery.book.enabled
         spikes = self.policy.spike_action != "off"
-        return scalar_tags(self.policy.action, remedies, grad_scaler(trainer) is not None, spikes=spikes)
+        return scalar_tags(self.policy.action, remedies, front.grad_scaler is not None, spikes=spikes)
 
-    def begin_step(self, trainer: Trainer, pl_module: LightningModule, every_n_steps: int) -> None:
+    def begin_step(self, front: FrontEnd, every_n_steps: int) -> None:
         """The first micro-batch of an optimizer step: resolve a sync-free step still pending, open the window."""
-        self.resolve_pending(trainer, pl_module)
-        self.window.resume_clipping(trainer)  # in case no after-step hook ran since a discarded step
-        checking = self.checking(trainer, every_n_steps)
+        self.resolve_pending(front)
+        front.resume_clipping()  # in case no after-step hook ran since a discarded step
+        checking = self.checking(front, every_n_steps)
         self.follow()  # before the BatchNorm buffers are captured
-        self.window.begin(checking=checking, trainer=trainer)
+        self.window.begin(checking=checking, front=front)
         if self.window.metrics_changed and self.window.metrics is not None:
             self.window.metrics_changed = False
             self.recorder.notices.warn("metrics", f"NanGuard: {self.window.metrics.describe_unsupported()}.")
-        if self.window.logged.unsupported is not None:
+        if self.window.logged_unsupported is not None:
             self.recorder.notices.warn(
                 "logged",
-                f"NanGuard: {self.window.logged.unsupported} on this Lightning version: a skipped step's "
+                f"NanGuard: {self.window.logged_unsupported} on this Lightning version: a skipped step's "
                 "self.log values stay in the epoch aggregates (checked on Lightning 2.6).",
             )
         if checking and self.sync_free:
             self.sync.capture()
 
-    def checking(self, trainer: Trainer, every_n_steps: int) -> bool:
+    def checking(self, front: FrontEnd, every_n_steps: int) -> bool:
         """Whether the optimizer step about to run is checked (the same answer on every rank)."""
-        return trainer.global_step % every_n_steps == 0
+        return front.global_step % every_n_steps == 0
 
     # ------------------------------------------------------------------ the check
 
-    def check_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
+    def check_step(self, front: FrontEnd, optimizer: Optimizer) -> None:
         """Check the step, agree with the other ranks, and carry out the decision."""
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-        if isinstance(inner, torch.optim.LBFGS) and self.state.reported_step == trainer.global_step:
+        if isinstance(inner, torch.optim.LBFGS) and self.state.reported_step == front.global_step:
             return  # LBFGS evaluates its closure (and this hook) many times per step: one event per step
         # manual optimisation steps optimizers one by one: the gradients this step applies are its own
         self.follow()  # BatchNorm buffers replaced during the step are checked as they are
-        params = self.step_params(pl_module, inner)  # the tensors this step really updates
+        params = self.step_params(front.module, inner)  # the tensors this step really updates
         grads = [g for p in params if (g := p.grad) is not None]
-        vector = self._agreed_vector(trainer, pl_module, grads, optimizer)
-        sync_free = self.sync_free and pl_module.automatic_optimization and not self.state.failing
-        if sync_free and self._defer(trainer, optimizer, grads, vector):
+        vector = self._agreed_vector(front, grads, optimizer)
+        sync_free = self.sync_free and front.automatic_optimization and not self.state.failing
+        if sync_free and self._defer(front, optimizer, grads, vector):
             return  # skipped on the device if bad; resolved before the next step's forward
-        self._resolve(trainer, pl_module, optimizer, grads, vector.tolist())  # the one host read of a step
-        if not pl_module.automatic_optimization:  # the next optimizer's check: only the losses backpropagated after
+        self._resolve(front, optimizer, grads, vector.tolist())  # the one host read of a step
+        if not front.automatic_optimization:  # the next optimizer's check: only the losses backpropagated after
             self.window.losses = []
 
     def _resolve(
         self,
-        trainer: Trainer,
-        pl_module: LightningModule,
+        front: FrontEnd,
         optimizer: Optimizer,
         grads: list[Tensor],
         values: list[float],
@@ -245,60 +245,51 @@ class StepController:
         if health.grad_norm >= 0 or math.isnan(health.grad_norm):
             self.state.last_grad_norm = health.grad_norm
         if health.healthy:
-            self._healthy(trainer, pl_module, grads, health)
+            self._healthy(front, grads, health)
             return
-        report, event = self._inspect(trainer, pl_module, optimizer, health, grads)
-        reports = self.agreement.gather(report) if self._collective(pl_module) else [report]
-        policy = self._policy(pl_module, optimizer)
+        report, event = self._inspect(front, optimizer, health, grads)
+        reports = self.agreement.gather(report) if self._collective(front) else [report]
+        policy = self._policy(front, optimizer)
         decision, after = decide(
-            reports, self.state.counters, policy, next_loss_scale(trainer, updated=self._resolving is not None)
+            reports,
+            self.state.counters,
+            policy,
+            next_loss_scale(front.grad_scaler, updated=self._resolving is not None),
         )
-        self._carry_out(trainer, pl_module, optimizer, decision, after, event, grads, health)
+        self._carry_out(front, optimizer, decision, after, event, grads, health)
 
-    def _collective(self, pl_module: LightningModule) -> bool:
+    def _collective(self, front: FrontEnd) -> bool:
         # manual optimisation may call optimizer.step() a different number of times per rank: no collectives
-        return self.agreement.distributed and pl_module.automatic_optimization
+        return self.agreement.distributed and front.automatic_optimization
 
-    def _agreed_vector(
-        self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor], optimizer: Optimizer
-    ) -> Tensor:
+    def _agreed_vector(self, front: FrontEnd, grads: list[Tensor], optimizer: Optimizer) -> Tensor:
         """The step's flags with their sums over ranks, on the device. A rank whose check fails still takes part."""
         vector: Tensor | None = None
         if not self.state.failing:
             try:
-                vector = step_flags(
-                    trainer,
-                    pl_module,
-                    optimizer,
-                    grads,
-                    self.window,
-                    self.spikes,
-                    self.with_norm,
-                    self.recorder,
-                    self.sharding,
-                )
+                vector = step_flags(front, optimizer, grads, self.window, self.spikes, self.with_norm, self.sharding)
             except Exception as error:  # a bug in the guard: this rank says so in the reduce instead of hanging it
                 self.fail(error, "the per-step check")
         if vector is None:
-            vector = local_vector(torch.tensor([0.0, -1.0, 0.0], device=pl_module.device), failed=True)
+            vector = local_vector(torch.tensor([0.0, -1.0, 0.0], device=self.window.device), failed=True)
         if self.sharding is not None:  # the norm's shares travel with the flags: still one reduce
-            return self.sharding.agree(vector, self.agreement, self._collective(pl_module))
-        if self._collective(pl_module):
+            return self.sharding.agree(vector, self.agreement, self._collective(front))
+        if self._collective(front):
             vector = torch.cat((vector, self.agreement.sum(shared_part(vector))))
         return vector
 
     # ------------------------------------------------------------------ sync-free steps
 
-    def _defer(self, trainer: Trainer, optimizer: Optimizer, grads: list[Tensor], vector: Tensor) -> bool:
+    def _defer(self, front: FrontEnd, optimizer: Optimizer, grads: list[Tensor], vector: Tensor) -> bool:
         """Skip on the device if the flags say so and read them later; ``False``: decide now instead."""
         clip = self.recovery.book.clip_threshold if self.with_norm else None
-        due = self.recorder.logging_due(trainer)
-        deferred = self.sync.defer_step(trainer, optimizer, grads, vector, self.policy, self.window, clip, due)
+        due = front.logging_due()
+        deferred = self.sync.defer_step(front, optimizer, grads, vector, self.policy, self.window, clip, due)
         if deferred:
             self.window.forget_batches()
         return deferred
 
-    def resolve_pending(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def resolve_pending(self, front: FrontEnd) -> None:
         """Read and act on the flags of a step checked sync-free (before the next forward, or at the end)."""
         taken = self.sync.take()
         if taken is None:
@@ -313,14 +304,14 @@ class StepController:
         )
         self._resolving = step
         try:
-            view: Any = StepView(trainer, step.global_step, step.epoch)
-            self._resolve(view, pl_module, step.optimizer, step.grads, values)
+            view: Any = StepView(front, step.global_step, step.epoch)
+            self._resolve(view, step.optimizer, step.grads, values)
         finally:
             self._resolving = None
             self.window.forget_batches()
             self.window.losses = []
 
-    def _healthy(self, trainer: Trainer, pl_module: LightningModule, grads: list[Tensor], health: StepHealth) -> None:
+    def _healthy(self, front: FrontEnd, grads: list[Tensor], health: StepHealth) -> None:
         self.state.counters = self.state.counters.healthy()
         self.state.step_was_bad = False
         deferred = self._resolving
@@ -332,34 +323,33 @@ class StepController:
             threshold = self.recovery.book.clip_threshold
             if threshold is not None and deferred is None:  # sync-free: clipped on the device already
                 clip_gradients_(grads, grad_norm, threshold)
-        self.window.refresh_reference(trainer.global_step, REFERENCE_EVERY_N_STEPS, self.diagnosis.batch_slicer)
+        self.window.refresh_reference(front.global_step, REFERENCE_EVERY_N_STEPS, self.diagnosis.batch_slicer)
         self.window.forget_batches()
         due = deferred.logging_due if deferred is not None else None
-        self.recorder.scalars(trainer, self.metrics(self.state.counters), due=due)
+        self.recorder.scalars(front, self.metrics(self.state.counters), due=due)
 
     # ------------------------------------------------------------------ a step that is bad somewhere
 
-    def _policy(self, pl_module: LightningModule, optimizer: Optimizer) -> Policy:
+    def _policy(self, front: FrontEnd, optimizer: Optimizer) -> Policy:
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-        can_skip = pl_module.automatic_optimization and not isinstance(inner, torch.optim.LBFGS)
+        can_skip = front.automatic_optimization and not isinstance(inner, torch.optim.LBFGS)
         return self.policy if can_skip == self.policy.can_skip else dataclasses.replace(self.policy, can_skip=can_skip)
 
     def _inspect(
         self,
-        trainer: Trainer,
-        pl_module: LightningModule,
+        front: FrontEnd,
         optimizer: Optimizer,
         health: StepHealth,
         grads: list[Tensor],
     ) -> tuple[RankVote, NanEvent | None]:
         """What this rank found; never raises (a failure becomes a ``failed`` report)."""
-        rank = trainer.global_rank
+        rank = front.global_rank
         if self.state.failing:
             return RankVote(rank, failed=True), None
         try:
             parts = (self.diagnosis, self.window, self.named_params, self.recorder, self.spikes)
             inspector = inspector_for(*parts, sharding=self.sharding, agreement=self.agreement)
-            return inspector.inspect(trainer, pl_module, health, grads)
+            return inspector.inspect(front, health, grads)
         except NonFiniteTrainingError:
             raise
         except Exception as error:
@@ -368,8 +358,7 @@ class StepController:
 
     def _carry_out(
         self,
-        trainer: Trainer,
-        pl_module: LightningModule,
+        front: FrontEnd,
         optimizer: Optimizer,
         decision: StepDecision,
         counters: Counters,
@@ -381,37 +370,37 @@ class StepController:
         if decision.disable:
             self.disable_everywhere()
         if decision.outcome == "healthy":  # a finite tensor whose norm overflowed: not an incident
-            self._healthy(trainer, pl_module, grads, health)
+            self._healthy(front, grads, health)
             return
         if self.spikes is not None:
             self.spikes.accept(False)
             if decision.rebaseline:
                 self.spikes.rebaseline()
                 self.recorder.notices.warn(
-                    f"rebaseline-{trainer.global_step}",
+                    f"rebaseline-{front.global_step}",
                     f"NanGuard: {self.policy.spike_rebaseline_after} loss spikes in a row at step "
-                    f"{trainer.global_step}: the loss level shifted for good (a curriculum change?); the spike "
+                    f"{front.global_step}: the loss level shifted for good (a curriculum change?); the spike "
                     "statistic starts over from the coming steps.",
                 )
         if decision.outcome == "overflow":  # the GradScaler skips this step by itself
-            self.recorder.scalars(trainer, self.metrics(self.state.counters), previous=self.metrics(before))
+            self.recorder.scalars(front, self.metrics(self.state.counters), previous=self.metrics(before))
             return
         self.state.step_was_bad = True
-        self.state.reported_step = trainer.global_step
+        self.state.reported_step = front.global_step
         if decision.discard:
-            self.window.discard_update(optimizer, trainer)
+            self.window.discard_update(optimizer, front)
         self.window.forget_batches()
         if decision.rollback_due:
             self.state.pending_rollback = True  # done after the optimizer step, when the scaler has updated
         remedies = self.recovery.apply(
-            training_parts(trainer, pl_module),
+            training_parts(front),
             cause=decision.cause,
             quarantine=decision.quarantine,
             culprit_module=decision.culprit_module,
             rolled_back=decision.rollback_due,
             quarantine_items=decision.quarantine_items,
         )
-        event = self._shared_event(trainer, decision, event)
+        event = self._shared_event(front, decision, event)
         if event is not None and self.recovery.book.can_apply("quarantine"):
             self._tell_quarantine_refusal(event)
         if event is not None:
@@ -421,9 +410,9 @@ class StepController:
             event = event.replace(action=action, cause=decision.cause or event.cause)
             if remedies:
                 event = event.replace(remedies=(*event.remedies, *remedies))
-            self.recorder.record(trainer, event)
-        self.recorder.scalars(trainer, self.metrics(self.state.counters), previous=self.metrics(before))
-        self.recorder.progress(trainer, self.state.counters.skipped_total)
+            self.recorder.record(front, event)
+        self.recorder.scalars(front, self.metrics(self.state.counters), previous=self.metrics(before))
+        self.recorder.progress(front, self.state.counters.skipped_total)
         if decision.action == "raise":
             counters, events = self.state.counters, self.recorder.events
             raise NonFiniteTrainingError(
@@ -442,15 +431,15 @@ class StepController:
                 "given once.",
             )
 
-    def _shared_event(self, trainer: Trainer, decision: StepDecision, event: NanEvent | None) -> NanEvent | None:
+    def _shared_event(self, front: FrontEnd, decision: StepDecision, event: NanEvent | None) -> NanEvent | None:
         """This rank's event; a collapsed loss scale (no rank's own NaN/Inf) is recorded by rank zero."""
-        if event is not None or decision.outcome != "loss_scale" or trainer.global_rank != 0:
+        if event is not None or decision.outcome != "loss_scale" or front.global_rank != 0:
             return event
         overflows = self.state.counters.consecutive_overflows
         return loss_scale_event(
-            trainer,
+            front,
             self.window.batch_idx,
-            next_loss_scale(trainer, updated=self._resolving is not None),
+            next_loss_scale(front.grad_scaler, updated=self._resolving is not None),
             overflows,
             self.state.last_grad_norm,
         )
@@ -459,10 +448,10 @@ class StepController:
         """The ``nanguard/`` scalar values for ``counters``."""
         return self.after_step.values(counters)
 
-    def after_optimizer_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def after_optimizer_step(self, front: FrontEnd) -> None:
         """The after-step work (rollback, weight check, snapshot), on every rank."""
-        self.window.resume_clipping(trainer)
-        self.after_step.run(trainer, pl_module, self._collective(pl_module))
+        front.resume_clipping()
+        self.after_step.run(front, self._collective(front))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -476,15 +465,15 @@ class StepController:
 
     # ------------------------------------------------------------------ manual loops
 
-    def manual_check(self, trainer: Trainer | None, module: nn.Module, loss: Tensor | None) -> NanEvent | None:
+    def manual_check(self, front: FrontEnd | None, module: nn.Module, loss: Tensor | None) -> NanEvent | None:
         """``NanGuard.check``: gradients, BatchNorm statistics, weights and ``loss`` of ``module``, now."""
-        event = check_module(trainer, module, loss, self.window.batch_idx)
+        event = check_module(front, module, loss, self.window.batch_idx)
         self.window.losses = []  # checked: an optimizer step hooked after this sees only the losses to come
-        if event is not None and trainer is not None:
+        if event is not None and front is not None:
             self.state.dropped_by_check = True  # the caller skips the step: its logs go at the batch's end
         if event is not None:
             self.state.counters = self.state.counters.replace(bad_steps_total=self.state.counters.bad_steps_total + 1)
-            self.recorder.record(trainer, event)
+            self.recorder.record(front, event)
         return event
 
     # ------------------------------------------------------------------ failure of the guard itself
@@ -496,6 +485,28 @@ class StepController:
     def disable_everywhere(self) -> None:
         """Every rank saw some rank's failure in the same reduce: all stop guarding (and joining collectives) now."""
         self.state.disabled, self.state.failing = True, False
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's checkpoint state, composed from its parts' (primitives; the layout of 0.2.0 and 0.3).
+
+        The counters (flat) and ``last_grad_norm`` (:class:`GuardState`), ``spikes`` (the spike
+        statistic; the state loaded before the detectors exist while they do not), ``events`` (the
+        recorder's last ones) and ``recovery`` (remedy state and rollback count).
+        """
+        spikes = self.spikes.state_dict() if self.spikes is not None else self.spike_state
+        recovery = self.recovery.state_dict()
+        return {**self.state.state_dict(), "spikes": spikes, **self.recorder.state_dict(), "recovery": recovery}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; keys added in later versions read as their defaults."""
+        self.state.load_state_dict(state)
+        self.recorder.load_state_dict(state)
+        self.spike_state = dict(state.get("spikes", {}))
+        if self.spikes is not None:
+            self.spikes.load_state_dict(self.spike_state)
+        self.recovery.load_state_dict(state.get("recovery", {}))
 
 
 def _optimizer_params(optimizer: Optimizer) -> list[Tensor]:

@@ -28,7 +28,6 @@ import torch
 
 from lightning_nanguard.decide.policy import Policy, SpikeAction, StepAction
 from lightning_nanguard.engine.after_step import ParamCheckSettings
-from lightning_nanguard.engine.failure import UnguardableSetupError
 from lightning_nanguard.engine.incident.diagnosis import DiagnosisSettings
 from lightning_nanguard.engine.rows.records import RecordSettings
 from lightning_nanguard.engine.step.spikes import SpikeSettings
@@ -243,46 +242,18 @@ class GuardSettings:
         )
 
 
-def warn_what_cannot_be_skipped(trainer: Any, pl_module: Any, action: str, notices: RankNotices) -> None:
+def warn_what_cannot_be_skipped(front: Any, action: str, notices: RankNotices) -> None:
     """One warning each for manual optimisation and LBFGS at fit start: their steps are reported, not skipped."""
-    if not pl_module.automatic_optimization and action in ("skip", "rollback"):
+    if not front.automatic_optimization and action in ("skip", "rollback"):
         notices.warn(
             "manual",
             "NanGuard: manual optimisation; bad steps are detected and reported but not "
             "skipped, bisected or rolled back automatically. Call `guard.check(self)` in your "
             "training_step before `optimizer.step()` to act on them.",
         )
-    if any(isinstance(opt, torch.optim.LBFGS) for opt in trainer.optimizers):
+    if any(isinstance(getattr(opt, "_optimizer", opt), torch.optim.LBFGS) for opt in front.optimizers):
         notices.warn(
             "lbfgs",
             "NanGuard: LBFGS evaluates its closure many times per step, so a step cannot "
             "be skipped halfway; bad steps are detected and reported only.",
-        )
-
-
-def refuse_what_cannot_be_guarded(trainer: Any) -> None:
-    """Refuse, at setup, Trainer settings under which no bad step can be skipped (with the fix).
-
-    ``Trainer(detect_anomaly=True)``: autograd's anomaly mode raises inside the backward of the first
-    step whose gradients hold NaN, before the guard sees the step, so the fit crashes instead of
-    skipping it (and anomaly mode slows every healthy step).
-
-    Raises:
-        UnguardableSetupError: naming the setting and what to do instead.
-
-    Example:
-        >>> from types import SimpleNamespace
-        >>> refuse_what_cannot_be_guarded(SimpleNamespace(_detect_anomaly=False))
-        >>> refuse_what_cannot_be_guarded(SimpleNamespace(_detect_anomaly=True))  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        lightning_nanguard...UnguardableSetupError: NanGuard cannot skip bad steps under Trainer(detect_anomaly=True)...
-    """
-    if getattr(trainer, "_detect_anomaly", False):
-        raise UnguardableSetupError(
-            "NanGuard cannot skip bad steps under Trainer(detect_anomaly=True): autograd's anomaly mode raises "
-            "inside the backward of the first step whose gradients hold NaN, before the guard sees the step, "
-            "and it slows every step. Remove detect_anomaly=True (or set detect_anomaly=False): NanGuard names "
-            "the module, op and source line of a bad step itself (localize=True). To use anomaly mode alone, "
-            "remove NanGuard from the callbacks."
         )

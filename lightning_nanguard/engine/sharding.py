@@ -27,26 +27,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
-from torch.utils._pytree import tree_map
+from torch import Tensor
 
-from lightning_nanguard.core.dtensor import any_dtensor, local_tensors
+from lightning_nanguard.core.dtensor import any_dtensor
 from lightning_nanguard.decide.agreement import RankAgreement
-from lightning_nanguard.decide.messages import checkpoint_refusal
 from lightning_nanguard.decide.policy import shared_part
-from lightning_nanguard.detect.confirm import all_finite
 from lightning_nanguard.detect.sharded import global_norm, shard_weights, sharded_health_check
-from lightning_nanguard.recover.snapshot import TrainingSnapshot
-from lightning_nanguard.trainer.strategy import strategy_kind
 
 if TYPE_CHECKING:
-    from lightning.pytorch import LightningModule, Trainer
-
-    from lightning_nanguard.recover.recovery import Recovery
+    from lightning_nanguard.engine.frontend import FrontEnd
 
 __all__ = [
+    "strategy_kind",
     "ShardingLayout",
-    "make_sharded_checkpoint_finite_",
     "own_rank_state",
     "share_rank_states_",
     "sharding_notice",
@@ -86,6 +79,30 @@ def announce_sharding(layout: ShardingLayout | None, global_zero: bool) -> None:
             log.info("%s (%s)", notice[1], layout.kind)
 
 
+def strategy_kind(strategy: Any) -> str:
+    """``"deepspeed"``, ``"fsdp"``, ``"model_parallel"``, ``"ddp"`` or ``"single"`` from the strategy's classes.
+
+    ``"fsdp"`` is Lightning's ``FSDPStrategy`` (FSDP1: flat parameters, GPU only); ``"model_parallel"``
+    its ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, tensor parallelism, or both: ``DTensor``
+    parameters), where the guard diagnoses as a collective (:mod:`~lightning_nanguard.engine.sharding`).
+
+    Example:
+        >>> from lightning.pytorch.strategies import SingleDeviceStrategy
+        >>> strategy_kind(SingleDeviceStrategy("cpu"))
+        'single'
+    """
+    names = {cls.__name__ for cls in type(strategy).__mro__}
+    if "DeepSpeedStrategy" in names:
+        return "deepspeed"
+    if "ModelParallelStrategy" in names:
+        return "model_parallel"
+    if "FSDPStrategy" in names:
+        return "fsdp"
+    if names & {"DDPStrategy", "ParallelStrategy"}:
+        return "ddp"
+    return "single"
+
+
 @dataclass(frozen=True)
 class ShardingLayout:
     """How the model is sharded over the ranks, as far as the guard is concerned.
@@ -111,13 +128,13 @@ class ShardingLayout:
     device: torch.device
 
     @classmethod
-    def detect(cls, trainer: Trainer, params: Sequence[Tensor]) -> ShardingLayout | None:
+    def detect(cls, front: FrontEnd, params: Sequence[Tensor]) -> ShardingLayout | None:
         """The layout of a ``ModelParallelStrategy`` run (or of a model with ``DTensor`` parameters), else ``None``."""
-        strategy = trainer.strategy
+        strategy = front.strategy
         kind = strategy_kind(strategy)
         if kind not in ("model_parallel", "fsdp") and not any_dtensor(params):
             return None
-        rank, world = int(trainer.global_rank), int(trainer.world_size)
+        rank, world = int(front.global_rank), int(front.world_size)
         device = torch.device(getattr(strategy, "root_device", "cpu"))
         if kind == "fsdp" and not any_dtensor(params):
             return cls("fsdp1", rank, world, (rank,), world, 1, device)
@@ -180,64 +197,6 @@ class ShardingLayout:
         if agreement.distributed:
             share = agreement.sum(share)
         return float(global_norm(share))
-
-
-def _clone(value: Any) -> Any:
-    return value.clone() if isinstance(value, Tensor) else value
-
-
-def _finite_here(pl_module: nn.Module) -> bool:
-    return all_finite(local_tensors(pl_module.state_dict().values()))
-
-
-def make_sharded_checkpoint_finite_(
-    trainer: Trainer,
-    pl_module: LightningModule,
-    recovery: Recovery,
-    checkpoint: dict[str, Any],
-    agreement: RankAgreement,
-    action: str | None = None,
-) -> str | None:
-    """Under sharding: never save non-finite weights; save the last good snapshot's shards instead, or refuse.
-
-    Every rank calls it (``on_save_checkpoint`` runs on every rank). The live shards are checked
-    (with ``save_distributed_checkpoint=False`` only rank zero's checkpoint holds tensors) and the
-    verdict is shared. To substitute, the snapshot's shards are put into the live model and
-    optimizers, the strategy writes its own state dicts from them (a sharded checkpoint stays
-    sharded, a full one is gathered as the strategy gathers it), and the live state is put back.
-
-    Returns:
-        ``None`` when every shard is finite, else a description of the substitution.
-
-    Raises:
-        NonFiniteTrainingError: non-finite weights and no snapshot (``action`` other than ``"rollback"``).
-    """
-    from lightning_nanguard.core.events import NonFiniteTrainingError
-
-    finite = not agreement.any(not _finite_here(pl_module))
-    if finite:
-        return None
-    snapshot = recovery.snapshot
-    if not snapshot.available:
-        raise NonFiniteTrainingError(checkpoint_refusal([], action), [])
-    optimizers = list(trainer.optimizers)
-    current = TrainingSnapshot()
-    current.capture(pl_module, optimizers)
-    try:
-        snapshot.module.copy_into(pl_module.state_dict())
-        for mirror, optimizer in zip(snapshot.optimizers, optimizers, strict=False):
-            optimizer.load_state_dict(tree_map(_clone, mirror.value()))  # never alias the snapshot's buffers
-        # copies: on a CPU device the strategy's "offloaded" state dicts are the live tensors themselves
-        checkpoint["state_dict"] = tree_map(_clone, trainer.strategy.lightning_module_state_dict())
-        checkpoint["optimizer_states"] = [tree_map(_clone, trainer.strategy.optimizer_state(o)) for o in optimizers]
-    finally:
-        current.module.copy_into(pl_module.state_dict())
-        for mirror, optimizer in zip(current.optimizers, optimizers, strict=False):
-            optimizer.load_state_dict(mirror.value())
-    checkpoint["nanguard_substituted_step"] = snapshot.global_step
-    return (
-        f"the weights hold NaN/Inf; the checkpoint holds the last good snapshot's shards (step {snapshot.global_step})"
-    )
 
 
 PER_RANK_KEY = "per_rank"

@@ -1,7 +1,8 @@
 """What the guard knows between hooks: the shared counters and the flags that carry a step into the next hook.
 
 One :class:`GuardState` is shared by the step controller (which decides a step) and the
-after-step work (which runs once the optimizer has stepped); ``NanGuard.state_dict`` saves it.
+after-step work (which runs once the optimizer has stepped); its :meth:`GuardState.state_dict`
+(the counters and the last gradient norm) is part of the guard's checkpoint state.
 
 Example:
     >>> state = GuardState()
@@ -11,7 +12,10 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_nanguard.decide.policy import Counters
 
@@ -43,3 +47,20 @@ class GuardState:
     step_was_bad: bool = False
     reported_step: int | None = None
     dropped_by_check: bool = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps (primitives): every :class:`Counters` field, flat, and ``last_grad_norm``.
+
+        The per-step flags are not kept: a checkpoint is saved between steps.
+
+        Example:
+            >>> GuardState(Counters(bad_steps_total=2), last_grad_norm=0.5).state_dict()["bad_steps_total"]
+            2
+        """
+        return {**dataclasses.asdict(self.counters), "last_grad_norm": self.last_grad_norm}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; a missing counter reads as 0, a missing norm as ``None``."""
+        self.counters = Counters(**{name: int(state.get(name, 0)) for name in Counters.__dataclass_fields__})
+        norm = state.get("last_grad_norm")
+        self.last_grad_norm = float(norm) if norm is not None else None

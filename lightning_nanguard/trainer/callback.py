@@ -28,18 +28,15 @@ from lightning_nanguard.engine.controller import StepController
 from lightning_nanguard.engine.data.indices import indices_from_batch
 from lightning_nanguard.engine.failure import CounterView, failsafe
 from lightning_nanguard.engine.recording import IncidentRecorder
-from lightning_nanguard.engine.settings import (
-    GuardSettings,
-    refuse_what_cannot_be_guarded,
-    validate_arguments,
-    warn_what_cannot_be_skipped,
-)
+from lightning_nanguard.engine.settings import GuardSettings, validate_arguments, warn_what_cannot_be_skipped
 from lightning_nanguard.engine.sharding import own_rank_state
 from lightning_nanguard.recover.recovery import Recovery, apply_module_eps
 from lightning_nanguard.recover.remedies import Remedy
 from lightning_nanguard.trainer._compat import CALLBACK_BASES
 from lightning_nanguard.trainer.checkpoint import guard_state, load_guard_state, make_checkpoint_finite
+from lightning_nanguard.trainer.config import refuse_what_cannot_be_guarded
 from lightning_nanguard.trainer.forward_only import ForwardOnlyEpoch, forward_only
+from lightning_nanguard.trainer.frontend import TrainerFrontEnd
 from lightning_nanguard.trainer.strategy import (
     StrategyHooks,
     apply_nanguard_strategy,
@@ -220,7 +217,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.recovery = Recovery()
         self.controller = StepController(self.recovery, self.recorder)
         self.controller.configure(GuardSettings.from_arguments(self._arguments()))  # again at setup: the one path
-        self._trainer: Trainer | None = None
+        self._front: TrainerFrontEnd | None = None  # the engine's view of the fit in progress
         self._hooks: StrategyHooks | None = None
         self._forward_only = ForwardOnlyEpoch()
 
@@ -314,38 +311,40 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     @failsafe
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Resolve the log directory (a collective: every rank calls it) and the writers."""
-        self._trainer = trainer
-        self.recorder.attach(trainer, self.controller.scalar_tags(trainer))
-        warn_what_cannot_be_skipped(trainer, pl_module, self.action, self.recorder.notices)
+        front = self._front_of(trainer, pl_module)
+        self.recorder.attach(front, self.controller.scalar_tags(front))
+        warn_what_cannot_be_skipped(front, self.action, self.recorder.notices)
 
     @override
     @failsafe
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Find parameters and BatchNorm buffers once the model sits on its device; first snapshot."""
-        self.controller.attach(trainer, pl_module)
+        front = self._front_of(trainer, pl_module)
+        self.controller.attach(front)
         apply_module_eps(pl_module, self.recovery.book.module_eps)  # after a resume
         if self.action == "rollback" and pl_module.automatic_optimization:
-            self.controller.after_step.initial_snapshot(trainer, pl_module)
+            self.controller.after_step.initial_snapshot(front)
 
     @override
     @failsafe
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Resolve the last step when it was checked sync-free (its verdict is read one step late)."""
-        self.controller.resolve_pending(trainer, pl_module)
+        """Resolve the last step when it was checked sync-free (its flags are read one step late)."""
+        self.controller.resolve_pending(self._front_of(trainer, pl_module))
 
     @override
     @failsafe
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Before the monitors read the epoch values: settle a sync-free step and what dropped steps logged."""
-        self.controller.resolve_pending(trainer, pl_module)
-        self.controller.window.logged.finish_withdrawals()
-        self.controller.window.logged.settle_monitors(trainer, last_step_dropped=self.controller.state.step_was_bad)
+        front = self._front_of(trainer, pl_module)
+        self.controller.resolve_pending(front)
+        front.logged.finish_withdrawals()
+        front.logged.settle_monitors(trainer, last_step_dropped=self.controller.state.step_was_bad)
 
     @override
     @failsafe
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Find what the model holds again (modules, buffers, metrics may have changed); record this epoch's indices."""
-        self.controller.rediscover(trainer, pl_module)
+        self.controller.rediscover(self._front_of(trainer, pl_module))
         if self._hooks is not None:
             self._hooks.start_epoch(trainer.train_dataloader)  # one loader or several (their keys, quarantines)
 
@@ -367,7 +366,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         # (training_step returned None); every batch in manual optimisation
         first = batch_idx % max(1, getattr(trainer, "accumulate_grad_batches", 1)) == 0
         if not window.open or first or not pl_module.automatic_optimization:
-            self.controller.begin_step(trainer, pl_module, self.check_every_n_steps)
+            self.controller.begin_step(self._front_of(trainer, pl_module), self.check_every_n_steps)
         readers = self._hooks.readers() if self._hooks is not None else ()  # to check the indices at an incident
         window.add_batch(batch, batch_idx, indices, keep=self.controller.diagnosis.diagnoses, readers=readers)
 
@@ -380,12 +379,12 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         if forward_only(trainer):
             event = self._forward_only.after_batch(trainer, self.controller.window, batch_idx)
             if event is not None:
-                self.controller.recorder.record(trainer, event)
+                self.controller.recorder.record(self._front_of(trainer, pl_module), event)
             return
         state = self.controller.state
         if state.dropped_by_check:
             state.dropped_by_check = False
-            self.controller.window.drop_logged(trainer)
+            self.controller.window.drop_logged(self._front_of(trainer, pl_module))
 
     @override
     @failsafe
@@ -400,15 +399,23 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.controller.window.close()
         if forward_only(trainer):  # no backward ran: there is no step to check (each batch was, after its forward)
             return
-        if self.controller.checking(trainer, self.check_every_n_steps):
-            self.controller.check_step(trainer, pl_module, optimizer)
+        front = self._front_of(trainer, pl_module)
+        if self.controller.checking(front, self.check_every_n_steps):
+            self.controller.check_step(front, optimizer)
 
     @failsafe
     def _after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Called by the strategy wrapper on every rank after the update: rollback, weight check, snapshot."""
-        pl_module = getattr(self._trainer, "lightning_module", None)
-        if self._trainer is not None and pl_module is not None and pl_module.automatic_optimization:
-            self.controller.after_optimizer_step(self._trainer, pl_module)
+        front = self._front
+        if front is not None and front.automatic_optimization:
+            self.controller.after_optimizer_step(front)
+
+    def _front_of(self, trainer: Trainer, pl_module: LightningModule) -> TrainerFrontEnd:
+        """The engine's view of this fit (made once per fit: a Trainer or module change makes a new one)."""
+        front = self._front
+        if front is None or front.trainer is not trainer or front.module is not pl_module:
+            front = self._front = TrainerFrontEnd(trainer, pl_module)
+        return front
 
     def _strategy_active(self) -> bool:
         return self.active or self.controller.state.failing
@@ -428,7 +435,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             >>> NanGuard(verbose=False).check(net).nonfinite_grads
             ('weight',)
         """
-        return self.controller.manual_check(self._trainer, module, loss)
+        return self.controller.manual_check(self._front, module, loss)
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -455,5 +462,5 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_trainer"] = None  # never pickle the Trainer with the callback
+        state["_front"] = None  # never pickle the Trainer with the callback
         return state

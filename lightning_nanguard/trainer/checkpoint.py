@@ -2,8 +2,11 @@
 
 - :func:`guard_state` / :func:`load_guard_state`: the callback's own state (counters, the last
   gradient norm, the spike statistic, remedy state, the last :data:`EVENTS_KEPT_IN_CHECKPOINT`
-  events), as primitives (``torch.load(..., weights_only=True)`` reads it); keys added in later
-  versions are read with defaults, so checkpoints of 0.2.0 resume (``tests/adapter/test_checkpoint.py``).
+  events), as primitives (``torch.load(..., weights_only=True)`` reads it). Each stateful part
+  owns its share (``GuardState``, ``IncidentRecorder``, ``SpikeWatch``, ``Recovery``: each a
+  ``state_dict``/``load_state_dict``) and ``StepController.state_dict`` composes them; keys added in
+  later versions are read with defaults, so checkpoints of 0.2.0 and 0.3 resume
+  (``tests/adapter/test_checkpoint.py``, ``tests/integration/test_checkpoint_resume.py``).
 - :func:`make_checkpoint_finite`: a checkpoint never holds NaN/Inf weights: the last good snapshot
   goes in instead (under ``ModelParallelStrategy`` every rank's shards, in the strategy's format),
   or the save is refused.
@@ -11,46 +14,38 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from lightning_nanguard.core.events import NanEvent
-from lightning_nanguard.decide.policy import Counters
-from lightning_nanguard.engine.sharding import make_sharded_checkpoint_finite_, share_rank_states_
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+from lightning_nanguard.core.dtensor import local_tensors
+from lightning_nanguard.core.events import NonFiniteTrainingError
+from lightning_nanguard.decide.messages import checkpoint_refusal
+from lightning_nanguard.detect.confirm import all_finite
+from lightning_nanguard.engine.recording import EVENTS_KEPT_IN_CHECKPOINT
+from lightning_nanguard.engine.sharding import share_rank_states_
+from lightning_nanguard.recover.snapshot import TrainingSnapshot
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
+    from lightning_nanguard.decide.agreement import RankAgreement
     from lightning_nanguard.engine.controller import StepController
+    from lightning_nanguard.recover.recovery import Recovery
 
 __all__ = ["EVENTS_KEPT_IN_CHECKPOINT", "guard_state", "load_guard_state", "make_checkpoint_finite"]
-
-EVENTS_KEPT_IN_CHECKPOINT = 100
 
 
 def guard_state(controller: StepController) -> dict[str, Any]:
     """Counters, the last gradient norm, the spike statistic, remedy state and the last 100 events."""
-    spikes = controller.spikes
-    return {
-        **dataclasses.asdict(controller.state.counters),
-        "last_grad_norm": controller.state.last_grad_norm,
-        "spikes": spikes.state_dict() if spikes is not None else controller.spike_state,
-        "events": [event.to_dict() for event in controller.recorder.events[-EVENTS_KEPT_IN_CHECKPOINT:]],
-        "recovery": controller.recovery.state_dict(),
-    }
+    return controller.state_dict()
 
 
 def load_guard_state(controller: StepController, state: Mapping[str, Any]) -> None:
     """Restore :func:`guard_state` output; keys added in later versions default sensibly."""
-    controller.state.counters = Counters(**{name: int(state.get(name, 0)) for name in Counters.__dataclass_fields__})
-    norm = state.get("last_grad_norm")
-    controller.state.last_grad_norm = float(norm) if norm is not None else None
-    controller.recorder.events[:] = [NanEvent.from_dict(summary) for summary in state.get("events", [])]
-    controller.spike_state = dict(state.get("spikes", {}))
-    if controller.spikes is not None:
-        controller.spikes.load_state_dict(controller.spike_state)
-    controller.recovery.load_state_dict(state.get("recovery", {}))
+    controller.load_state_dict(dict(state))
 
 
 def make_checkpoint_finite(
@@ -73,3 +68,59 @@ def make_checkpoint_finite(
         share_rank_states_(checkpoint, state_key, guard_state(controller), controller.agreement)
         return substituted
     return controller.recovery.make_checkpoint_finite_(checkpoint, controller.policy.action)
+
+
+def _clone(value: Any) -> Any:
+    return value.clone() if isinstance(value, Tensor) else value
+
+
+def _finite_here(pl_module: nn.Module) -> bool:
+    return all_finite(local_tensors(pl_module.state_dict().values()))
+
+
+def make_sharded_checkpoint_finite_(
+    trainer: Trainer,
+    pl_module: LightningModule,
+    recovery: Recovery,
+    checkpoint: dict[str, Any],
+    agreement: RankAgreement,
+    action: str | None = None,
+) -> str | None:
+    """Under sharding: never save non-finite weights; save the last good snapshot's shards instead, or refuse.
+
+    Every rank calls it (``on_save_checkpoint`` runs on every rank). The live shards are checked
+    (with ``save_distributed_checkpoint=False`` only rank zero's checkpoint holds tensors) and the
+    verdict is shared. To substitute, the snapshot's shards are put into the live model and
+    optimizers, the strategy writes its own state dicts from them (a sharded checkpoint stays
+    sharded, a full one is gathered as the strategy gathers it), and the live state is put back.
+
+    Returns:
+        ``None`` when every shard is finite, else a description of the substitution.
+
+    Raises:
+        NonFiniteTrainingError: non-finite weights and no snapshot (``action`` other than ``"rollback"``).
+    """
+    finite = not agreement.any(not _finite_here(pl_module))
+    if finite:
+        return None
+    snapshot = recovery.snapshot
+    if not snapshot.available:
+        raise NonFiniteTrainingError(checkpoint_refusal([], action), [])
+    optimizers = list(trainer.optimizers)
+    current = TrainingSnapshot()
+    current.capture(pl_module, optimizers)
+    try:
+        snapshot.module.copy_into(pl_module.state_dict())
+        for mirror, optimizer in zip(snapshot.optimizers, optimizers, strict=False):
+            optimizer.load_state_dict(tree_map(_clone, mirror.value()))  # never alias the snapshot's buffers
+        # copies: on a CPU device the strategy's "offloaded" state dicts are the live tensors themselves
+        checkpoint["state_dict"] = tree_map(_clone, trainer.strategy.lightning_module_state_dict())
+        checkpoint["optimizer_states"] = [tree_map(_clone, trainer.strategy.optimizer_state(o)) for o in optimizers]
+    finally:
+        current.module.copy_into(pl_module.state_dict())
+        for mirror, optimizer in zip(current.optimizers, optimizers, strict=False):
+            optimizer.load_state_dict(mirror.value())
+    checkpoint["nanguard_substituted_step"] = snapshot.global_step
+    return (
+        f"the weights hold NaN/Inf; the checkpoint holds the last good snapshot's shards (step {snapshot.global_step})"
+    )

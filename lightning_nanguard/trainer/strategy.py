@@ -45,6 +45,7 @@ from lightning_nanguard.engine.data.indices import (
 )
 from lightning_nanguard.engine.data.loaders import Exclusion, TrainingLoaders
 from lightning_nanguard.engine.data.readers import RecordReader
+from lightning_nanguard.engine.sharding import strategy_kind
 
 __all__ = [
     "NanGuardStrategyMixin",
@@ -174,30 +175,6 @@ def supported_strategy_kind(strategy: Any) -> str:
             [],
         )
     return kind
-
-
-def strategy_kind(strategy: Any) -> str:
-    """``"deepspeed"``, ``"fsdp"``, ``"model_parallel"``, ``"ddp"`` or ``"single"`` from the strategy's classes.
-
-    ``"fsdp"`` is Lightning's ``FSDPStrategy`` (FSDP1: flat parameters, GPU only); ``"model_parallel"``
-    its ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, tensor parallelism, or both: ``DTensor``
-    parameters), where the guard diagnoses as a collective (:mod:`~lightning_nanguard.engine.sharding`).
-
-    Example:
-        >>> from lightning.pytorch.strategies import SingleDeviceStrategy
-        >>> strategy_kind(SingleDeviceStrategy("cpu"))
-        'single'
-    """
-    names = {cls.__name__ for cls in type(strategy).__mro__}
-    if "DeepSpeedStrategy" in names:
-        return "deepspeed"
-    if "ModelParallelStrategy" in names:
-        return "model_parallel"
-    if "FSDPStrategy" in names:
-        return "fsdp"
-    if names & {"DDPStrategy", "ParallelStrategy"}:
-        return "ddp"
-    return "single"
 
 
 def _wrapped_class(cls: type) -> type:

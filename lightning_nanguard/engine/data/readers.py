@@ -4,16 +4,9 @@ The check that a dataset index names the record really in a row
 (:mod:`~lightning_nanguard.diagnose.records`) compares the row with the record read again. A
 :class:`RecordReader` is kept per training loader, next to its recording batch sampler
 (:class:`~lightning_nanguard.engine.data.loaders.TrainingLoaders`): it reads ``dataset[i]`` and collates
-it alone with the loader's own ``collate_fn``. :func:`as_training_batch` then does to that record
-what Lightning's fit loop does to every collated batch before ``training_step`` sees it
-(``loops/training_epoch_loop.py``): the precision plugin's ``convert_input``, the
-``on_before_batch_transfer`` hook, and the strategy's ``batch_to_device``, which calls the
-``transfer_batch_to_device`` and ``on_after_batch_transfer`` hooks (of the LightningModule, or of the
-datamodule when it defines them), always with ``dataloader_idx=0`` as the fit loop does.
-
-With several training loaders those hooks receive the combined batch: the record is put in its
-loader's place in a copy of the step's batch (the other loaders' parts as they are), the hooks run
-on that, and the record's part is taken back out.
+it alone with the loader's own ``collate_fn``. The front-end's ``as_training_batch`` then does to
+that record what its loop does to every collated batch before the training step sees it (the
+Trainer's: :meth:`~lightning_nanguard.trainer.frontend.TrainerFrontEnd.as_training_batch`).
 
 Not re-readable (its indices are then reported unverified, with the reason):
 
@@ -38,9 +31,7 @@ from typing import Any
 import torch  # noqa: F401 (doctests)
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_nanguard.diagnose.combined import CombinedLayout
-
-__all__ = ["RecordReader", "as_training_batch"]
+__all__ = ["RecordReader"]
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity: never compares or hashes a dataset
@@ -86,25 +77,3 @@ class RecordReader:
         if self.reason or self.collate_fn is None:
             raise RuntimeError(self.reason or "no collate function")
         return self.collate_fn([self.dataset[index]])
-
-
-def as_training_batch(
-    trainer: Any, record: Any, layout: CombinedLayout | None = None, part: int = 0, batch: Any = None
-) -> Any:
-    """``record`` transformed as the fit loop transforms a collated batch (see the module docs).
-
-    Args:
-        trainer: the Trainer (its precision plugin, LightningModule or datamodule hooks, strategy).
-        record: a batch of one record, straight from the collate.
-        layout: with several training loaders, where each loader's part sits in ``batch``.
-        part: the loader (its position in ``layout``) the record is from.
-        batch: with several loaders, the step's combined batch (the other loaders' parts are kept).
-
-    Raises:
-        Exception: whatever a hook raises (the caller leaves the row unverified with the reason).
-    """
-    combined = record if layout is None else layout.with_parts(batch, {part: record})
-    combined = trainer.precision_plugin.convert_input(combined)
-    combined = trainer.lightning_module._on_before_batch_transfer(combined, dataloader_idx=0)
-    combined = trainer.strategy.batch_to_device(combined, dataloader_idx=0)
-    return combined if layout is None else layout.part(combined, part)

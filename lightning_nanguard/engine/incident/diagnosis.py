@@ -1,13 +1,14 @@
-"""The Lightning side of :mod:`lightning_nanguard.diagnose.diagnosis`: diagnose the micro-batches of a bad step.
+"""Diagnose the micro-batches of a bad step: :mod:`lightning_nanguard.diagnose.diagnosis` driven by the engine.
 
-Called by the guard on a bad step, before the step is discarded, with the BatchNorm buffers
-already restored to their values before the step's first forward. It writes nothing: the
-incident's files (repro bundle, dashboard context) are the reporting adapter's
-(:meth:`~lightning_nanguard.engine.recording.IncidentRecorder.save_incident_files`).
+Called on a bad step, before the step is discarded, with the BatchNorm buffers already restored
+to their values before the step's first forward; one routine for one process, DDP and sharding
+(:func:`diagnose_micro_batches`). It writes nothing: the incident's files (repro bundle, dashboard
+context) are :mod:`~lightning_nanguard.engine.incident.files`'.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,14 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.diagnose.diagnosis import Diagnosis, diagnose
+from lightning_nanguard.diagnose.lockstep import LockstepRunner
 from lightning_nanguard.engine.rows.records import RecordSettings, RowNamer
 from lightning_nanguard.engine.rows.samples import fill_event
 from lightning_nanguard.engine.step.window import MicroBatch
 
 if TYPE_CHECKING:
-    from lightning.pytorch import LightningModule, Trainer
+    from lightning_nanguard.diagnose.lockstep import Lockstep
+    from lightning_nanguard.engine.frontend import FrontEnd
 
-__all__ = ["DiagnosisSettings", "StepDiagnosis", "diagnose_step", "training_step_of"]
+__all__ = ["DiagnosisSettings", "StepDiagnosis", "diagnose_micro_batches"]
 
 log = logging.getLogger("lightning_nanguard")
 
@@ -52,23 +55,14 @@ class DiagnosisSettings:
         """The batch slicer: the user's, else the module's ``nanguard_slice_batch``, else ``None`` (built-in)."""
         return self.batch_slicer or getattr(pl_module, "nanguard_slice_batch", None)
 
-    def row_namer(self, trainer: Any, pl_module: Any, slicer: Slicer | None) -> RowNamer | None:
+    def row_namer(self, front: FrontEnd, slicer: Slicer | None) -> RowNamer | None:
         """Who names the records of the offending rows at this fit (``None`` without :attr:`records`)."""
-        return RowNamer.for_module(self.records, slicer, trainer, pl_module) if self.records is not None else None
+        return RowNamer.for_module(self.records, slicer, front) if self.records is not None else None
 
     @property
     def diagnoses(self) -> bool:
         """Whether a bad step is re-run or saved at all."""
         return self.bisect or self.localize or self.save_repro
-
-
-def training_step_of(pl_module: LightningModule) -> Callable[[Any, int], Any]:
-    """The module's own ``training_step`` (the original one under ``torch.compile``)."""
-    compiler_ctx = getattr(pl_module, "_compiler_ctx", None)
-    if compiler_ctx and compiler_ctx.get("original_training_step") is not None:
-        original = compiler_ctx["original_training_step"]
-        return lambda batch, batch_idx: original(batch, batch_idx)
-    return pl_module.training_step
 
 
 def _localized(diagnosis: Diagnosis) -> bool:
@@ -99,44 +93,52 @@ class StepDiagnosis:
         return self.diagnosis is None or self.diagnosis.reproduced
 
 
-def diagnose_step(
-    trainer: Trainer,
-    pl_module: LightningModule,
+def diagnose_micro_batches(
+    front: FrontEnd,
     event: NanEvent,
     micro_batches: Sequence[MicroBatch],
     settings: DiagnosisSettings,
     reference_batch: Any = None,
     loss_threshold: float | None = None,
+    lockstep: Lockstep | None = None,
+    nonfinite_weights: Sequence[str] | None = None,
 ) -> StepDiagnosis:
-    """Diagnose the step's micro-batches and fill the event's forensic fields; never raises.
+    """Diagnose the step's micro-batches and fill the event's forensic fields: the one routine of every path.
 
-    Under gradient accumulation the micro-batches are diagnosed in order and the first that
-    reproduces the incident is the one the event names.
+    The micro-batches are diagnosed in order and the first that holds the incident is the one the
+    event names (under gradient accumulation). One process or DDP: each rank alone, and a micro-batch
+    holds it when samples are named or the origin is found. Under sharding every peer of a
+    tensor-parallel group runs the same passes in ``lockstep``: it holds it when samples are named or
+    a cause is found, results every peer shares (the origin is found on one shard only), so the peers
+    stop at the same micro-batch. Runs with the BatchNorm state from before the step; writes nothing
+    (:func:`~lightning_nanguard.engine.incident.files.save_incident_files` does). Never raises.
 
     Args:
-        trainer: the Trainer (precision context).
-        pl_module: the model, with the BatchNorm state from before the step.
-        event: the event of the bad step.
+        front: the front-end (the model, its training step and precision context).
+        event: the event of the bad step (filled and returned in the result).
         micro_batches: the step's micro-batches.
         settings: what to diagnose.
         reference_batch: a small known-good sub-batch of a recent healthy step (tells a state fault).
         loss_threshold: for a loss spike, the loss above which a (sub-)batch counts as bad.
+        lockstep: under sharding, the ticks that keep the peers' passes in step.
+        nonfinite_weights: under sharding, the weights any rank found non-finite (``None``: found here).
     """
     if not micro_batches:
         return StepDiagnosis(event)
-    slicer: Slicer | None = settings.slicer_for(pl_module)
+    slicer: Slicer | None = settings.slicer_for(front.module)
     diagnosis: Diagnosis | None = None
     chosen = micro_batches[-1]
     if settings.bisect or settings.localize:
-        step_fn = training_step_of(pl_module)
+        step_fn = front.step_fn()
+        factory = functools.partial(LockstepRunner, lockstep=lockstep) if lockstep is not None else None
         for micro in micro_batches:
             found = diagnose(
-                pl_module,
+                front.module,
                 micro.batch,
                 step_fn=step_fn,
                 batch_idx=micro.batch_idx,
                 slicer=slicer,
-                context=trainer.precision_plugin.train_step_context,
+                context=front.step_context,
                 bisect=settings.bisect,
                 localize_origin=settings.localize,
                 max_passes=settings.max_bisect_passes,
@@ -144,13 +146,16 @@ def diagnose_step(
                 loss_threshold=loss_threshold,
                 source_root=settings.source_root,
                 layout=micro.loaders.layout if micro.loaders is not None else None,
+                runner_factory=factory,
+                nonfinite_weights=nonfinite_weights,
             )
-            if diagnosis is None or found.offending is not None or _localized(found):
+            holds = found.offending is not None or (found.cause is not None if lockstep else _localized(found))
+            if diagnosis is None or holds:
                 diagnosis, chosen = found, micro
-            if found.offending is not None or _localized(found) or found.error:
+            if holds or found.error:
                 break
     if diagnosis is not None:
-        event = fill_event(event, diagnosis, chosen, settings.row_namer(trainer, pl_module, slicer))
+        event = fill_event(event, diagnosis, chosen, settings.row_namer(front, slicer))
         event = event.replace(batch_idx=chosen.batch_idx)
         if len(micro_batches) > 1:
             event = event.replace(

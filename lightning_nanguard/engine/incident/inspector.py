@@ -18,21 +18,19 @@ from torch import Tensor, nn
 
 from lightning_nanguard.core.events import EventKind, NanEvent
 from lightning_nanguard.decide.policy import RankVote, StepHealth
-from lightning_nanguard.detect.batchnorm import batchnorm_buffers
 from lightning_nanguard.detect.check import grouped_norms
 from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_names
-from lightning_nanguard.engine.incident.diagnosis import DiagnosisSettings, diagnose_step
+from lightning_nanguard.engine.incident.diagnosis import DiagnosisSettings, diagnose_micro_batches
+from lightning_nanguard.engine.incident.files import save_incident_files
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.step.spikes import SpikeWatch
 from lightning_nanguard.engine.step.window import StepWindow
-from lightning_nanguard.trainer.parts import grad_scaler
 
 if TYPE_CHECKING:
-    from lightning.pytorch import LightningModule, Trainer
+    from lightning_nanguard.engine.frontend import FrontEnd
 
 __all__ = [
     "IncidentInspector",
-    "check_module",
     "event_cause",
     "loss_scale_event",
     "quarantine_items_of",
@@ -107,39 +105,8 @@ def quarantine_refusal(event: NanEvent | None) -> str | None:
     return None
 
 
-def check_module(trainer: Any, module: nn.Module, loss: Tensor | None, batch_idx: int) -> NanEvent | None:
-    """The event of ``module``'s NaN/Inf gradients, BatchNorm statistics, weights or ``loss`` now (``None``: none).
-
-    For manual optimisation and custom loops (``NanGuard.check``); one host read per device.
-
-    Example:
-        >>> net = nn.Linear(2, 1)
-        >>> net(torch.tensor([[float("nan"), 1.0]])).sum().backward()
-        >>> check_module(None, net, None, 0).kinds
-        ('grad',)
-    """
-    named = list(module.named_parameters())
-    bad_grads = tuple(nonfinite_names((n, p.grad) for n, p in named if p.grad is not None))
-    bad_buffers = tuple(bad_batchnorm_names(batchnorm_buffers(module)))
-    bad_params = tuple(nonfinite_names(named))
-    loss_bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
-    flags = (("loss", loss_bad), ("grad", bad_grads), ("bn_stats", bad_buffers), ("param", bad_params))
-    kinds = tuple(kind for kind, bad in flags if bad)
-    if not kinds:
-        return None
-    return NanEvent.at_step(
-        trainer,
-        batch_idx,
-        kinds,  # type: ignore[arg-type]
-        nonfinite_grads=bad_grads,
-        nonfinite_buffers=bad_buffers,
-        nonfinite_params=bad_params,
-        loss=float(loss.detach().float().sum()) if loss is not None else None,
-    )
-
-
 def loss_scale_event(
-    trainer: Any, batch_idx: int, loss_scale: float | None, consecutive_overflows: int, grad_norm: float | None
+    front: Any, batch_idx: int, loss_scale: float | None, consecutive_overflows: int, grad_norm: float | None
 ) -> NanEvent:
     """The event of a GradScaler whose scale collapsed under repeated overflow (no rank's own NaN/Inf).
 
@@ -148,7 +115,7 @@ def loss_scale_event(
         ('loss_scale',)
     """
     return NanEvent.at_step(
-        trainer,
+        front,
         batch_idx,
         ("loss_scale",),
         grad_norm=grad_norm,
@@ -185,15 +152,9 @@ class IncidentInspector:
         self.recorder = recorder
         self.spikes = spikes
 
-    def inspect(
-        self,
-        trainer: Trainer,
-        pl_module: LightningModule,
-        health: StepHealth,
-        grads: list[Tensor],
-    ) -> tuple[RankVote, NanEvent | None]:
-        """This rank's report and its own event (``None`` when the NaN/Inf is not its own)."""
-        rank = trainer.global_rank
+    def inspect(self, front: FrontEnd, health: StepHealth, grads: list[Tensor]) -> tuple[RankVote, NanEvent | None]:
+        """This rank's vote and its own event (``None`` when the NaN/Inf is not its own)."""
+        rank = front.global_rank
         grad_norm = health.grad_norm
         if health.bad and grad_norm < 0:  # not computed on this step: the norm tells NaN (nan) from overflow (inf)
             grad_norm = float(torch.linalg.vector_norm(grouped_norms(grads))) if grads else 0.0
@@ -201,24 +162,24 @@ class IncidentInspector:
         overflow = False
         # DDP averages gradients: NaN/Inf born in another rank's loss or BatchNorm statistics reaches this
         # rank's gradients through the all-reduce. That incident is the other rank's.
-        someone_elses = trainer.world_size > 1 and health.ranks_others_bad > 0 and not health.others_bad
+        someone_elses = front.world_size > 1 and health.ranks_others_bad > 0 and not health.others_bad
         # An fp16 overflow gives Inf (and, through Inf * 0 or Inf - Inf, NaN) gradients with a finite loss and
         # finite BatchNorm statistics: the GradScaler's to skip. With some Inf that is decided here; NaN alone
         # only when the unscaled re-run of the batch (the diagnosis) is finite.
-        scaler = grad_scaler(trainer)
+        scaler = front.grad_scaler
         scaled = scaler is not None and scaler.is_enabled() and not health.others_bad
         if health.bad and not someone_elses:
-            event = self._nonfinite_event(trainer, grads, grad_norm)
+            event = self._nonfinite_event(front, grads, grad_norm)
             if event is not None and scaled and not math.isfinite(grad_norm) and _any_inf(grads):
                 event, overflow = None, True
         spiked = False
         if event is None and not overflow and health.spike and self.spikes is not None:
-            event = self._spike_event(trainer, grad_norm)
+            event = self._spike_event(front, grad_norm)
             spiked = event is not None
         threshold = self.spikes.loss_threshold() if spiked and self.spikes is not None else None
-        if event is not None and self._may_diagnose(trainer, pl_module) and (threshold is not None or not spiked):
+        if event is not None and self._may_diagnose(front) and (threshold is not None or not spiked):
             scaled = scaled and not spiked
-            event, reproduced = self._diagnose(trainer, pl_module, event, loss_threshold=threshold, scaled=scaled)
+            event, reproduced = self._diagnose(front, event, loss_threshold=threshold, scaled=scaled)
             if scaled and not reproduced:  # NaN-only gradients the unscaled re-run does not give
                 event, overflow = None, True
         report = RankVote(
@@ -235,7 +196,7 @@ class IncidentInspector:
 
     # ------------------------------------------------------------------ the event
 
-    def _nonfinite_event(self, trainer: Trainer, grads: list[Tensor], grad_norm: float) -> NanEvent | None:
+    def _nonfinite_event(self, front: FrontEnd, grads: list[Tensor], grad_norm: float) -> NanEvent | None:
         """Confirm element-wise and name the tensors of ``grads``; ``None`` when everything is finite after all."""
         checked = {id(g) for g in grads}  # the optimizer's own under manual optimisation
         bad_grads = nonfinite_names(
@@ -253,13 +214,13 @@ class IncidentInspector:
             kinds.append("bn_stats")
         if not kinds:
             return None
-        scaler = grad_scaler(trainer)
+        scaler = front.grad_scaler
         scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
         loss = next((v for v in losses if not math.isfinite(v)), losses[-1] if losses else None)
         if loss is not None and scale is not None and math.isfinite(loss):
             loss /= scale  # on_before_backward saw the scaled loss
         return NanEvent.at_step(
-            trainer,
+            front,
             self.window.batch_idx,
             tuple(kinds),
             nonfinite_grads=tuple(bad_grads),
@@ -272,7 +233,7 @@ class IncidentInspector:
             },
         )
 
-    def _spike_event(self, trainer: Trainer, grad_norm: float) -> NanEvent | None:
+    def _spike_event(self, front: FrontEnd, grad_norm: float) -> NanEvent | None:
         """The event of a finite loss (or gradient-norm) spike; ``None`` when the flag does not hold up."""
         assert self.spikes is not None
         kinds = self.spikes.spike_kinds()
@@ -280,7 +241,7 @@ class IncidentInspector:
             return None
         details = self.spikes.details()
         return NanEvent.at_step(
-            trainer,
+            front,
             self.window.batch_idx,
             kinds,
             loss=details.get("value"),
@@ -290,10 +251,10 @@ class IncidentInspector:
 
     # ------------------------------------------------------------------ the diagnosis
 
-    def _may_diagnose(self, trainer: Trainer, pl_module: LightningModule) -> bool:
-        if not (pl_module.automatic_optimization and self.settings.diagnose_here and self.settings.diagnoses):
+    def _may_diagnose(self, front: FrontEnd) -> bool:
+        if not (front.automatic_optimization and self.settings.diagnose_here and self.settings.diagnoses):
             return False
-        if trainer.world_size > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in pl_module.modules()):
+        if front.world_size > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in front.module.modules()):
             self.recorder.notices.warn(
                 "syncbn",
                 "NanGuard: SyncBatchNorm synchronises every forward across ranks, so the offending rank cannot "
@@ -304,8 +265,7 @@ class IncidentInspector:
 
     def _diagnose(
         self,
-        trainer: Trainer,
-        pl_module: LightningModule,
+        front: FrontEnd,
         event: NanEvent,
         loss_threshold: float | None = None,
         scaled: bool = False,
@@ -317,9 +277,8 @@ class IncidentInspector:
         overflow: nothing is written.
         """
         with self.window.before_step_batchnorm(keep_after=True):  # the bundle saves the state before the step too
-            found = diagnose_step(
-                trainer,
-                pl_module,
+            found = diagnose_micro_batches(
+                front,
                 event,
                 self.window.micro_batches,
                 self.settings,
@@ -328,7 +287,7 @@ class IncidentInspector:
             )
             if scaled and loss_threshold is None and not found.reproduced:
                 return found.event, False  # the GradScaler's overflow, not an incident: no bundle, no context
-            event = self.recorder.save_incident_files(pl_module, found, self.settings)
+            event = save_incident_files(self.recorder, front.module, found, self.settings)
         diagnosis = found.diagnosis
         if diagnosis is not None and diagnosis.error:
             self.recorder.notices.warn(

@@ -29,7 +29,6 @@ between them never raises (a failure becomes this rank's ``failed`` report).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -43,21 +42,20 @@ from lightning_nanguard.decide.policy import RankVote, StepHealth
 from lightning_nanguard.decide.sharded import Finding, SearchResult, plan_search, recorders
 from lightning_nanguard.detect.confirm import nonfinite_names
 from lightning_nanguard.diagnose.batching import slice_batch
-from lightning_nanguard.diagnose.diagnosis import Diagnosis, diagnose
-from lightning_nanguard.diagnose.lockstep import Lockstep, LockstepRunner
+from lightning_nanguard.diagnose.lockstep import Lockstep
 from lightning_nanguard.diagnose.runner import SubBatchRunner
-from lightning_nanguard.engine.incident.diagnosis import MicroBatch, StepDiagnosis, training_step_of
+from lightning_nanguard.engine.incident.diagnosis import StepDiagnosis, diagnose_micro_batches
+from lightning_nanguard.engine.incident.files import save_incident_files
 from lightning_nanguard.engine.incident.inspector import (
     IncidentInspector,
     event_cause,
     quarantine_items_of,
     quarantine_of,
 )
-from lightning_nanguard.engine.rows.samples import fill_event
 from lightning_nanguard.engine.sharding import ShardingLayout
 
 if TYPE_CHECKING:
-    from lightning.pytorch import LightningModule, Trainer
+    from lightning_nanguard.engine.frontend import FrontEnd
 
 __all__ = ["ShardedIncidentInspector", "inspector_for"]
 
@@ -77,15 +75,9 @@ class ShardedIncidentInspector(IncidentInspector):
         self.layout = layout
         self.agreement = agreement
 
-    def inspect(
-        self,
-        trainer: Trainer,
-        pl_module: LightningModule,
-        health: StepHealth,
-        grads: list[Tensor],
-    ) -> tuple[RankVote, NanEvent | None]:
+    def inspect(self, front: FrontEnd, health: StepHealth, grads: list[Tensor]) -> tuple[RankVote, NanEvent | None]:
         """This rank's report and the event it records (``None``: another rank records it, or none)."""
-        rank = trainer.global_rank
+        rank = front.global_rank
         # a failing rank skips this inspector altogether: with a failure anywhere, no collective here
         # (without other ranks every collective below is local, and the diagnosis runs as usual)
         together = not health.ranks_failed
@@ -96,7 +88,7 @@ class ShardedIncidentInspector(IncidentInspector):
         event: NanEvent | None = None
         spiked = False
         try:
-            event, spiked = self._own_event(trainer, health, grads, grad_norm)
+            event, spiked = self._own_event(front, health, grads, grad_norm)
         except Exception as error:  # never skip the collectives below: this rank fails the step instead
             log.warning("NanGuard: the check of a bad step failed on rank %d: %r", rank, error, exc_info=True)
             failed = True
@@ -104,24 +96,24 @@ class ShardedIncidentInspector(IncidentInspector):
             return self._report(rank, event, spiked, failed), event
         finding = self._finding(rank, health, event, spiked)
         findings = self.agreement.gather(finding)
-        plan = plan_search(findings) if self._may_diagnose(trainer, pl_module) else {}
+        plan = plan_search(findings) if self._may_diagnose(front) else {}
         if plan:
-            event, spiked = self._diagnose_together(trainer, pl_module, plan, findings, event, spiked, grad_norm)
+            event, spiked = self._diagnose_together(front, plan, findings, event, spiked, grad_norm)
         return self._report(rank, event, spiked, failed), event
 
     # ------------------------------------------------------------------ before the search
 
     def _own_event(
-        self, trainer: Trainer, health: StepHealth, grads: list[Tensor], grad_norm: float
+        self, front: FrontEnd, health: StepHealth, grads: list[Tensor], grad_norm: float
     ) -> tuple[NanEvent | None, bool]:
         """This rank's confirmed NaN/Inf event, or its spike event (rank-local: no collective)."""
         event: NanEvent | None = None
         # a NaN/Inf born in another rank's loss or BatchNorm statistics reaches this rank's gradient shards
         someone_elses = health.ranks_others_bad > 0 and not health.others_bad
         if health.bad and not someone_elses:
-            event = self._nonfinite_event(trainer, grads, grad_norm)
+            event = self._nonfinite_event(front, grads, grad_norm)
         if event is None and health.spike and self.spikes is not None:
-            spike = self._spike_event(trainer, grad_norm)
+            spike = self._spike_event(front, grad_norm)
             if spike is not None:
                 return spike, True
         return event, False
@@ -162,8 +154,7 @@ class ShardedIncidentInspector(IncidentInspector):
 
     def _diagnose_together(
         self,
-        trainer: Trainer,
-        pl_module: LightningModule,
+        front: FrontEnd,
         plan: Mapping[tuple[int, ...], float | None],
         findings: Sequence[Finding],
         event: NanEvent | None,
@@ -176,17 +167,25 @@ class ShardedIncidentInspector(IncidentInspector):
         searching = self.layout.peers in plan
         threshold = plan.get(self.layout.peers)
         weights = sorted({name for f in findings for name in f.nonfinite_weights})
-        lockstep = Lockstep(self.layout.peers, self._dummy(trainer, pl_module), device=self.layout.device)
-        outcome = SearchResult(trainer.global_rank, self.layout.peers, searched=searching, event=event)
+        lockstep = Lockstep(self.layout.peers, self._dummy(front), device=self.layout.device)
+        outcome = SearchResult(front.global_rank, self.layout.peers, searched=searching, event=event)
         with self.window.before_step_batchnorm(keep_after=True):
-            chosen: MicroBatch | None = None
-            diagnosis: Diagnosis | None = None
+            found: StepDiagnosis | None = None
             error: str | None = None
             try:
                 if searching:
-                    base = self._base_event(trainer, findings, event, spiked, threshold, grad_norm)
-                    diagnosis, chosen = self._search(trainer, pl_module, lockstep, threshold, weights)
-                    outcome = self._outcome(trainer, base, diagnosis, chosen, threshold)
+                    base = self._base_event(front, findings, event, spiked, threshold, grad_norm)
+                    found = diagnose_micro_batches(
+                        front,
+                        base,
+                        self.window.micro_batches,
+                        self.settings,
+                        reference_batch=self.window.reference,
+                        loss_threshold=threshold,
+                        lockstep=lockstep,
+                        nonfinite_weights=weights,
+                    )
+                    outcome = self._result(front.global_rank, found, threshold)
             except Exception as caught:  # a bug on this rank: it stops searching, the others carry on
                 log.warning("NanGuard: the sharded diagnosis failed on this rank: %r", caught, exc_info=True)
                 error = repr(caught)
@@ -195,20 +194,20 @@ class ShardedIncidentInspector(IncidentInspector):
             outcome = dataclasses.replace(outcome, error=lockstep.failure or error, own=event is not None)
             outcomes = self.agreement.gather(outcome)
             chosen_events = recorders(outcomes)
-            mine = chosen_events.get(trainer.global_rank)
+            mine = chosen_events.get(front.global_rank)
             if mine is not None:
                 try:
                     mine = self._merged(mine, findings, outcomes, lockstep)
                 except Exception as caught:  # the event as found is recorded instead
                     log.warning("NanGuard: could not merge the ranks' findings: %r", caught, exc_info=True)
-            mine = self._save_bundles(trainer, pl_module, mine, chosen_events, diagnosis, chosen)
+            mine = self._save_bundles(front, mine, chosen_events, found)
         if mine is None:
             return None, False
         return mine, set(mine.kinds) <= set(SPIKE_KINDS)
 
     def _base_event(
         self,
-        trainer: Trainer,
+        front: FrontEnd,
         findings: Sequence[Finding],
         event: NanEvent | None,
         spiked: bool,
@@ -219,7 +218,7 @@ class ShardedIncidentInspector(IncidentInspector):
         if threshold is not None:  # a spike search: the rank's own spike event (its peers' are the same)
             if event is not None and spiked:
                 return event
-            return NanEvent.at_step(trainer, self.window.batch_idx, ("loss_spike",), grad_norm=grad_norm)
+            return NanEvent.at_step(front, self.window.batch_idx, ("loss_spike",), grad_norm=grad_norm)
         if event is not None and not spiked:
             return event
         possible: tuple[EventKind, ...] = ("loss", "grad", "bn_stats")
@@ -227,7 +226,7 @@ class ShardedIncidentInspector(IncidentInspector):
         names = tuple(sorted({n for f in findings for n in f.nonfinite_grads}))
         losses = [float(loss.float().sum()) for loss in self.window.losses]
         return NanEvent.at_step(
-            trainer,
+            front,
             self.window.batch_idx,
             kinds,
             nonfinite_grads=names,
@@ -235,13 +234,13 @@ class ShardedIncidentInspector(IncidentInspector):
             grad_norm=grad_norm,
         )
 
-    def _dummy(self, trainer: Trainer, pl_module: LightningModule) -> Callable[[], None]:
+    def _dummy(self, front: FrontEnd) -> Callable[[], None]:
         """The pass a rank runs while others search: a healthy reference sub-batch (identical across peers).
 
         Never raises: without a batch to run, the returned pass raises, and the first tick that needs
         it stops the diagnosis on every rank.
         """
-        slicer = self.settings.slicer_for(pl_module)
+        slicer = self.settings.slicer_for(front.module)
         batch = self.window.reference
         if batch is None and self.window.micro_batches:
             first = self.window.micro_batches[0].batch
@@ -251,12 +250,12 @@ class ShardedIncidentInspector(IncidentInspector):
                 batch = first
         try:
             runner = SubBatchRunner(
-                pl_module,
+                front.module,
                 batch,
-                training_step_of(pl_module),
+                front.step_fn(),
                 self.window.batch_idx,
                 slicer,
-                trainer.precision_plugin.train_step_context,
+                front.step_context,
                 grads_from_graph=True,
             )
         except Exception as error:
@@ -272,64 +271,11 @@ class ShardedIncidentInspector(IncidentInspector):
 
         return run
 
-    def _search(
-        self,
-        trainer: Trainer,
-        pl_module: LightningModule,
-        lockstep: Lockstep,
-        threshold: float | None,
-        weights: Sequence[str],
-    ) -> tuple[Diagnosis | None, MicroBatch | None]:
-        """:func:`diagnose` each micro-batch, every pass a tick; the first that holds the incident."""
-        settings = self.settings
-        if not (settings.bisect or settings.localize):
-            return None, self.window.micro_batches[-1] if self.window.micro_batches else None
-        slicer = settings.slicer_for(pl_module)
-        factory = functools.partial(LockstepRunner, lockstep=lockstep)
-        diagnosis: Diagnosis | None = None
-        chosen: MicroBatch | None = None
-        for micro in self.window.micro_batches:
-            found = diagnose(
-                pl_module,
-                micro.batch,
-                step_fn=training_step_of(pl_module),
-                batch_idx=micro.batch_idx,
-                slicer=slicer,
-                context=trainer.precision_plugin.train_step_context,
-                bisect=settings.bisect,
-                localize_origin=settings.localize,
-                max_passes=settings.max_bisect_passes,
-                reference_batch=self.window.reference,
-                loss_threshold=threshold,
-                source_root=settings.source_root,
-                runner_factory=factory,
-                nonfinite_weights=weights,
-            )
-            # peers share every verdict, so these tests (not the origin, found on one shard) keep them in step
-            if diagnosis is None or found.offending is not None or found.cause is not None:
-                diagnosis, chosen = found, micro
-            if found.offending is not None or found.cause is not None or found.error:
-                break
-        return diagnosis, chosen
-
-    def _outcome(
-        self,
-        trainer: Trainer,
-        base: NanEvent,
-        diagnosis: Diagnosis | None,
-        chosen: MicroBatch | None,
-        threshold: float | None,
-    ) -> SearchResult:
-        rank, peers = trainer.global_rank, self.layout.peers
-        if diagnosis is None or chosen is None:
-            return SearchResult(rank, peers, True, holds=False, event=base)
-        pl_module = trainer.lightning_module
-        slicer = self.settings.slicer_for(pl_module)
-        event = fill_event(base, diagnosis, chosen, self.settings.row_namer(trainer, pl_module, slicer))
-        event = event.replace(batch_idx=chosen.batch_idx)
-        if len(self.window.micro_batches) > 1:
-            position = next(i for i, m in enumerate(self.window.micro_batches) if m is chosen)
-            event = event.replace(details={**event.details, "micro_batch": position})
+    def _result(self, rank: int, found: StepDiagnosis, threshold: float | None) -> SearchResult:
+        """What this rank's search found: whether its batch holds the incident, and the event it filled."""
+        diagnosis, peers = found.diagnosis, self.layout.peers
+        if diagnosis is None or found.micro_batch is None:
+            return SearchResult(rank, peers, True, holds=False, event=found.event)
         located = diagnosis.localization is not None and diagnosis.localization.phase is not None
         holds = (
             diagnosis.error is None
@@ -338,7 +284,7 @@ class ShardedIncidentInspector(IncidentInspector):
         )
         if threshold is not None and diagnosis.offending is None and diagnosis.cause is None:
             holds = False
-        return SearchResult(rank, peers, True, holds=holds, event=event)
+        return SearchResult(rank, peers, True, holds=holds, event=found.event)
 
     def _merged(
         self, event: NanEvent, findings: Sequence[Finding], outcomes: Sequence[SearchResult], lockstep: Lockstep
@@ -363,29 +309,31 @@ class ShardedIncidentInspector(IncidentInspector):
 
     def _save_bundles(
         self,
-        trainer: Trainer,
-        pl_module: LightningModule,
+        front: FrontEnd,
         mine: NanEvent | None,
         chosen_events: Mapping[int, NanEvent],
-        diagnosis: Diagnosis | None,
-        micro: MicroBatch | None,
+        found: StepDiagnosis | None,
     ) -> NanEvent | None:
-        """The recording ranks' context and bundles (their event, naming the bundle); every rank gathers the state."""
+        """The recording ranks' context and bundles (their event, naming the bundle); every rank gathers the state.
+
+        ``found``: this rank's own search (``None`` when it did not search).
+        """
         if self.recorder.sinks.nanguard_dir is None or not chosen_events:
             return mine
         settings = self.settings
         state: Mapping[str, Any] | str | None = None
         if settings.save_repro and settings.max_repro_bundles > 0:  # a collective: every rank gathers
-            state = gathered_state(pl_module, keep=mine is not None)
+            state = gathered_state(front.module, keep=mine is not None)
         if mine is None:
             return None
+        diagnosis = found.diagnosis if found is not None else None
+        micro = found.micro_batch if found is not None else None
         if micro is None and self.window.micro_batches:
             micro = self.window.micro_batches[-1]
-        slicer = settings.slicer_for(pl_module)
-        found = StepDiagnosis(mine, diagnosis, micro, slicer, self.window.reference)
-        return self.recorder.save_incident_files(
-            pl_module, found, settings, module_state=state if state is not None else "not gathered"
-        )
+        slicer = settings.slicer_for(front.module)
+        recorded = StepDiagnosis(mine, diagnosis, micro, slicer, self.window.reference)
+        module_state = state if state is not None else "not gathered"
+        return save_incident_files(self.recorder, front.module, recorded, settings, module_state=module_state)
 
 
 def inspector_for(*parts: Any, sharding: ShardingLayout | None, agreement: RankAgreement) -> IncidentInspector:

@@ -52,7 +52,7 @@ from lightning_nanguard.diagnose.combined import CombinedLayout, LoaderKey
 from lightning_nanguard.diagnose.diagnosis import Diagnosis
 from lightning_nanguard.diagnose.records import RecordCheck, RowRecord, verify_rows
 from lightning_nanguard.engine.data.indices import records_from_batch
-from lightning_nanguard.engine.data.readers import RecordReader, as_training_batch
+from lightning_nanguard.engine.data.readers import RecordReader
 from lightning_nanguard.engine.step.window import MicroBatch
 
 __all__ = ["RecordNotices", "RecordSettings", "RowNamer", "RowRecordsHook"]
@@ -152,21 +152,21 @@ class RowNamer:
         settings: the configuration.
         slicer: cuts rows out of a loader's part (the user's or the module's, else the built-in one).
         hook: the ``row_records`` hook in use (default: the settings' one).
-        trainer: transforms a re-read record with the fit loop's batch hooks (``None``: as collated).
+        front: the front-end, whose batch chain transforms a re-read record (``None``: as collated).
         rank: this process's global rank (in warnings).
     """
 
     settings: RecordSettings
     slicer: Slicer | None = None
     hook: RowRecordsHook | None = None
-    trainer: Any = None
+    front: Any = None
     rank: int = 0
 
     @classmethod
-    def for_module(cls, settings: RecordSettings, slicer: Slicer | None, trainer: Any, pl_module: Any) -> RowNamer:
-        """The namer of a fit: the hook given, else the module's ``nanguard_row_records``; the fit's batch hooks."""
-        hook = settings.row_records or getattr(pl_module, "nanguard_row_records", None)
-        return cls(settings, slicer, hook, trainer, int(getattr(trainer, "global_rank", 0)))
+    def for_module(cls, settings: RecordSettings, slicer: Slicer | None, front: Any) -> RowNamer:
+        """The namer of a fit: the hook given, else the module's ``nanguard_row_records``; the loop's batch chain."""
+        hook = settings.row_records or getattr(front.module, "nanguard_row_records", None)
+        return cls(settings, slicer, hook, front, int(getattr(front, "global_rank", 0)))
 
     def name(self, event: NanEvent, diagnosis: Diagnosis, micro: MicroBatch, extra: Sequence[int] = ()) -> NanEvent:
         """``event`` with the records of its offending rows, verified or not; ``micro.row_indices`` set.
@@ -252,9 +252,9 @@ class RowNamer:
 
     def _read(self, reader: RecordReader, index: int, part: _Part) -> Any:
         record = reader.read(index)
-        if self.trainer is None:
+        if self.front is None:
             return record
-        return as_training_batch(self.trainer, record, part.layout, part.position, part.whole)
+        return self.front.as_training_batch(record, part.layout, part.position, part.whole)
 
     def _from_hook(self, hook: RowRecordsHook, part: _Part, rows: list[int]) -> dict[int, _Named]:
         try:

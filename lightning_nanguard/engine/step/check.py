@@ -1,82 +1,123 @@
-"""The Lightning side of :mod:`lightning_nanguard.detect.check`: this rank's flags for one optimizer step.
+"""This rank's flags for one optimizer step (:mod:`lightning_nanguard.detect.check` on the step), and a check now.
 
-:func:`step_flags` runs the fused check on what a Trainer's step produced: the gradients the
+:func:`step_flags` runs the fused check on what a step produced: the gradients the
 optimizer is about to apply, the step's losses and BatchNorm statistics (kept by the
 :class:`~lightning_nanguard.engine.step.window.StepWindow`), the GradScaler's own NaN/Inf flag where it
 has one, and the loss-spike flag. The result stays on the device (the controller reduces it over
-ranks and reads it once).
+ranks and reads it once). :func:`check_module` is the check of ``NanGuard.check``, for manual loops.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.decide.policy import local_vector
+from lightning_nanguard.detect.batchnorm import batchnorm_buffers
 from lightning_nanguard.detect.check import fused_health_check
+from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_names
 from lightning_nanguard.detect.syncfree import scaler_found_inf
-from lightning_nanguard.trainer.parts import grad_scaler
 
 if TYPE_CHECKING:
-    from lightning.pytorch import LightningModule, Trainer
     from torch.optim import Optimizer
 
-    from lightning_nanguard.engine.recording import IncidentRecorder
+    from lightning_nanguard.engine.frontend import FrontEnd
     from lightning_nanguard.engine.sharding import ShardingLayout
     from lightning_nanguard.engine.step.spikes import SpikeWatch
     from lightning_nanguard.engine.step.window import StepWindow
 
-__all__ = ["loss_scale", "step_flags"]
+__all__ = ["check_module", "loss_scale", "next_loss_scale", "step_flags"]
 
 
 def step_flags(
-    trainer: Trainer,
-    pl_module: LightningModule,
+    front: FrontEnd,
     optimizer: Optimizer,
     grads: list[Tensor],
     window: StepWindow,
     spikes: SpikeWatch | None,
     with_norm: bool,
-    recorder: IncidentRecorder,
     sharding: ShardingLayout | None = None,
 ) -> Tensor:
     """This rank's flags from the fused check, laid out as :data:`~lightning_nanguard.decide.policy.LOCAL_FIELDS`.
 
     No host read. The gradient norm is computed when ``with_norm`` (``clip_grad``) or on the
-    Trainer's logging steps. Under a GradScaler that has unscaled this optimizer's gradients
+    loop's logging steps. Under a GradScaler that has unscaled this optimizer's gradients
     (Lightning does so before ``on_before_optimizer_step`` for optimizers that are not fused) the
     scaler has just tested every gradient for NaN/Inf: its flag is used, and the gradients are not
     read a second time (unless the norm is due). Under sharding (``sharding``) the check reads local
     shards and slot 1 holds this rank's share of the squared norm, completed by the step's reduce.
     """
     bn = window.batchnorm_buffers
-    norm_due = with_norm or recorder.logging_due(trainer)
-    scaler_flag = None if norm_due else scaler_found_inf(grad_scaler(trainer), optimizer)
+    norm_due = with_norm or front.logging_due()
+    scaler_flag = None if norm_due else scaler_found_inf(front.grad_scaler, optimizer)
     check = sharding.check if sharding is not None else fused_health_check
     summary = check(
         grads if scaler_flag is None else [],
         others=[*window.losses, *(t for _, t in bn if t.is_floating_point())],
         nonnegative=window.running_vars,
-        device=pl_module.device,
+        device=window.device,
         with_norm=norm_due,
     )
     if scaler_flag is not None:
         flag = scaler_flag.reshape(1).to(device=summary.device, dtype=summary.dtype)
         summary = torch.cat((summary[0:1] + flag, summary[1:]))
     spike = loss = None
-    if spikes is not None and pl_module.automatic_optimization:
-        loss = window.step_loss(loss_scale(trainer))
+    if spikes is not None and front.automatic_optimization:
+        loss = window.step_loss(loss_scale(front.grad_scaler))
         # sharded: slot 1 holds this rank's share of the squared norm, not the norm (its spikes are not watched)
         spike = spikes.check(loss, summary[1:2] if with_norm and sharding is None else None)
     return local_vector(summary, spike, loss=loss)
 
 
-def loss_scale(trainer: Trainer) -> Tensor | None:
+def loss_scale(scaler: Any) -> Tensor | None:
     """The GradScaler's scale as a device tensor (no host read), ``None`` without one."""
-    scaler = grad_scaler(trainer)
     if scaler is None or not scaler.is_enabled():
         return None
     scale = getattr(scaler, "_scale", None)  # the device tensor behind get_scale(), which reads it to the host
     return scale if isinstance(scale, Tensor) else None
+
+
+def next_loss_scale(scaler: Any, updated: bool = False) -> float | None:
+    """The loss scale a GradScaler uses after this step's overflow (``None``: no active scaler).
+
+    ``updated``: the scaler has updated since the step (a step resolved one step late): its scale now.
+    """
+    if scaler is None or not scaler.is_enabled():
+        return None
+    if updated:
+        return float(scaler.get_scale())
+    return float(scaler.get_scale()) * scaler.get_backoff_factor()  # what update() sets after an overflow
+
+
+def check_module(front: Any, module: nn.Module, loss: Tensor | None, batch_idx: int) -> NanEvent | None:
+    """The event of ``module``'s NaN/Inf gradients, BatchNorm statistics, weights or ``loss`` now (``None``: none).
+
+    For manual optimisation and custom loops (``NanGuard.check``); one host read per device.
+
+    Example:
+        >>> net = nn.Linear(2, 1)
+        >>> net(torch.tensor([[float("nan"), 1.0]])).sum().backward()
+        >>> check_module(None, net, None, 0).kinds
+        ('grad',)
+    """
+    named = list(module.named_parameters())
+    bad_grads = tuple(nonfinite_names((n, p.grad) for n, p in named if p.grad is not None))
+    bad_buffers = tuple(bad_batchnorm_names(batchnorm_buffers(module)))
+    bad_params = tuple(nonfinite_names(named))
+    loss_bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
+    flags = (("loss", loss_bad), ("grad", bad_grads), ("bn_stats", bad_buffers), ("param", bad_params))
+    kinds = tuple(kind for kind, bad in flags if bad)
+    if not kinds:
+        return None
+    return NanEvent.at_step(
+        front,
+        batch_idx,
+        kinds,  # type: ignore[arg-type]
+        nonfinite_grads=bad_grads,
+        nonfinite_buffers=bad_buffers,
+        nonfinite_params=bad_params,
+        loss=float(loss.detach().float().sum()) if loss is not None else None,
+    )

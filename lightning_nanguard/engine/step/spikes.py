@@ -1,4 +1,4 @@
-"""The Lightning side of :mod:`lightning_nanguard.detect.spikes`: which values are watched, and what a spike says.
+"""Which values the loss-spike check watches, and what a spike says (:mod:`lightning_nanguard.detect.spikes` at a step).
 
 A :class:`SpikeWatch` owns the :class:`~lightning_nanguard.detect.spikes.SpikeDetector` of the step loss
 and, when the gradient norm is computed on every step anyway (``clip_grad``), one of the norm. Per

@@ -1,4 +1,4 @@
-"""The Lightning side of :mod:`lightning_nanguard.detect.syncfree`: skip on the device now, read the verdict later.
+"""Skip on the device now, read the flags later (:mod:`lightning_nanguard.detect.syncfree` at a step).
 
 In the default mode the guard reads one small tensor to the host per step; on a GPU that read
 stalls the CPU until the step's kernels have run. In the sync-free mode the decision to drop the
@@ -32,31 +32,8 @@ from lightning_nanguard.decide.policy import LOCAL_FIELDS, Policy, shared_part
 from lightning_nanguard.detect.syncfree import DeferredRead, DeviceSkip, SelectRestore, device_skip_unsupported
 from lightning_nanguard.engine.step.window import MicroBatch, StepWindow
 from lightning_nanguard.recover.remedies import clip_gradients_
-from lightning_nanguard.trainer.parts import grad_scaler
 
-__all__ = ["DeferredStep", "StepView", "SyncFreeSteps"]
-
-
-class StepView:
-    """The Trainer as seen from an earlier step: ``global_step`` and ``current_epoch`` of that step.
-
-    Everything else is the Trainer's. Events, scalars and messages of a step resolved one step
-    late name the step they belong to.
-
-    Example:
-        >>> from types import SimpleNamespace
-        >>> view = StepView(SimpleNamespace(global_step=8, current_epoch=1, global_rank=0), 7, 1)
-        >>> view.global_step, view.global_rank
-        (7, 0)
-    """
-
-    def __init__(self, trainer: Any, global_step: int, current_epoch: int) -> None:
-        self._trainer = trainer
-        self.global_step = global_step
-        self.current_epoch = current_epoch
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._trainer, name)
+__all__ = ["DeferredStep", "SyncFreeSteps"]
 
 
 @dataclass
@@ -125,7 +102,7 @@ class SyncFreeSteps:
 
     def defer_step(
         self,
-        trainer: Any,
+        front: Any,
         optimizer: Any,
         grads: list[Tensor],
         vector: Tensor,
@@ -148,13 +125,13 @@ class SyncFreeSteps:
             skip = skip + nonfinite
         if policy.spike_action == "skip":
             skip = skip + spike
-        if not self.skip_on_device(optimizer, grad_scaler(trainer), skip):
+        if not self.skip_on_device(optimizer, front.grad_scaler, skip):
             return False
         if clip_threshold is not None:
             clip_gradients_(grads, vector[1], clip_threshold)
         step = DeferredStep(
-            global_step=trainer.global_step,
-            epoch=trainer.current_epoch,
+            global_step=front.global_step,
+            epoch=front.current_epoch,
             batch_idx=window.batch_idx,
             micro_batches=window.micro_batches,
             losses=window.losses,

@@ -8,10 +8,10 @@ keep, or to undo, about that step, and is the only place that touches the BatchN
 - the losses (for the check and the loss-spike statistic);
 - the BatchNorm buffers as they were before the first forward: captured when the window opens,
   restored when the step is discarded or diagnosed;
-- what the step's ``training_step`` adds to what users monitor: the epoch aggregates of
-  ``self.log`` (:class:`~lightning_nanguard.trainer.logged_values.LoggedValues`) and the states of
-  the module's torchmetrics metrics (:class:`~lightning_nanguard.recover.metrics.MetricStates`),
-  captured when the window opens and put back when the step is dropped;
+- what the step's training step adds to what users monitor: the states of the module's
+  torchmetrics metrics (:class:`~lightning_nanguard.recover.metrics.MetricStates`) and, through the
+  front-end, what the loop logged (the Trainer's ``self.log`` epoch aggregates), captured when the
+  window opens and put back when the step is dropped;
 - a small known-good reference sub-batch, refreshed rarely from a healthy step (a diagnosis runs
   it to tell "the model state is at fault" from "these samples are").
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -43,12 +43,28 @@ from lightning_nanguard.diagnose.combined import CombinedBatch, CombinedIndices
 from lightning_nanguard.engine.data.readers import RecordReader
 from lightning_nanguard.recover.batchnorm import BatchNormSnapshot
 from lightning_nanguard.recover.metrics import MetricStates
-from lightning_nanguard.trainer.logged_values import LoggedValues
 
-__all__ = ["MicroBatch", "StepWindow"]
+if TYPE_CHECKING:
+    from lightning_nanguard.engine.frontend import FrontEnd
+
+__all__ = ["MicroBatch", "StepWindow", "module_device"]
 
 Slicer = Callable[[Any, Sequence[int]], Any]
 REFERENCE_SIZE = 2  # BatchNorm in train mode refuses a single sample
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where ``module`` computes: its own ``device`` (a LightningModule's), else its first parameter's, else CPU.
+
+    Example:
+        >>> module_device(nn.Linear(2, 1))
+        device(type='cpu')
+    """
+    device = getattr(module, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    first = next(module.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 @dataclass
@@ -86,15 +102,15 @@ class StepWindow:
         self._track_batchnorm = True
         self.metrics: MetricStates | None = None
         self.metrics_changed = False  # a metric's state became unrestorable at the last capture
-        self.logged = LoggedValues()
-        self._clip_val: float | None = None  # the Trainer's gradient_clip_val, off during a discarded step
+        self.logged_unsupported: str | None = None  # why the loop's logged values cannot be put back
+        self.device = torch.device("cpu")  # where the module computes: the flags are made there
 
     def attach(self, module: nn.Module, track_batchnorm: bool) -> None:
         """Find the BatchNorm buffers and torchmetrics metrics of ``module`` (once the model sits on its device)."""
         self._bn = BatchNormSnapshot(module)
         self._track_batchnorm = track_batchnorm
         self.metrics = MetricStates(module)
-        self.logged = LoggedValues()
+        self.device = module_device(module)
         self.open = False
 
     def follow(self) -> bool:
@@ -115,14 +131,15 @@ class StepWindow:
             self._bn.module = module
             self._bn.refresh()
         self.metrics = MetricStates(module)
+        self.device = module_device(module)
 
     # ------------------------------------------------------------------ one optimizer step
 
-    def begin(self, checking: bool, trainer: Any = None) -> None:
+    def begin(self, checking: bool, front: FrontEnd | None = None) -> None:
         """Open the window of a new optimizer step; if it is checked (it may be dropped), capture its state.
 
-        The BatchNorm buffers, the torchmetrics states and (with a ``trainer``) the epoch aggregates
-        of ``self.log``: no host read, a fused device copy of the metric states, references otherwise.
+        The BatchNorm buffers, the torchmetrics states and (with a ``front``) what the loop logs: no
+        host read, a fused device copy of the metric states, references otherwise.
         """
         self.open = True
         self.checking = checking
@@ -134,8 +151,8 @@ class StepWindow:
             self._bn.capture()
         if self.metrics and self.metrics.capture():
             self.metrics_changed = True
-        if trainer is not None:
-            self.logged.capture(trainer)
+        if front is not None:
+            self.logged_unsupported = front.keep_logged()
 
     def add_batch(
         self,
@@ -220,33 +237,27 @@ class StepWindow:
                 with torch.no_grad():
                     torch._foreach_copy_([t for _, t in self._bn.named_buffers], current)
 
-    def discard_update(self, optimizer: Any, trainer: Any = None) -> None:
+    def discard_update(self, optimizer: Any, front: FrontEnd | None = None) -> None:
         """Make the coming ``optimizer.step`` a no-op and undo the step's BatchNorm updates, metrics and logs.
 
-        The Trainer's gradient clipping, which runs between this hook and the step, is off for this
-        step (:meth:`resume_clipping` after it): there is nothing to clip, and ``clip_grad_value_`` of
-        torch fails on a step without gradients.
+        The loop's own gradient clipping, which runs between the check and the step, is off for this
+        step (the front-end's ``resume_clipping`` after it): there is nothing to clip, and
+        ``clip_grad_value_`` of torch fails on a step without gradients.
         """
         for group in optimizer.param_groups:
             for param in group["params"]:
                 param.grad = None  # optimizers skip parameters without grad: no state change at all
         self.restore_batchnorm()
-        self.drop_logged(trainer)
-        if trainer is not None and getattr(trainer, "gradient_clip_val", None) is not None:
-            self._clip_val, trainer.gradient_clip_val = trainer.gradient_clip_val, None
+        self.drop_logged(front)
+        if front is not None:
+            front.suspend_clipping()
 
-    def resume_clipping(self, trainer: Any) -> None:
-        """Give the Trainer its gradient clipping back after a discarded step (see :meth:`discard_update`)."""
-        if self._clip_val is not None:
-            trainer.gradient_clip_val, self._clip_val = self._clip_val, None
-
-    def drop_logged(self, trainer: Any = None) -> None:
-        """Undo what the step added to the torchmetrics states and (with a ``trainer``) the ``self.log`` aggregates."""
+    def drop_logged(self, front: FrontEnd | None = None) -> None:
+        """Undo what the step added to the torchmetrics states and (with a ``front``) what the loop logged."""
         if self.metrics:
             self.metrics.restore()
-        if trainer is not None:
-            self.logged.restore(trainer)
-            self.logged.remember_monitors(trainer)
+        if front is not None:
+            front.drop_logged()
 
     # ------------------------------------------------------------------ reference sample
 

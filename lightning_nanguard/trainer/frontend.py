@@ -1,0 +1,181 @@
+"""The Trainer as the step engine's front-end: what the engine needs, read off a ``Trainer`` and its module.
+
+:class:`TrainerFrontEnd` implements :class:`~lightning_nanguard.engine.frontend.FrontEnd` for one
+fit: the callback makes one at ``setup`` and hands it to the engine at every hook. Everything here
+is Lightning's: the precision plugin (GradScaler, autocast, input conversion), the strategy
+(collectives, device transfer), the loggers and the logger connector (what is due, the progress
+bar), the fit loop's ``self.log`` aggregates and ``gradient_clip_val``.
+
+Example:
+    >>> from lightning.pytorch import Trainer
+    >>> from lightning.pytorch.demos.boring_classes import BoringModel
+    >>> trainer = Trainer(logger=False, enable_checkpointing=False)
+    >>> front = TrainerFrontEnd(trainer, BoringModel())
+    >>> front.grad_scaler is None, front.world_size, front.automatic_optimization  # 32-bit, one process
+    (True, 1, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from lightning_nanguard.engine.recording import Count
+from lightning_nanguard.trainer._compat import TENSORBOARD_LOGGER_TYPES
+from lightning_nanguard.trainer.logged_values import LoggedValues
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+
+    from lightning_nanguard.diagnose.combined import CombinedLayout
+
+__all__ = ["TrainerFrontEnd", "training_step_of"]
+
+
+def training_step_of(pl_module: LightningModule) -> Callable[[Any, int], Any]:
+    """The module's own ``training_step`` (the original one under ``torch.compile``)."""
+    compiler_ctx = getattr(pl_module, "_compiler_ctx", None)
+    if compiler_ctx and compiler_ctx.get("original_training_step") is not None:
+        original = compiler_ctx["original_training_step"]
+        return lambda batch, batch_idx: original(batch, batch_idx)
+    return pl_module.training_step
+
+
+class TrainerFrontEnd:
+    """The engine's view of one fit (see module docs); ``trainer`` and ``pl_module`` as the hooks get them."""
+
+    def __init__(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.trainer = trainer
+        self.module = pl_module
+        self.logged = LoggedValues()  # the epoch aggregates of `self.log`, kept for a possible drop
+        self._clip_val: float | None = None  # the Trainer's gradient_clip_val, off during a dropped step
+
+    # ------------------------------------------------------------------ where the run is
+
+    @property
+    def global_step(self) -> int:
+        return self.trainer.global_step
+
+    @property
+    def current_epoch(self) -> int:
+        return self.trainer.current_epoch
+
+    @property
+    def global_rank(self) -> int:
+        return self.trainer.global_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.trainer.is_global_zero
+
+    # ------------------------------------------------------------------ the model and its step
+
+    @property
+    def automatic_optimization(self) -> bool:
+        return self.module.automatic_optimization
+
+    @property
+    def optimizers(self) -> Sequence[Any]:
+        return self.trainer.optimizers
+
+    @property
+    def strategy(self) -> Any:
+        return self.trainer.strategy
+
+    @property
+    def grad_scaler(self) -> Any:
+        return getattr(self.trainer.precision_plugin, "scaler", None)
+
+    @property
+    def lr_schedulers(self) -> list[Any]:
+        return [config.scheduler for config in getattr(self.trainer, "lr_scheduler_configs", [])]
+
+    # ------------------------------------------------------------------ re-running a step
+
+    def step_fn(self) -> Callable[[Any, int], Any]:
+        return training_step_of(self.module)
+
+    def step_context(self) -> AbstractContextManager[Any]:
+        return self.trainer.precision_plugin.train_step_context()
+
+    def as_training_batch(
+        self, record: Any, layout: CombinedLayout | None = None, part: int = 0, batch: Any = None
+    ) -> Any:
+        """``record`` as the fit loop transforms a collated batch (``loops/training_epoch_loop.py``).
+
+        The precision plugin's ``convert_input``, the ``on_before_batch_transfer`` hook, and the
+        strategy's ``batch_to_device``, which calls the ``transfer_batch_to_device`` and
+        ``on_after_batch_transfer`` hooks (of the LightningModule, or of the datamodule when it
+        defines them), always with ``dataloader_idx=0`` as the fit loop does. With several training
+        loaders (``layout``) those hooks receive the combined batch: the record replaces loader
+        ``part``'s part of a copy of ``batch`` (the other parts as they are), and that part is
+        returned. Raises whatever a hook raises (the caller leaves the row unverified, with the reason).
+        """
+        trainer = self.trainer
+        combined = record if layout is None else layout.with_parts(batch, {part: record})
+        combined = trainer.precision_plugin.convert_input(combined)
+        combined = trainer.lightning_module._on_before_batch_transfer(combined, dataloader_idx=0)
+        combined = trainer.strategy.batch_to_device(combined, dataloader_idx=0)
+        return combined if layout is None else layout.part(combined, part)
+
+    # ------------------------------------------------------------------ around the step
+
+    def keep_logged(self) -> str | None:
+        self.logged.capture(self.trainer)
+        return self.logged.unsupported
+
+    def drop_logged(self) -> None:
+        self.logged.restore(self.trainer)
+        self.logged.remember_monitors(self.trainer)
+
+    def suspend_clipping(self) -> None:
+        if getattr(self.trainer, "gradient_clip_val", None) is not None:
+            self._clip_val, self.trainer.gradient_clip_val = self.trainer.gradient_clip_val, None
+
+    def resume_clipping(self) -> None:
+        if self._clip_val is not None:
+            self.trainer.gradient_clip_val, self._clip_val = self._clip_val, None
+
+    # ------------------------------------------------------------------ where to log
+
+    def log_dir(self) -> str:
+        """The first TensorBoardLogger's ``log_dir``, else ``trainer.log_dir``, else ``default_root_dir``.
+
+        Rank zero's answer, broadcast (one collective on every rank, as ``trainer.log_dir`` does), so
+        that every rank writes to the same directory.
+        """
+        trainer = self.trainer
+        board = next((lg for lg in trainer.loggers if isinstance(lg, TENSORBOARD_LOGGER_TYPES)), None)
+        if board is None:
+            return str(trainer.log_dir or trainer.default_root_dir)
+        return str(trainer.strategy.broadcast(board.log_dir))
+
+    @property
+    def loggers(self) -> Sequence[Any]:
+        return self.trainer.loggers
+
+    def tensorboard_writers(self) -> Sequence[Any]:
+        return [lg.experiment for lg in self.trainer.loggers if isinstance(lg, TENSORBOARD_LOGGER_TYPES)]
+
+    def logging_due(self) -> bool:
+        """Whether the Trainer logs metrics at this step (``log_every_n_steps``)."""
+        if not self.trainer.loggers:
+            return False
+        connector = getattr(self.trainer, "_logger_connector", None)
+        return bool(connector.should_update_logs) if connector is not None else True
+
+    @property
+    def progress_bar(self) -> Any:
+        return getattr(self.trainer, "progress_bar_callback", None)
+
+    def show_in_progress_bar(self, key: str, value: int) -> None:
+        """Lightning keeps the bar's values in its logger connector: a value put there is shown as is."""
+        connector = getattr(self.trainer, "_logger_connector", None)
+        metrics = getattr(connector, "_progress_bar_metrics", None)
+        if isinstance(metrics, dict):
+            metrics[key] = Count(value)
