@@ -72,7 +72,7 @@ def _replay(args: argparse.Namespace) -> int:
         batch_idx=bundle.batch_idx,
         max_passes=args.max_passes,
         known_good=bundle.meta.get("reference_positions") or (),
-        reference_batch=bundle.reference_batch,  # a "batch" verdict's healthy samples, when saved
+        reference_batch=bundle.reference_batch,  # a "batch" cause's healthy samples, when saved
         loss_threshold=saved.details.get("loss_threshold"),
         source_root=bundle.meta.get("source_root"),
         # a bundle of some samples of the batch: training already found them at fault, not the model state

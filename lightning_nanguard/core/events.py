@@ -5,6 +5,19 @@
 never renamed or removed. ``sample_loaders`` (several training loaders) is written only when set,
 so the events of a run with one training loader are the same as before it existed; so are
 ``indices_verified``, ``blame_verified`` and ``sample_records``, written only when set.
+
+Glossary (each word has one meaning throughout the package; fuller in ``docs/glossary.md``):
+
+- **event**: the record of one bad step on one rank, a :class:`NanEvent` (one line of ``events.jsonl``).
+- **incident**: a bad step the guard investigates: NaN/Inf confirmed element-wise (not an AMP overflow).
+- **cause**: what the diagnosis concludes about an incident or spike (:data:`EventCause`, ``NanEvent.cause``).
+- **finding**: what one rank found on a bad step before the search, shared to plan it (``decide.sharded.Finding``).
+- **vote**: what one rank puts into the shared step decision (``decide.policy.RankVote``).
+- **search result**: what one rank's search gave, shared to choose who records (``decide.sharded.SearchResult``).
+- **flags**: the device-side 0/1 values of a step's check, read by the host once (or one step late, sync-free).
+- **origin**: where the first NaN/Inf was born: phase, op, module, source line (``diagnose.localization.Localization``).
+- **pass result**: what one pass of a sub-batch gave, ``(bad, non-finite)`` (``diagnose.lockstep.PassResult``).
+- **bundle**: the directory that lets ``replay`` re-run a bad step in a fresh process (``reporting.repro``).
 """
 
 from __future__ import annotations
@@ -78,7 +91,7 @@ class NanEvent:
         grad_norm: global L2 norm of all gradients of the step (``inf``/``nan`` allowed).
         nonfinite_params: qualified names of parameters whose values hold NaN/Inf.
         details: free-form notes (why samples were not attributable, source text, hints).
-        cause: the verdict of the diagnosis: ``"data"`` (a proper subset of the samples reproduces
+        cause: what the diagnosis concluded: ``"data"`` (a proper subset of the samples reproduces
             it), ``"input"`` (the batch itself holds NaN/Inf), ``"state"`` (the weights or optimizer
             state are at fault: no sample is to blame), ``"interaction"`` (samples that fail only
             together), ``"batch"`` (the batch as a whole: samples fail on their own or together, but

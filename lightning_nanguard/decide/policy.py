@@ -62,8 +62,8 @@ LOCAL_FIELDS: tuple[str, ...] = ("bad", "grad_norm", "others_bad", "spike", "fai
 SHARED_FIELDS: tuple[str, ...] = ("bad", "others_bad", "spike", "failed")
 """The flags summed over ranks (DDP), in the order of :func:`shared_part`."""
 
-# Which cause wins when ranks disagree: the weights are shared, so a state verdict anywhere is the
-# verdict; then NaN/Inf in a batch, then samples that reproduce it, then samples that only fail together,
+# Which cause wins when ranks disagree: the weights are shared, so a state cause anywhere is the
+# cause; then NaN/Inf in a batch, then samples that reproduce it, then samples that only fail together,
 # then a batch that fails only as a whole (a degenerate batch: no record and no weight is at fault).
 _CAUSE_PRIORITY = ("state", "input", "data", "interaction", "batch")
 
@@ -248,7 +248,7 @@ class StepDecision:
         discard: drop this step's update (gradients to ``None``, BatchNorm statistics restored).
         escalation: the rule that made the guard raise whatever ``action`` is configured.
         rollback_due: restore the last good snapshot after the optimizer step.
-        cause: the shared verdict of the incident.
+        cause: the shared cause of the incident.
         quarantine: dataset indices to quarantine (union over ranks).
         culprit_module: module for ``raise_eps`` (lowest reporting rank).
         quarantine_items: ``(loader key, dataset index)`` to quarantine, several loaders (union over ranks).

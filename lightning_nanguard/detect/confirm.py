@@ -3,7 +3,7 @@
 The per-step check (:mod:`~lightning_nanguard.detect.check`) flags a *candidate*: a finite tensor
 can overflow its sum or norm. These functions run only on a flagged step and name the tensors,
 with one host read per device in all. A sharded tensor (``DTensor``) is read on its local shard:
-the caller agrees with the other ranks when the verdict must be shared.
+the caller agrees with the other ranks when what they found must be shared.
 """
 
 from __future__ import annotations

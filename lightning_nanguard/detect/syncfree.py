@@ -217,7 +217,7 @@ class DeviceSkip:
 class SelectRestore:
     """A copy of some tensors, put back on the device where a flag is set: ``live = where(flag, saved, live)``.
 
-    Made for BatchNorm running statistics in a step whose verdict the host does not know yet. One
+    Made for BatchNorm running statistics in a step whose flags the host has not read yet. One
     flat buffer per (device, dtype) holds the copy; :meth:`capture` and :meth:`restore_where_` are
     a few foreach kernels per group whatever the number of tensors, and never synchronise. The
     select is exact (bitwise) and NaN-safe, unlike arithmetic blending (``NaN * 0`` is NaN), and

@@ -1,6 +1,6 @@
 """The cause of a bad step, decided before any bisection: the batch itself, or the model state.
 
-Two verdicts come before the search for offending samples, because when they hold no sample is
+Two causes are decided before the search for offending samples, because when they hold no sample is
 to blame for the model, or the samples are found without running the model:
 
 - ``"input"`` (:func:`check_input`): the batch itself holds NaN/Inf. The samples are read off the
@@ -121,7 +121,7 @@ def _empties_a_loader(runner: SubBatchRunner, samples: Sequence[int]) -> bool:
 
 
 def probe_positions(n: int) -> list[int]:
-    """The single samples probed for a state verdict: the middles of the batch's three thirds.
+    """The single samples probed for the ``"state"`` cause: the middles of the batch's three thirds.
 
     Spread out, so that a run of consecutive bad samples (an unshuffled corrupt shard) or every
     other sample cannot cover them all unless it covers most of the batch.

@@ -335,7 +335,7 @@ def _state_diagnosis(
     localize_origin: bool,
     common: dict[str, Any],
 ) -> Diagnosis:
-    """The model state is at fault (no sample named), or nothing reproduced (no verdict)."""
+    """The model state is at fault (no sample named), or nothing reproduced (no cause)."""
     passes = runner.passes + (reference.passes if reference is not None else 0)
     if not state.state:
         return Diagnosis(
@@ -407,7 +407,7 @@ def _search_diagnosis(
                 f"samples {list(blame.failed_alone)} failed only without healthy company (not named): "
                 "the batch's composition, not these records"
             )
-    elif blame.unverified:  # named, but no verdict: a record or the batch as a whole may be at fault
+    elif blame.unverified:  # named, but not checked: a record or the batch as a whole may be at fault
         offending, blame_verified = sorted(blame.unverified), False
         notes.append(f"not checked beside healthy samples: {blame.reason}")
     elif result.interacting:

@@ -191,7 +191,7 @@ def localize(
         if backward is not None:
             backward.remove()
     common["grads_finite"] = grads_finite
-    return _verdict(module, tracer, backward, common, source_root)
+    return _origin(module, tracer, backward, common, source_root)
 
 
 def _input_fields(batch: Any, size: int | None) -> list[BatchField]:
@@ -204,7 +204,7 @@ def _input_fields(batch: Any, size: int | None) -> list[BatchField]:
         return [] if finite(leaves) else ["<batch>"]
 
 
-def _verdict(
+def _origin(
     module: nn.Module,
     tracer: ForwardTracer,
     backward: BackwardTracer | None,

@@ -8,12 +8,12 @@ the same sub-batch).
 
 :class:`Lockstep` is the protocol. Time is cut into *ticks*. In each tick every rank of the world
 says whether it can run its pass and whether it is done (one small ``all_gather``), runs exactly
-one forward/backward pass, and shares its verdict (a second one, of ``[bad, non-finite, has loss,
+one forward/backward pass, and shares its pass result (a second one, of ``[bad, non-finite, has loss,
 done, failed]`` per rank):
 
 - a rank that *searches* (its batch holds the incident) runs the pass its diagnosis asks for
   (:class:`LockstepRunner` is the :class:`~lightning_nanguard.diagnose.runner.SubBatchRunner` whose
-  every pass is a tick) and reads back the verdict of the ranks sharing its batch (tensor-parallel
+  every pass is a tick) and reads back the pass results of the ranks sharing its batch (tensor-parallel
   ranks search one batch together: a NaN/Inf in any of their shards makes the sub-batch bad for
   all of them, so they follow the same search);
 - a rank that does not search, or has finished, runs a *dummy* pass (a healthy reference
@@ -28,7 +28,7 @@ done, failed]`` per rank):
 
 The gradients of a pass are this rank's own: they are taken with respect to the leaves of the
 loss's graph (under FSDP2 the unsharded parameters the forward used), so nothing is
-reduce-scattered and no rank's verdict mixes in another's samples.
+reduce-scattered and no rank's pass result mixes in another's samples.
 
 Example (one process: a lockstep of one rank is a plain diagnosis):
     >>> step = Lockstep(peers=[0], dummy=lambda: None)
@@ -53,7 +53,7 @@ __all__ = ["Lockstep", "LockstepAborted", "LockstepRunner"]
 
 log = logging.getLogger("lightning_nanguard")
 
-Verdict = tuple[bool, bool]  # (bad, non-finite)
+PassResult = tuple[bool, bool]  # what one pass gave: (bad, non-finite)
 _BAD, _NONFINITE, _HAS_LOSS, _DONE, _FAILED = range(5)
 
 
@@ -100,8 +100,8 @@ class Lockstep:
         """Whether other ranks take part."""
         return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
 
-    def tick(self, run: Callable[[], Verdict | None], failure: BaseException | None = None) -> Verdict | None:
-        """Run ``run`` (one pass) with every rank; the verdict of the ranks sharing this batch.
+    def tick(self, run: Callable[[], PassResult | None], failure: BaseException | None = None) -> PassResult | None:
+        """Run ``run`` (one pass) with every rank; the pass result of the ranks sharing this batch.
 
         ``failure``: this rank cannot run its pass (then no rank runs it, and every rank stops).
         Returns ``None`` when no rank sharing the batch got a loss out of the step.
@@ -114,13 +114,13 @@ class Lockstep:
         if failure is None and self.passes >= self.max_passes:
             failure = RuntimeError(f"more than {self.max_passes} passes")
         self._stop_if_failed(self._exchange(None, done=False, failed=failure is not None), failure)
-        verdict: Verdict | None = None
+        result: PassResult | None = None
         try:
-            verdict = run()
-        except Exception as error:  # said to every rank in the verdict, re-raised as LockstepAborted
+            result = run()
+        except Exception as error:  # said to every rank in the exchange, re-raised as LockstepAborted
             failure = error
         self.passes += 1
-        table = self._exchange(verdict, done=False, failed=failure is not None)
+        table = self._exchange(result, done=False, failed=failure is not None)
         self._stop_if_failed(table, failure)
         rows = table[self._peer_rows()]
         if not bool(rows[:, _HAS_LOSS].any()):
@@ -157,10 +157,10 @@ class Lockstep:
             return [0]
         return self.peers
 
-    def _exchange(self, verdict: Verdict | None, done: bool, failed: bool) -> torch.Tensor:
+    def _exchange(self, result: PassResult | None, done: bool, failed: bool) -> torch.Tensor:
         """Every rank's flags, one row per rank (one ``all_gather`` and one host read)."""
-        bad, nonfinite = verdict if verdict is not None else (False, False)
-        flags = [float(bad), float(nonfinite), float(verdict is not None), float(done), float(failed)]
+        bad, nonfinite = result if result is not None else (False, False)
+        flags = [float(bad), float(nonfinite), float(result is not None), float(done), float(failed)]
         local = torch.tensor(flags, dtype=torch.float32, device=self.device)
         if not self.distributed:
             return local.reshape(1, -1).cpu()
@@ -205,22 +205,22 @@ class LockstepRunner(SubBatchRunner):
             prepared = self.prepare(positions)
         except Exception as error:  # said before the pass: no rank runs it, every rank stops
             failure = error
-        verdict = self.lockstep.tick(lambda: self.run(*prepared) if prepared is not None else None, failure)
-        return self.note(positions, verdict)
+        result = self.lockstep.tick(lambda: self.run(*prepared) if prepared is not None else None, failure)
+        return self.note(positions, result)
 
     def instrumented(self, localize: Callable[[], Any]) -> Any:
         """The localisation pass, as a tick; whether any rank sharing the batch found an origin is kept."""
         found: list[Any] = []
 
-        def run() -> Verdict:
+        def run() -> PassResult:
             localization = localize()
             found.append(localization)
             origin = getattr(localization, "phase", None) is not None
             return origin, origin
 
-        verdict = self.lockstep.tick(run)
+        result = self.lockstep.tick(run)
         localization = found[0] if found else None
-        self._found[id(localization)] = verdict is not None and verdict[0]
+        self._found[id(localization)] = result is not None and result[0]
         return localization
 
     def found(self, localization: Any) -> bool:

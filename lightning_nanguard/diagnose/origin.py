@@ -29,7 +29,7 @@ def localized(
 ) -> tuple[Localization | None, str | None]:
     """Localise on the full batch (following ``rows``); a failure keeps the rest of the diagnosis.
 
-    ``scan_input``: report a batch holding NaN/Inf as the origin (when no input verdict was made).
+    ``scan_input``: report a batch holding NaN/Inf as the origin (when no ``"input"`` cause was decided).
     """
     if not wanted:
         return None, None

@@ -254,11 +254,11 @@ class SubBatchRunner:
         self.passes += 1
         return self.note(positions, self.run(*self.prepare(positions)))
 
-    def note(self, positions: Sequence[int], verdict: tuple[bool, bool] | None) -> bool:
-        """Record the verdict ``(bad, non-finite)`` of a pass of ``positions`` (``None``: no loss); return ``bad``."""
-        if verdict is None:
+    def note(self, positions: Sequence[int], result: tuple[bool, bool] | None) -> bool:
+        """Record the pass result ``(bad, non-finite)`` of ``positions`` (``None``: no loss); return ``bad``."""
+        if result is None:
             return False
-        bad, nonfinite = verdict
+        bad, nonfinite = result
         self.groups.append((tuple(self.padded(positions)[0]), bad))  # the padding of this very pass
         self.saw_nonfinite = self.saw_nonfinite or nonfinite
         if not bad:

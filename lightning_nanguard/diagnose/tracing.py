@@ -4,7 +4,7 @@
 op's output with the innermost module, the torch function and the user's source stack, and keeps
 the first forward origin; :class:`BackwardTracer` hooks every node of the graph and keeps the first
 node that turns finite gradients into NaN/Inf. :func:`~lightning_nanguard.diagnose.localization.localize`
-runs them and turns what they found into a verdict.
+runs them and turns what they found into the origin (a ``Localization``).
 
 The forward origin is the first op that gives birth to a non-finite value:
 

@@ -5,7 +5,7 @@ then), next to the snapshot it restores and refreshes (:class:`~lightning_nangua
 
 - a rollback decided at this step (``rollback_after_consecutive`` bad steps) is carried out;
 - every ``check_params_every_n_steps`` steps, and before every snapshot, the weights and buffers
-  are checked; under DDP the verdict is reduced, so every rank rolls back, warns or raises together;
+  are checked; under DDP the flags are reduced, so every rank rolls back, warns or raises together;
 - with ``action="rollback"``, every ``snapshot_every_n_steps`` healthy steps the snapshot is refreshed.
 """
 

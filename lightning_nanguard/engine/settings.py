@@ -172,7 +172,7 @@ class GuardSettings:
         recovery: the remedies and their factors.
         track_batchnorm: check BatchNorm statistics.
         with_norm: compute the gradient norm every step (``clip_grad`` needs it).
-        sync_free: skip on the device and read the verdict one step later.
+        sync_free: skip on the device and read the flags one step later.
     """
 
     policy: Policy

@@ -156,13 +156,13 @@ class Recovery:
         rolled_back: bool = False,
         quarantine_items: Sequence[tuple[str | int, int]] = (),
     ) -> list[str]:
-        """Apply the remedies that fit the shared verdict of an incident; return their descriptions.
+        """Apply the remedies that fit the shared cause of an incident; return their descriptions.
 
         The same call runs on every rank with the same arguments, so every rank changes the same things.
 
         Args:
             parts: the model (for ``raise_eps`` on ``culprit_module``), optimizers and LR schedulers.
-            cause: the verdict: ``"data"``/``"input"`` quarantine samples; ``"state"``, ``"interaction"``
+            cause: the incident's cause: ``"data"``/``"input"`` quarantine samples; ``"state"``, ``"interaction"``
                 or ``None`` (not attributable to samples) clip gradients and back off the learning rate;
                 ``"batch"`` (a degenerate batch) neither: skipping it was the remedy.
             quarantine: dataset indices of the offending samples (all ranks').

@@ -27,7 +27,7 @@ def _fields(fields: Sequence[Any]) -> str:
 
 
 def cause_text(event: NanEvent) -> str | None:
-    """The verdict in words, or ``None`` when the step was not investigated.
+    """The cause in words, or ``None`` when the step was not investigated.
 
     Example:
         >>> cause_text(NanEvent(1, 0, 1, 0, ("loss",), "skipped", cause="input", details={"input_fields": ["x"]}))

@@ -21,7 +21,7 @@ A bundle is a directory ``<log_dir>/nanguard/step-<N>/`` holding:
   non-finite BatchNorm channel of every layer);
 - ``hparams.pt``: the module's saved hyperparameters (``save_hyperparameters()``), if any;
 - ``reference.pt``: for a batch at fault as a whole (cause ``"batch"``), the reference samples of a
-  recent healthy step its samples were run beside: the evidence of that verdict, so ``replay`` reaches
+  recent healthy step its samples were run beside: the evidence of that cause, so ``replay`` reaches
   it again.
 
 ``python -m lightning_nanguard replay <bundle>`` loads it with :func:`load_bundle`.
@@ -113,7 +113,7 @@ def save_bundle(
             (``positions`` are then positions in each saved sample's own loader's part).
         sample_loaders: with several training loaders, the loader of each saved sample, aligned with
             ``positions``.
-        reference_batch: the reference samples of a healthy step the verdict rests on (cause ``"batch"``).
+        reference_batch: the reference samples of a healthy step the cause rests on (cause ``"batch"``).
     """
     path = Path(directory) / f"{BUNDLE_PREFIX}{event.global_step}"
     if event.rank:
@@ -249,7 +249,7 @@ def _state_note(root: Path) -> str | None:
 class ReproBundle:
     """A loaded bundle: the rebuilt module (weights loaded), the samples and the saved event.
 
-    ``reference_batch``: the healthy reference samples a ``"batch"`` verdict rests on (``None``: none saved).
+    ``reference_batch``: the healthy reference samples a ``"batch"`` cause rests on (``None``: none saved).
     """
 
     path: Path

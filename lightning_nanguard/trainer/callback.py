@@ -128,7 +128,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             shift, e.g. a curriculum change, is not an endless skip), with a warning.
         sync_free: no host read on healthy steps: a bad step's update is skipped inside torch's fused
             Adam/AdamW/SGD/Adagrad (``found_inf``) and its BatchNorm statistics restored by a
-            device-side select; the verdict is read one step later, before the next forward, and
+            device-side select; the flags are read one step later, before the next forward, and
             the incident handled then. Other optimizers keep the one host read per step (one warning).
 
     Example:

@@ -90,7 +90,7 @@ def make_sharded_checkpoint_finite_(
 
     Every rank calls it (``on_save_checkpoint`` runs on every rank). The live shards are checked
     (with ``save_distributed_checkpoint=False`` only rank zero's checkpoint holds tensors) and the
-    verdict is shared. To substitute, the snapshot's shards are put into the live model and
+    check's flags are shared. To substitute, the snapshot's shards are put into the live model and
     optimizers, the strategy writes its own state dicts from them (a sharded checkpoint stays
     sharded, a full one is gathered as the strategy gathers it), and the live state is put back.
 

@@ -1,7 +1,7 @@
 """``NanGuard(sync_free=True)`` on a real Trainer with torch's fused optimizers (CPU).
 
 A bad step is a bitwise no-op (weights, optimizer state with Adam's step count, BatchNorm
-statistics), its event and diagnosis are those of the default mode, the verdict arrives one step
+statistics), its event and diagnosis are those of the default mode, the flags are read one step
 late, and a healthy step reads nothing from the device inside the guard's hooks.
 """
 

@@ -27,7 +27,7 @@ from lightning_nanguard.decide.policy import (
 )
 
 CAUSES = ("state", "input", "data", "interaction", "batch")
-"""From the strongest verdict to the weakest: the shared cause is the strongest any incident rank gave."""
+"""From the strongest cause to the weakest: the shared cause is the strongest any incident rank gave."""
 
 
 def incident(rank: int = 0, **fields: object) -> RankVote:
@@ -388,7 +388,7 @@ def test_the_shared_cause_is_the_strongest_of_two_ranks(first: str, second: str,
 @pytest.mark.parametrize(("stronger", "weaker"), list(itertools.combinations(CAUSES, 2)))
 @pytest.mark.parametrize("position", range(4))
 def test_the_stronger_cause_wins_at_any_rank_among_four(stronger: str, weaker: str, position: int) -> None:
-    """One rank's stronger verdict among three ranks of the weaker one, and ranks that found nothing."""
+    """One rank's stronger cause among three ranks of the weaker one, and ranks that found nothing."""
     reports = [incident(rank, cause=weaker) for rank in range(4)]
     reports[position] = incident(position, cause=stronger)
     reports.append(RankVote(rank=4))  # healthy rank
@@ -412,7 +412,7 @@ def test_a_rank_whose_incident_was_not_investigated_does_not_hide_a_cause(cause:
 
 @pytest.mark.parametrize("cause", CAUSES)
 def test_a_cause_without_an_incident_does_not_count(cause: str) -> None:
-    """A rank that only spiked (``incident=False``) may carry a verdict: it is not the incident's."""
+    """A rank that only spiked (``incident=False``) may carry a cause: it is not the incident's."""
     reports = [RankVote(rank=0, spike=True, cause="state"), incident(1, cause=cause)]
     for ordered in (reports, reports[::-1]):
         assert decide(ordered, Counters(), Policy())[0].cause == cause

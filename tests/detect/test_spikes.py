@@ -198,7 +198,7 @@ def test_check_and_accept_with_the_value_read_nothing_to_the_host() -> None:
         for value in values:
             flag = detector.check(torch.tensor(value))
             flagged.append(flag)
-            detector.accept(value < 1e4, value=value)  # the caller's verdict, from its own read
+            detector.accept(value < 1e4, value=value)  # the caller's flag, from its own read
     assert sum(counter.reads.values()) == 0, dict(counter.reads)
     assert [i for i, f in enumerate(flagged) if f.item()] == [150]
     with counter:  # the counter sees reads: without the value, accept() reads it

@@ -359,10 +359,10 @@ def test_the_building_blocks_never_read_the_device() -> None:
 
 
 class SyncFreeSteps(pl.Callback):
-    """The building blocks wired the way an opt-in sync-free guard uses them (verdict read one step later)."""
+    """The building blocks wired the way an opt-in sync-free guard uses them (flags read one step later)."""
 
     def __init__(self) -> None:
-        self.verdicts: list[list[float]] = []
+        self.flags: list[list[float]] = []
         self.reads_per_step: list[int] = []
         self.counter = HostReadCounter()
 
@@ -376,7 +376,7 @@ class SyncFreeSteps(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if self.reader.pending:
-            self.verdicts.append(self.reader.result())  # before this step's forward
+            self.flags.append(self.reader.result())  # before this step's forward
         self.counter.reads.clear()
         with self.counter:
             self.restore.capture()
@@ -397,7 +397,7 @@ class SyncFreeSteps(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         while self.reader.pending:
-            self.verdicts.append(self.reader.result())
+            self.flags.append(self.reader.result())
         self.skip.remove()
         self.check.remove()
 
@@ -442,8 +442,8 @@ def test_trainer_run_with_a_bad_batch_ends_where_the_run_without_it_ends(tmp_pat
     steps = SyncFreeSteps()
     guarded = _fit(tmp_path / "a", with_bad, [steps])
     reference = _fit(tmp_path / "b", healthy, [])
-    assert [v[0] for v in steps.verdicts] == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
-    assert steps.reads_per_step == [0] * 6  # no host read inside the step; the verdict is read one step later
+    assert [v[0] for v in steps.flags] == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert steps.reads_per_step == [0] * 6  # no host read inside the step; the flags are read one step later
     assert _equal(guarded.state_dict(), reference.state_dict())
     opt_state = guarded.trainer.optimizers[0].state_dict()["state"]
     assert all(s["step"].item() == 5.0 for s in opt_state.values())
@@ -456,7 +456,7 @@ def test_trainer_with_a_grad_scaler(tmp_path: Path) -> None:
     steps = SyncFreeSteps()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     module = _fit(tmp_path, batches, [steps], fused=False, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
-    assert [v[0] for v in steps.verdicts] == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert [v[0] for v in steps.flags] == [0.0, 0.0, 1.0, 0.0, 0.0]
     assert steps.reads_per_step == [0] * 5
     assert all(torch.isfinite(t).all() for t in module.state_dict().values() if t.is_floating_point())
 

@@ -203,7 +203,7 @@ class CountingRunner(Oracle):
 
 
 def diagnosis_passes(n: int, bad: Sequence[int]) -> int | None:
-    """Passes of a diagnosis without a reference: the state check, then the search; ``None`` for a state verdict."""
+    """Passes of a diagnosis without a reference: the state check, then the search; ``None`` for a ``"state"`` cause."""
     from lightning_nanguard.diagnose.cause import check_state
 
     runner = CountingRunner(n, bad)

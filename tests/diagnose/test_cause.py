@@ -1,4 +1,4 @@
-"""The verdict of a diagnosis (``Diagnosis.cause`` / ``NanEvent.cause``) and the evidence behind it.
+"""The cause a diagnosis concludes (``Diagnosis.cause`` / ``NanEvent.cause``) and the evidence behind it.
 
 ``"state"`` must never be given for a real data fault of one or a few samples, and must be
 reached in at most 4 passes for a diverged model; ``"input"`` reads the samples off the batch
@@ -283,7 +283,7 @@ def test_data_fault_on_a_trainer_is_data(tmp_path: Path) -> None:
     assert [(e.cause, e.offending_samples) for e in guard.events] == [("data", (3,))]
 
 
-def test_trainer_state_verdict_uses_the_reference_sample(tmp_path: Path) -> None:
+def test_trainer_state_cause_uses_the_reference_sample(tmp_path: Path) -> None:
     loader = DataLoader(fm.diverging_data(), batch_size=8)
     guard = fit(fm.DivergingMLP(), loader, tmp_path, max_consecutive_bad_steps=100)
     assert guard.events[0].cause == "state" and guard.events[0].details["state_passes"] == 1

@@ -93,8 +93,8 @@ def test_ranks_with_different_numbers_of_passes_leave_together(two_ranks: dict[i
     assert two_ranks[0]["uneven_passes"] == two_ranks[1]["uneven_passes"] == 3  # rank 0: one pass, two dummy ones
 
 
-def test_ranks_sharing_a_batch_share_its_verdict(two_ranks: dict[int, dict[str, Any]]) -> None:
-    assert two_ranks[0]["shared_verdict"] == two_ranks[1]["shared_verdict"] == [True, False]
+def test_ranks_sharing_a_batch_share_its_pass_results(two_ranks: dict[int, dict[str, Any]]) -> None:
+    assert two_ranks[0]["shared_result"] == two_ranks[1]["shared_result"] == [True, False]
 
 
 def test_a_pass_that_cannot_run_on_one_rank_stops_both_at_the_same_tick(two_ranks: dict[int, dict[str, Any]]) -> None:

@@ -45,9 +45,9 @@ def _scenario(rank: int) -> dict[str, Any]:
         lockstep.tick(lambda: (_collective_pass(), (rank == 1, rank == 1))[1])
     lockstep.finish()
     out["uneven_passes"] = lockstep.passes
-    # 2. peers share the verdict: bad on rank 1 only, bad for both
+    # 2. peers share the pass result: bad on rank 1 only, bad for both
     lockstep = Lockstep([0, 1], dummy=_collective_pass)
-    out["shared_verdict"] = lockstep.tick(lambda: (_collective_pass(), (rank == 1, False))[1])
+    out["shared_result"] = lockstep.tick(lambda: (_collective_pass(), (rank == 1, False))[1])
     lockstep.finish()
     # 3. a pass that cannot run on rank 1 at its second tick stops both, at the same tick, without another collective
     lockstep = Lockstep([rank], dummy=_collective_pass)

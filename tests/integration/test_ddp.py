@@ -101,7 +101,7 @@ def test_only_the_offending_rank_reports_but_every_rank_counts(run: Any) -> None
 
 def test_the_shared_cause_decides_the_remedies_on_every_rank(run: Any) -> None:
     ranks = run("skip")
-    assert ranks[0]["quarantined"] == ranks[1]["quarantined"] == [11, 165]  # rank 1's input and data verdicts
+    assert ranks[0]["quarantined"] == ranks[1]["quarantined"] == [11, 165]  # rank 1's input and data causes
     assert [e["remedies"] for e in ranks[1]["events"]] == [
         ["quarantine: dataset indices [11] will not be trained on again"],
         ["quarantine: dataset indices [165] will not be trained on again"],

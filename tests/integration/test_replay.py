@@ -312,7 +312,7 @@ def test_the_bundle_holds_the_remedies_applied(tmp_path: Path) -> None:
 def test_a_batch_fault_replays_as_the_batch_beside_its_saved_reference(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The bundle of a "batch" verdict keeps the healthy samples it rests on; replay reaches the same verdict."""
+    """The bundle of a "batch" cause keeps the healthy samples it rests on; replay reaches the same cause."""
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(17, 4, generator=g), torch.randn(17, generator=g))  # 8, 8, then 1 sample
     with pytest.warns(UserWarning, match="degrees of freedom"):
@@ -329,6 +329,6 @@ def test_a_batch_fault_replays_as_the_batch_beside_its_saved_reference(
     assert replayed["details"]["verify_passes"] == 1
 
 
-def test_only_a_batch_verdict_keeps_reference_samples(trained: dict[str, NanEvent]) -> None:
+def test_only_a_batch_cause_keeps_reference_samples(trained: dict[str, NanEvent]) -> None:
     for name in ("cosine_norm", "log_zero", "interaction"):
         assert not (Path(trained[name].repro_path or "") / "reference.pt").exists()

@@ -7,7 +7,7 @@ script), every fault on data-parallel rank 1. What is checked, for every mesh:
   NaN, the loss spike and the divergence are skipped on every rank; the full weights are finite and
   equal on every rank; each event names the dataset index and nothing else, the cause, the op and
   the user's line, and is recorded by the lowest rank of the batch that holds it only; the
-  divergence is a ``"state"`` verdict rolled back bitwise, with the same learning-rate back-off on
+  divergence is a ``"state"`` cause rolled back bitwise, with the same learning-rate back-off on
   every rank; one host read per healthy step;
 - ``sync_free``: the bad steps are skipped inside the fused Adam kernel on every rank, reported one
   step late, with no host read on healthy steps;

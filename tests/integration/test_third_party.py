@@ -1,4 +1,4 @@
-"""NanGuard's verdicts on third-party code: Hugging Face models from tiny configs, Lightning's own demos.
+"""NanGuard's diagnoses of third-party code: Hugging Face models from tiny configs, Lightning's own demos.
 
 Each test reproduces a wrong answer of issue 9 on code NanGuard does not own:
 

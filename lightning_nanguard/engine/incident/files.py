@@ -85,7 +85,7 @@ def _save_bundle(
             module_state=module_state,
             layout=chosen.layout,
             sample_loaders=chosen.sample_loaders,
-            reference_batch=found.reference_batch if event.cause == "batch" else None,  # the verdict's evidence
+            reference_batch=found.reference_batch if event.cause == "batch" else None,  # the cause's evidence
         )
         prune_bundles(directory, max_bundles)
     except Exception as error:  # a bundle must never kill training

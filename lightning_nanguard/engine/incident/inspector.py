@@ -47,7 +47,7 @@ def _any_inf(tensors: Sequence[Tensor]) -> bool:
 
 
 def event_cause(event: NanEvent | None) -> str | None:
-    """The event's verdict; samples named without a verdict (an older diagnosis) count as ``"data"``."""
+    """The event's cause; samples named without a cause (an older diagnosis) count as ``"data"``."""
     if event is None:
         return None
     if event.cause is not None:
