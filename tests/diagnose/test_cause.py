@@ -358,14 +358,16 @@ def test_trainer_source_paths_are_relative_to_the_directory_at_fit_start(
             os.chdir(tmp_path / "elsewhere")
 
     (tmp_path / "elsewhere").mkdir()
-    tests_dir = Path(fm.__file__).resolve().parent
-    monkeypatch.chdir(tests_dir.parent)
+    helpers_dir = Path(fm.__file__).resolve().parent
+    monkeypatch.chdir(helpers_dir.parents[1])  # the repository: tests/helpers/models.py
     case = make_case("cosine_norm", bad=(11,))
     guard = NanGuard(verbose=False)
     build_trainer("lightning", tmp_path, callbacks=[guard, MoveAway()]).fit(
         make_module("lightning", "cosine_norm"), make_loader(case.dataset)
     )
-    assert guard.events[0].source_line is not None and guard.events[0].source_line.startswith("tests/models.py:")
+    assert guard.events[0].source_line is not None and guard.events[0].source_line.startswith(
+        "tests/helpers/models.py:"
+    )
 
 
 def test_trainer_bundle_replays_the_origin_in_the_real_batch(

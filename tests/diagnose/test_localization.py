@@ -1,6 +1,6 @@
 """``localize`` / ``diagnose`` without a Trainer, on plain modules.
 
-The origin of every failure class of ``tests/models.py`` is named exactly (module, autograd op,
+The origin of every failure class of ``tests/helpers/models.py`` is named exactly (module, autograd op,
 phase, ``file:line``); an origin that yields -Inf, which anomaly mode misses or blames on a later
 node, is found; and nothing the instrumentation installs survives the call.
 """

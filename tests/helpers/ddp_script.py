@@ -1,6 +1,6 @@
 """Two-process DDP runs on CPU (gloo) with faults on one rank only; run by ``test_ddp.py``.
 
-Usage: ``python tests/ddp_script.py SCENARIO OUTPUT_DIR``. Every rank builds its own data (no
+Usage: ``python tests/helpers/ddp_script.py SCENARIO OUTPUT_DIR``. Every rank builds its own data (no
 distributed sampler); the fault is on rank 1 only. Each rank writes ``rank<N>.json``: a hash of
 its final parameter bytes, the global steps whose update it skipped, its events, counters, learning
 rate, whether its guard is still active, and the error it stopped with, if any.

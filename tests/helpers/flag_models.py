@@ -12,7 +12,7 @@ which that step's update never happened"; the guard's run must equal it bit for 
 shows that the guard changed no healthy step.
 
 Run as a script, it is the two-process ``sync_batchnorm=True`` run of ``test_trainer_flags.py``:
-``python tests/flag_models.py syncbn OUTPUT_DIR`` (each rank writes ``rank<N>.json``).
+``python tests/helpers/flag_models.py syncbn OUTPUT_DIR`` (each rank writes ``rank<N>.json``).
 """
 
 from __future__ import annotations

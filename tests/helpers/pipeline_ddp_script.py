@@ -1,6 +1,6 @@
 """DDP on two CPU processes (gloo), a sorting collate, a silent record on each rank; run by ``test_data_pipelines.py``.
 
-Usage: ``python tests/pipeline_ddp_script.py SCENARIO OUTPUT_DIR`` (``SCENARIOS``: ``report``, one
+Usage: ``python tests/helpers/pipeline_ddp_script.py SCENARIO OUTPUT_DIR`` (``SCENARIOS``: ``report``, one
 epoch; ``quarantine``, two epochs with ``remedies=["quarantine"]``). Each rank reads its own part of
 64 utterances through a :class:`~pipeline_models.LoggedDistributedSampler` (shuffled, seed 7); the
 collate sorts every batch by length. The silent records are chosen before training from the

@@ -1,6 +1,6 @@
 """Multi-process runs under ``ModelParallelStrategy`` on CPU (gloo); run by ``integration/test_sharded.py``.
 
-Usage: ``python tests/sharded_script.py MESH RUN OUTPUT_DIR`` with ``MESH`` one of ``fsdp2`` (data
+Usage: ``python tests/helpers/sharded_script.py MESH RUN OUTPUT_DIR`` with ``MESH`` one of ``fsdp2`` (data
 parallel 2, a BatchNorm layer), ``tp`` (tensor parallel 2), ``2d`` (data parallel 2 x tensor
 parallel 2, 4 processes) and ``one`` (FSDP2 on a single process), and ``RUN`` one of :data:`RUNS`: a
 list of fits made one after the other in the same processes (a multi-process start costs more than

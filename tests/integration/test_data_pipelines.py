@@ -514,7 +514,7 @@ class StepLog(pl.Callback):
 # ------------------------------------------------------------------------------------ i. DDP
 
 
-DDP_SCRIPT = Path(__file__).resolve().parents[1] / "pipeline_ddp_script.py"
+DDP_SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "pipeline_ddp_script.py"
 REPO = Path(__file__).resolve().parents[2]
 
 

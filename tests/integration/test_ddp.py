@@ -1,6 +1,6 @@
 """DDP on two CPU processes (gloo): every decision is the same on every rank, whatever rank the fault is on.
 
-Runs ``tests/ddp_script.py`` once per scenario in a subprocess (Lightning launches the second
+Runs ``tests/helpers/ddp_script.py`` once per scenario in a subprocess (Lightning launches the second
 process itself) and checks the per-rank JSON results. Marked ``slow`` but part of the default run.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).resolve().parents[1] / "ddp_script.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "ddp_script.py"
 TIMEOUT_S = 180
 
 pytestmark = pytest.mark.slow

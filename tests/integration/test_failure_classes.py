@@ -1,4 +1,4 @@
-"""Each failure class of ``tests/models.py``: first the model itself (plain PyTorch), then NanGuard on a real Trainer.
+"""Each failure class of ``tests/helpers/models.py``: the model itself (plain PyTorch), then NanGuard on a real Trainer.
 
 With ``action="skip"`` the bad step must leave parameters, optimizer state and BatchNorm buffers
 bitwise untouched, the event must name exactly the broken tensors, and training must go on.
@@ -131,7 +131,7 @@ def test_backward_origin_is_the_marked_op(kind: str) -> None:
     ],
 )
 def test_origin_line_points_at_the_op(origin: str, needle: str) -> None:
-    lines = (Path(__file__).resolve().parents[1] / "models.py").read_text(encoding="utf-8").splitlines()
+    lines = (Path(__file__).resolve().parents[1] / "helpers" / "models.py").read_text(encoding="utf-8").splitlines()
     line = origin_line(origin)
     assert needle in lines[line - 1]
     assert lines[line - 1].rstrip().endswith(f"# ORIGIN: {origin}")

@@ -1,8 +1,8 @@
 """``python -m lightning_nanguard replay <bundle>`` in a fresh process reproduces the training diagnosis.
 
 Bundles are written by real training runs (module scope, once); the fresh processes run in
-parallel to keep the wall time low. The models live in ``tests/forensics_models.py`` and
-``tests/models.py``, importable in the child through ``PYTHONPATH``.
+parallel to keep the wall time low. The models live in ``tests/helpers/forensics_models.py`` and
+``tests/helpers/models.py``, importable in the child through ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
+HELPERS = TESTS / "helpers"
 FIELDS = ("offending_samples", "dataset_indices", "culprit_module", "culprit_op", "source_line", "phase", "cause")
 
 
@@ -87,7 +88,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, NanEvent]:
 
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(HELPERS), str(REPO), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"  # tiny models (see forensics_models.one_thread)
     return env
 

@@ -227,7 +227,7 @@ def test_loader_shown_in_tensorboard_and_the_bundle_replays_it(tmp_path: Path) -
         capture_output=True,
         text=True,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{REPO}"},
+        env={**os.environ, "PYTHONPATH": f"{REPO / 'tests' / 'helpers'}{os.pathsep}{REPO}"},
         timeout=300,
     )
     assert replayed.returncode == 0, replayed.stderr

@@ -1,6 +1,6 @@
 """``ModelParallelStrategy`` on CPU (gloo): FSDP2 (2 ranks, BatchNorm), tensor parallel (2 ranks), 2-D (4 ranks).
 
-Each mesh runs ``tests/sharded_script.py MESH all`` once: four fits in the same processes (see that
+Each mesh runs ``tests/helpers/sharded_script.py MESH all`` once: four fits in the same processes (see that
 script), every fault on data-parallel rank 1. What is checked, for every mesh:
 
 - ``main``: no error and the guard stays active; the steps of the forward NaN, the backward-only
@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).resolve().parents[1] / "sharded_script.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "sharded_script.py"
 TIMEOUT_S = 600  # a rank waiting alone in a collective would hang: this turns it into a failure
 MESHES = {"fsdp2": 2, "tp": 2, "2d": 4, "one": 1}  # processes ("one": FSDP2 on a single process, nothing to wait for)
 MAIN_SKIPPED = [1, 3, 6, 8]  # forward NaN, backward-only NaN, loss spike, divergence (rolled back)

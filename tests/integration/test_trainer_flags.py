@@ -777,7 +777,7 @@ def test_sync_batchnorm(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     for var in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
         env.pop(var, None)
-    script = Path(__file__).resolve().parents[1] / "flag_models.py"
+    script = Path(__file__).resolve().parents[1] / "helpers" / "flag_models.py"
     proc = subprocess.run(
         [sys.executable, str(script), "syncbn", str(tmp_path)],
         cwd=str(tmp_path),
