@@ -18,8 +18,8 @@ import forensics_models as fm
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_trainer
 from event_factory import make_event
+from fitting import build_trainer
 from forensics_models import one_thread  # noqa: F401 (fixture)
 from models import make_case, make_loader, make_module
 from torch import Tensor, nn

@@ -14,7 +14,7 @@ from typing import Any
 import forensics_models as fm
 import pytest
 import torch
-from conftest import StepRecorder, build_trainer
+from fitting import StepRecorder, build_trainer
 from forensics_models import EXPECTED, FUNCTIONS, one_thread  # noqa: F401 (fixture)
 from models import BATCH_SIZE, KINDS, make_case, make_loader, make_module, origin_line
 from torch import Tensor

@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 import torchmetrics
-from conftest import StepRecorder, build_trainer, clone_state, states_equal
+from fitting import StepRecorder, build_trainer
 from forensics_models import (
     IsolationModule,
     one_thread,  # noqa: F401 (fixture)
 )
+from states import clone_state, states_equal
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

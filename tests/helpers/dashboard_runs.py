@@ -22,8 +22,8 @@ from typing import Any
 import lightning.pytorch
 import pytorch_lightning
 import torch
-from conftest import build_trainer
 from event_factory import make_event
+from fitting import build_trainer
 from torch import Tensor, nn
 from torch.nn import functional
 from torch.utils.data import DataLoader, TensorDataset

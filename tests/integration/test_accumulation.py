@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import StepRecorder, build_trainer, states_equal
+from fitting import StepRecorder, build_trainer
 from models import NAMESPACES
+from states import states_equal
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -13,9 +13,10 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import StepRecorder, build_trainer, read_tensorboard
+from fitting import StepRecorder, build_trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
+from tensorboard_runs import read_tensorboard
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -17,7 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import build_trainer
+from fitting import build_trainer
 
 from lightning_nanguard import NanGuard
 

@@ -29,7 +29,7 @@ import pattern_models as pm
 import pipeline_models as pp
 import pytest
 import torch
-from conftest import build_trainer
+from fitting import build_trainer
 from forensics_models import one_thread  # noqa: F401 (fixture)
 from torch.utils.data import DataLoader, Dataset
 

@@ -22,7 +22,7 @@ import pipeline_models as pp
 import pytest
 import third_party_models as tp
 import torch
-from conftest import build_trainer
+from fitting import build_trainer
 from forensics_models import one_thread  # noqa: F401 (fixture)
 from models import origin_line
 from torch import Tensor

@@ -22,7 +22,6 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import StepRecorder, build_trainer, states_equal
 from feature_models import (
     BATCH,
     BatchNormRegression,
@@ -37,8 +36,10 @@ from feature_models import (
     regression_data,
     state,
 )
+from fitting import StepRecorder, build_trainer
 from lightning.fabric.utilities.spike import TrainingSpikeException
 from models import NAMESPACES
+from states import states_equal
 from torch.utils.data import Dataset
 
 from lightning_nanguard import NanGuard, NonFiniteTrainingError

@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torchmetrics
-from conftest import build_trainer
+from fitting import build_trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from spike_models import BATCH, TYPOS, Regression, Regressor

@@ -13,7 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from conftest import build_trainer
+from fitting import build_trainer
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -19,7 +19,7 @@ import forensics_models as fm
 import pipeline_models as pp
 import pytest
 import torch
-from conftest import build_trainer
+from fitting import build_trainer
 from forensics_models import one_thread  # noqa: F401 (fixture)
 from models import make_case, make_loader
 from torch.utils.data import DataLoader, TensorDataset

@@ -21,11 +21,12 @@ from typing import Any
 import multitask_models as mm
 import pytest
 import torch
-from conftest import build_trainer, read_tensorboard
+from fitting import build_trainer
 from forensics_models import one_thread  # noqa: F401 (fixture)
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import CombinedLoader
 from models import origin_line
+from tensorboard_runs import read_tensorboard
 
 from lightning_nanguard import NanEvent, NanGuard, read_events
 from lightning_nanguard.reporting.text import event_text

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import third_party_models as tp
 import torch
-from conftest import build_trainer
+from fitting import build_trainer
 from forensics_models import one_thread  # noqa: F401 (fixture)
 from lightning.pytorch.demos import LightningTransformer
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset

@@ -31,7 +31,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import StepRecorder, build_trainer, states_equal
+from fitting import StepRecorder, build_trainer
 from flag_models import (
     BATCH_SIZE,
     N_SAMPLES,
@@ -44,6 +44,7 @@ from flag_models import (
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
+from states import states_equal
 from torch.utils.data import DataLoader
 
 from lightning_nanguard import NanGuard, read_events

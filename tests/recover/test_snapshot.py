@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import build_trainer, clone_state, states_equal
+from fitting import build_trainer
 from models import NAMESPACES
+from states import clone_state, states_equal
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
