@@ -49,10 +49,25 @@ def test_the_checkout_keeps_every_contract(copy: Path) -> None:
 @pytest.mark.parametrize(
     ("module", "line", "contract"),
     [
-        (  # a pure stage reaching up into the adapter
+        (  # a pure stage reaching up into the Trainer front-end
             "lightning_nanguard.detect.check",
-            "from lightning_nanguard.adapter import guard",
+            "from lightning_nanguard.trainer import callback",
             "The stages are layered",
+        ),
+        (  # the step engine reaching up into the Trainer front-end
+            "lightning_nanguard.engine.controller",
+            "import lightning_nanguard.trainer.frontend",
+            "The stages are layered",
+        ),
+        (  # the step engine importing Lightning itself, even for a type
+            "lightning_nanguard.engine.step.window",
+            "import typing\nif typing.TYPE_CHECKING:\n    from lightning.pytorch import Trainer",
+            "The Trainer-free stages import no Lightning",
+        ),
+        (  # a type-only circle between the engine's sub-stages (the window reaching back to the controller)
+            "lightning_nanguard.engine.step.window",
+            "import typing\nif typing.TYPE_CHECKING:\n    import lightning_nanguard.engine.controller",
+            "No import circle between the modules of a package",
         ),
         (  # core is the bottom layer
             "lightning_nanguard.core.events",

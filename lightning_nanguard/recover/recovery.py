@@ -3,7 +3,7 @@
 :class:`Recovery` combines :mod:`~lightning_nanguard.recover.snapshot` and
 :mod:`~lightning_nanguard.recover.remedies`: it acts on the :class:`TrainingParts` it is handed
 (the module, optimizers, LR schedulers and GradScaler; the adapter reads them off the Trainer,
-:func:`lightning_nanguard.trainer.parts.training_parts`), decides which remedies fit an
+:func:`lightning_nanguard.engine.frontend.training_parts`), decides which remedies fit an
 incident, and keeps the counts that go into checkpoints and TensorBoard. It never sees a Trainer.
 
 Which remedy for which incident, decided by the incident's ``cause`` at the first incident:

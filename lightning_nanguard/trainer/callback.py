@@ -410,6 +410,11 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         if front is not None and front.automatic_optimization:
             self.controller.after_optimizer_step(front)
 
+    @property
+    def _trainer(self) -> Trainer | None:
+        """The Trainer of the fit in progress (``None`` outside a fit, and in a pickled guard)."""
+        return self._front.trainer if self._front is not None else None
+
     def _front_of(self, trainer: Trainer, pl_module: LightningModule) -> TrainerFrontEnd:
         """The engine's view of this fit (made once per fit: a Trainer or module change makes a new one)."""
         front = self._front

@@ -20,6 +20,7 @@ from lightning_nanguard.engine.after_step import AfterStep, ParamCheckSettings
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.state import GuardState
 from lightning_nanguard.engine.step.window import StepWindow
+from lightning_nanguard.trainer.frontend import TrainerFrontEnd
 
 
 class FakeRecovery:
@@ -87,7 +88,7 @@ def test_a_pending_rollback_runs_first_and_restarts_the_run_of_bad_steps() -> No
     after, recovery, _ = build(action="rollback")
     after.state.pending_rollback = True
     after.state.counters = Counters(consecutive_bad_steps=3, bad_steps_total=3)
-    after.run(trainer(4), broken_module(), collective=False)  # a check step, but the rollback comes first
+    after.run(TrainerFrontEnd(trainer(4), broken_module()), collective=False)  # a check step, but the rollback comes first
     assert recovery.calls == ["rollback"]
     assert not after.state.pending_rollback
     assert after.state.counters == Counters(consecutive_bad_steps=0, bad_steps_total=3)
@@ -97,26 +98,26 @@ def test_a_pending_rollback_without_a_snapshot_stops_training() -> None:
     after, _, _ = build(action="rollback", available=False)
     after.state.pending_rollback = True
     with pytest.raises(NonFiniteTrainingError, match=r"a rollback is due \(consecutive bad steps\) but no last good"):
-        after.run(trainer(0), nn.Linear(1, 1), collective=False)
+        after.run(TrainerFrontEnd(trainer(0), nn.Linear(1, 1)), collective=False)
 
 
 def test_a_failing_guard_does_not_roll_back() -> None:
     after, recovery, recorder = build(action="rollback")
     after.state.pending_rollback, after.state.failing = True, True
-    after.run(trainer(4), broken_module(), collective=False)
+    after.run(TrainerFrontEnd(trainer(4), broken_module()), collective=False)
     assert recovery.calls == [] and recorder.events == [] and after.state.pending_rollback
 
 
 @pytest.mark.parametrize(("global_step", "checked"), [(3, False), (4, True), (8, False), (9, True)])
 def test_weights_are_checked_every_n_steps(global_step: int, checked: bool) -> None:
     after, _, recorder = build(action="warn", every=5)
-    after.run(trainer(global_step), broken_module(), collective=False)  # the step after global_step
+    after.run(TrainerFrontEnd(trainer(global_step), broken_module()), collective=False)  # the step after global_step
     assert len(recorder.events) == int(checked)
 
 
 def test_no_check_when_check_params_every_n_steps_is_zero() -> None:
     after, _, recorder = build(action="warn", every=0)
-    after.run(trainer(4), broken_module(), collective=False)
+    after.run(TrainerFrontEnd(trainer(4), broken_module()), collective=False)
     assert recorder.events == []
 
 
@@ -125,7 +126,7 @@ def test_non_finite_weights_with_action_warn_are_recorded_and_counted() -> None:
     module = broken_module()
     after.named_params = list(module.named_parameters())
     after.state.counters = Counters(bad_steps_total=1, consecutive_bad_steps=1)
-    after.run(trainer(9), module, collective=False)
+    after.run(TrainerFrontEnd(trainer(9), module), collective=False)
     (event,) = recorder.events
     assert (event.kinds, event.action, event.cause) == (("param",), "warned", "state")
     assert event.nonfinite_params == ("0.weight", "1.running_var")  # parameters, then BatchNorm buffers
@@ -140,7 +141,7 @@ def test_non_finite_weights_with_action_skip_stop_training() -> None:
     module = broken_module()
     after.named_params = list(module.named_parameters())
     with pytest.raises(NonFiniteTrainingError, match="NaN/Inf reached the weights") as raised:
-        after.run(trainer(4), module, collective=False)
+        after.run(TrainerFrontEnd(trainer(4), module), collective=False)
     (event,) = recorder.events
     assert event.action == "raised" and raised.value.events == [event]
     assert after.state.counters.bad_steps_total == 1
@@ -150,7 +151,7 @@ def test_non_finite_weights_with_action_rollback_roll_back_and_apply_state_remed
     after, recovery, recorder = build(action="rollback")
     module = broken_module()
     after.named_params = list(module.named_parameters())
-    after.run(trainer(4), module, collective=False)
+    after.run(TrainerFrontEnd(trainer(4), module), collective=False)
     assert recovery.calls == ["rollback", ("apply", {"cause": "state", "rolled_back": True})]
     (event,) = recorder.events
     assert event.action == "rolled_back" and event.remedies == ("rolled back to step 4", "lr x0.5")
@@ -159,7 +160,7 @@ def test_non_finite_weights_with_action_rollback_roll_back_and_apply_state_remed
 def test_rollback_without_a_snapshot_raises_instead() -> None:
     after, recovery, _ = build(action="rollback", available=False)
     with pytest.raises(NonFiniteTrainingError, match="NaN/Inf reached the weights"):
-        after.run(trainer(4), broken_module(), collective=False)
+        after.run(TrainerFrontEnd(trainer(4), broken_module()), collective=False)
     assert recovery.calls == []
 
 
@@ -178,7 +179,7 @@ def test_another_ranks_non_finite_weights_stop_every_rank_without_an_event_here(
     after, _, recorder = build(action="skip")
     after.agreement = AnotherRankIsBad()  # type: ignore[assignment]
     with pytest.raises(NonFiniteTrainingError, match="on another rank") as raised:
-        after.run(trainer(4), nn.Linear(2, 2), collective=True)
+        after.run(TrainerFrontEnd(trainer(4), nn.Linear(2, 2)), collective=True)
     assert after.agreement.asked == [False]  # type: ignore[attr-defined]
     assert recorder.events == [] and raised.value.events == []
     assert after.state.counters.bad_steps_total == 1  # counted on every rank alike
@@ -188,7 +189,7 @@ def test_a_failing_guard_still_joins_the_reduce() -> None:
     after, _, recorder = build(action="skip")
     after.agreement = AnotherRankIsBad()  # type: ignore[assignment]
     after.state.failing = True
-    after.run(trainer(4), broken_module(), collective=True)
+    after.run(TrainerFrontEnd(trainer(4), broken_module()), collective=True)
     assert after.agreement.asked == [False]  # type: ignore[attr-defined]  # it does not read its weights
     assert recorder.events == []
 
@@ -197,27 +198,27 @@ def test_a_failing_guard_still_joins_the_reduce() -> None:
 def test_a_snapshot_every_n_healthy_steps_under_rollback(global_step: int, bad: bool, captured: bool) -> None:
     after, recovery, _ = build(action="rollback", every=0, snapshot_every=10)
     after.state.step_was_bad = bad
-    after.run(trainer(global_step), nn.Linear(2, 2), collective=False)
+    after.run(TrainerFrontEnd(trainer(global_step), nn.Linear(2, 2)), collective=False)
     assert recovery.calls == (["capture"] if captured else [])
 
 
 def test_no_snapshot_when_the_weights_are_not_finite() -> None:
     after, recovery, _ = build(action="rollback", every=0, snapshot_every=10)
-    after.run(trainer(9), broken_module(), collective=False)
+    after.run(TrainerFrontEnd(trainer(9), broken_module()), collective=False)
     assert "capture" not in recovery.calls and "rollback" in recovery.calls
 
 
 def test_no_snapshots_under_other_actions() -> None:
     after, recovery, _ = build(action="skip", every=0, snapshot_every=1)
-    after.run(trainer(9), nn.Linear(2, 2), collective=False)
+    after.run(TrainerFrontEnd(trainer(9), nn.Linear(2, 2)), collective=False)
     assert recovery.calls == []
 
 
 def test_the_initial_snapshot_only_of_finite_weights() -> None:
     after, recovery, _ = build(action="rollback", available=False)
-    after.initial_snapshot(trainer(0), broken_module())
+    after.initial_snapshot(TrainerFrontEnd(trainer(0), broken_module()))
     assert recovery.calls == []
-    after.initial_snapshot(trainer(0), nn.Linear(2, 2))
+    after.initial_snapshot(TrainerFrontEnd(trainer(0), nn.Linear(2, 2)))
     assert recovery.calls == ["capture"]
 
 

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_nanguard import NanGuard
 from lightning_nanguard.decide.policy import LOCAL_FIELDS
 from lightning_nanguard.engine.step.check import loss_scale, step_flags
+from lightning_nanguard.trainer.frontend import TrainerFrontEnd
 
 
 class Regression(pl.LightningModule):
@@ -43,9 +44,10 @@ class Flags(pl.Callback):
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         c = self.guard.controller
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        vector = step_flags(trainer, pl_module, optimizer, grads, c.window, c.spikes, True, c.recorder)
+        front = TrainerFrontEnd(trainer, pl_module)
+        vector = step_flags(front, optimizer, grads, c.window, c.spikes, True)
         self.vectors.append(dict(zip(LOCAL_FIELDS, vector.tolist(), strict=True)))
-        scale = loss_scale(trainer)
+        scale = loss_scale(front.grad_scaler)
         self.scales.append(None if scale is None else float(scale))
 
 

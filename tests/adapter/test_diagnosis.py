@@ -1,21 +1,14 @@
-"""The Lightning side of the diagnosis: StepDiagnosis, diagnose_step without batches, the compiled step's original."""
+"""The engine's diagnosis routine: StepDiagnosis, diagnose_micro_batches without batches and with a bad one."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
-from lightning.pytorch import Trainer
+from fronts import PlainFront
 from torch import nn
 
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.diagnose.diagnosis import Diagnosis
-from lightning_nanguard.engine.incident.diagnosis import (
-    DiagnosisSettings,
-    StepDiagnosis,
-    diagnose_step,
-    training_step_of,
-)
+from lightning_nanguard.engine.incident.diagnosis import DiagnosisSettings, StepDiagnosis, diagnose_micro_batches
 from lightning_nanguard.engine.step.window import MicroBatch
 
 EVENT = NanEvent(5, 0, 5, 0, ("loss",), "skipped")
@@ -38,23 +31,13 @@ def test_reproduced_follows_the_diagnosis() -> None:
 
 
 def test_without_micro_batches_nothing_is_diagnosed() -> None:
-    found = diagnose_step(Trainer(logger=False, enable_checkpointing=False), Step(), EVENT, [], SETTINGS)
+    found = diagnose_micro_batches(PlainFront(Step()), EVENT, [], SETTINGS)
     assert found == StepDiagnosis(EVENT)
 
 
 def test_a_bad_micro_batch_is_named_with_its_batch_index() -> None:
-    trainer = Trainer(logger=False, enable_checkpointing=False)
     micro = MicroBatch(torch.tensor([1.0, 0.0, 2.0, 3.0]), 7, [40, 41, 42, 43])
-    found = diagnose_step(trainer, Step(), EVENT, [micro], SETTINGS)
+    found = diagnose_micro_batches(PlainFront(Step()), EVENT, [micro], SETTINGS)
     assert found.micro_batch is micro and found.diagnosis is not None
     assert (found.event.offending_samples, found.event.dataset_indices, found.event.batch_idx) == ((1,), (41,), 7)
     assert found.event.cause == "data" and found.reproduced
-
-
-def test_the_original_step_of_a_compiled_module() -> None:
-    module = Step()
-    calls: list[int] = []
-    module._compiler_ctx = {"original_training_step": lambda batch, i: calls.append(i)}  # type: ignore[assignment]
-    training_step_of(module)(None, 3)
-    assert calls == [3]
-    assert training_step_of(SimpleNamespace(training_step=len)) is len  # type: ignore[arg-type]

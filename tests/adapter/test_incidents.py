@@ -1,4 +1,4 @@
-"""``check_module`` (``adapter.incidents``): the event of a module's NaN/Inf now, for ``guard.check``."""
+"""``check_module`` (``engine/step/check.py``): the event of a module's NaN/Inf now, for ``guard.check``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_nanguard.engine.incident.inspector import check_module
+from lightning_nanguard.engine.step.check import check_module
 
 
 class Net(nn.Module):

@@ -13,8 +13,9 @@ from conftest import build_trainer
 from torch.utils.data import DataLoader
 
 from lightning_nanguard.diagnose.combined import CombinedLayout
-from lightning_nanguard.engine.data.readers import RecordReader, as_training_batch
+from lightning_nanguard.engine.data.readers import RecordReader
 from lightning_nanguard.trainer._compat import CALLBACK_BASES
+from lightning_nanguard.trainer.frontend import TrainerFrontEnd
 
 
 def test_a_map_style_loader_reads_with_its_own_collate() -> None:
@@ -63,7 +64,8 @@ class ReadAgain(*CALLBACK_BASES):  # type: ignore[misc]
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         reader = RecordReader.of(self.loader)
-        again = as_training_batch(trainer, reader.read(8 * batch_idx + 1), self.layout, self.part, batch)
+        front = TrainerFrontEnd(trainer, pl_module)
+        again = front.as_training_batch(reader.read(8 * batch_idx + 1), self.layout, self.part, batch)
         row = batch if self.layout is None else self.layout.part(batch, self.part)
         self.pairs.append(({key: value[1:2] for key, value in row.items()}, again))
 

@@ -1,6 +1,7 @@
-"""The Lightning side of reporting (``lightning_nanguard.engine.recording``): sinks, scalars, progress bar.
+"""Recording through the Trainer front-end (``engine/recording.py`` over ``trainer/frontend.py``): sinks, scalars, bar.
 
-With stand-in Trainers (the attributes each method reads) and a real ``TensorBoardLogger``.
+With stand-in Trainers (the attributes each method reads) seen through a real ``TrainerFrontEnd``,
+and a real ``TensorBoardLogger``.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from lightning_nanguard.engine.recording import (
     IncidentRecorder,
     _terminal,
     default_tags,
-    show_in_progress_bar,
 )
 from lightning_nanguard.reporting.scalars import scalar_tags
+from lightning_nanguard.trainer.frontend import TrainerFrontEnd
 
 
 class RecordingLogger:
@@ -60,7 +61,7 @@ def trainer(tmp_path: Path, loggers: list[Any] | None = None, **fields: Any) -> 
         "progress_bar_callback": None,
     }
     defaults.update(fields)
-    return SimpleNamespace(**defaults)
+    return TrainerFrontEnd(SimpleNamespace(**defaults), SimpleNamespace(automatic_optimization=True))  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------ where events go
@@ -88,7 +89,7 @@ def test_the_first_tensorboard_logger_decides_the_directory_on_rank_zero(tmp_pat
     sinks = EventSinks(verbose=False)
     sinks.attach(run, tags=["nanguard/grad_norm"])
     assert sinks.log_dir == board.log_dir
-    assert run.strategy.sent == [board.log_dir]  # every rank takes rank zero's directory
+    assert run.trainer.strategy.sent == [board.log_dir]  # every rank takes rank zero's directory
     assert len(sinks.tensorboard) == 1 and sinks.tensorboard[0].writer is board.experiment
     board.experiment.close()
 
@@ -155,8 +156,8 @@ def connector(should_update_logs: bool) -> Any:
 )
 def test_logging_due(tmp_path: Path, loggers: list[Any], connector_: Any, due: bool) -> None:
     run = trainer(tmp_path, loggers=loggers, _logger_connector=connector_)
-    assert EventSinks.logging_due(run) is due
-    assert EventSinks.logging_due(trainer(tmp_path, loggers=[RecordingLogger()], _logger_connector=connector(True)))
+    assert run.logging_due() is due
+    assert trainer(tmp_path, loggers=[RecordingLogger()], _logger_connector=connector(True)).logging_due()
 
 
 def test_scalars_only_on_rank_zero(tmp_path: Path) -> None:
@@ -186,7 +187,7 @@ def test_recorder_scalars_at_logging_steps_incidents_and_when_forced(tmp_path: P
         {"nanguard/bad_steps_total": 1.0, "nanguard/grad_norm": math.inf},
         previous={"nanguard/bad_steps_total": 0.0},
     )
-    run.global_step = 9
+    run.trainer.global_step = 9
     recorder.scalars(run, {"nanguard/bad_steps_total": 1.0, "nanguard/spikes_total": 5.0}, force=True)
     assert logger.logged == [
         ({"nanguard/bad_steps_total": 0.0}, 8),  # due: a logging step
@@ -246,18 +247,18 @@ def test_count_reads_as_an_integer_in_any_format() -> None:
 
 def test_show_in_progress_bar(tmp_path: Path) -> None:
     run = trainer(tmp_path, _logger_connector=connector(False))
-    show_in_progress_bar(run, "nan_skipped", 3)
-    value = run._logger_connector._progress_bar_metrics["nan_skipped"]
+    run.show_in_progress_bar("nan_skipped", 3)
+    value = run.trainer._logger_connector._progress_bar_metrics["nan_skipped"]
     assert value == 3 and type(value) is Count
-    show_in_progress_bar(trainer(tmp_path), "nan_skipped", 3)  # no connector: nothing to do
+    trainer(tmp_path).show_in_progress_bar("nan_skipped", 3)  # no connector: nothing to do
 
 
 def test_progress_shows_skipped_steps_once_there_are_some(tmp_path: Path) -> None:
     run = trainer(tmp_path, _logger_connector=connector(False))
     IncidentRecorder.progress(run, 0)
-    assert run._logger_connector._progress_bar_metrics == {}
+    assert run.trainer._logger_connector._progress_bar_metrics == {}
     IncidentRecorder.progress(run, 2)
-    assert run._logger_connector._progress_bar_metrics == {PROGRESS_BAR_KEY: 2}
+    assert run.trainer._logger_connector._progress_bar_metrics == {PROGRESS_BAR_KEY: 2}
 
 
 def test_the_terminal_prints_through_a_live_progress_bar(tmp_path: Path) -> None:

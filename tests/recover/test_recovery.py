@@ -9,7 +9,13 @@ import torch
 from torch import nn
 
 from lightning_nanguard.recover.recovery import Recovery, RecoverySettings, TrainingParts
-from lightning_nanguard.trainer.parts import training_parts
+
+
+def training_parts(run: SimpleNamespace, module: nn.Module) -> TrainingParts:
+    """What a front-end hands a recovery, built from the stand-in's fields (no Trainer in this stage's tests)."""
+    schedulers = [config.scheduler for config in run.lr_scheduler_configs]
+    scaler = getattr(run.precision_plugin, "scaler", None)
+    return TrainingParts(module, run.optimizers, schedulers, scaler, run.global_step)
 
 
 def _stand_in(module: nn.Module, lr: float = 0.1, sched: bool = False) -> SimpleNamespace:
