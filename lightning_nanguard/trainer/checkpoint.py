@@ -6,7 +6,7 @@
   owns its share (``GuardState``, ``IncidentRecorder``, ``SpikeWatch``, ``Recovery``: each a
   ``state_dict``/``load_state_dict``) and ``StepController.state_dict`` composes them; keys added in
   later versions are read with defaults, so checkpoints of 0.2.0 and 0.3 resume
-  (``tests/adapter/test_checkpoint.py``, ``tests/integration/test_checkpoint_resume.py``).
+  (``tests/trainer/test_checkpoint.py``, ``tests/integration/test_checkpoint_resume.py``).
 - :func:`make_checkpoint_finite`: a checkpoint never holds NaN/Inf weights: the last good snapshot
   goes in instead (under ``ModelParallelStrategy`` every rank's shards, in the strategy's format),
   or the save is refused.

@@ -3,7 +3,7 @@
 The checkpoint was made once, with the 0.2.0 package (commit 14a17ad), by running this file:
 ``python tests/data/checkpoint_v020.py``. It holds the guard state 0.2.0 wrote (counters, the
 last events, quarantined dataset indices, a clip threshold, the spike statistic), and
-``tests/adapter/test_checkpoint.py`` resumes from it with the current code.
+``tests/trainer/test_checkpoint.py`` resumes from it with the current code.
 """
 
 from __future__ import annotations

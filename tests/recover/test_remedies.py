@@ -1,4 +1,4 @@
-"""The remedy functions and ``RemedyBook`` on their own (no Trainer; see ``tests/adapter/test_recovery.py``)."""
+"""The remedy functions and ``RemedyBook`` on their own (no Trainer; see ``tests/integration/test_recovery.py``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The work after the optimizer step (``lightning_nanguard.engine.after_step``), with a stand-in Trainer and recovery.
+"""The work after the optimizer step (``lightning_nanguard.engine.after_step``), with a plain front-end and recovery.
 
 The recovery itself (snapshot, rollback, remedies) has its own tests; here a recording stand-in
 shows what ``AfterStep`` asks of it, when, and what it records and raises.
@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from fronts import PlainFront
 from torch import nn
 
 from lightning_nanguard.core.events import NonFiniteTrainingError
@@ -20,7 +21,6 @@ from lightning_nanguard.engine.after_step import AfterStep, ParamCheckSettings
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.state import GuardState
 from lightning_nanguard.engine.step.window import StepWindow
-from lightning_nanguard.trainer.frontend import TrainerFrontEnd
 
 
 class FakeRecovery:
@@ -46,20 +46,6 @@ class FakeRecovery:
     def capture(self, *args: Any, **kwargs: Any) -> None:
         self.calls.append("capture")
         self.snapshot.available = True
-
-
-def trainer(global_step: int) -> Any:
-    return SimpleNamespace(
-        global_step=global_step,
-        current_epoch=0,
-        global_rank=0,
-        world_size=1,
-        is_global_zero=True,
-        loggers=[],
-        optimizers=[],
-        lr_scheduler_configs=[],
-        precision_plugin=SimpleNamespace(),
-    )
 
 
 def build(
@@ -88,7 +74,9 @@ def test_a_pending_rollback_runs_first_and_restarts_the_run_of_bad_steps() -> No
     after, recovery, _ = build(action="rollback")
     after.state.pending_rollback = True
     after.state.counters = Counters(consecutive_bad_steps=3, bad_steps_total=3)
-    after.run(TrainerFrontEnd(trainer(4), broken_module()), collective=False)  # a check step, but the rollback comes first
+    after.run(
+        PlainFront(broken_module(), global_step=4), collective=False
+    )  # a check step, but the rollback comes first
     assert recovery.calls == ["rollback"]
     assert not after.state.pending_rollback
     assert after.state.counters == Counters(consecutive_bad_steps=0, bad_steps_total=3)
@@ -98,26 +86,26 @@ def test_a_pending_rollback_without_a_snapshot_stops_training() -> None:
     after, _, _ = build(action="rollback", available=False)
     after.state.pending_rollback = True
     with pytest.raises(NonFiniteTrainingError, match=r"a rollback is due \(consecutive bad steps\) but no last good"):
-        after.run(TrainerFrontEnd(trainer(0), nn.Linear(1, 1)), collective=False)
+        after.run(PlainFront(nn.Linear(1, 1), global_step=0), collective=False)
 
 
 def test_a_failing_guard_does_not_roll_back() -> None:
     after, recovery, recorder = build(action="rollback")
     after.state.pending_rollback, after.state.failing = True, True
-    after.run(TrainerFrontEnd(trainer(4), broken_module()), collective=False)
+    after.run(PlainFront(broken_module(), global_step=4), collective=False)
     assert recovery.calls == [] and recorder.events == [] and after.state.pending_rollback
 
 
 @pytest.mark.parametrize(("global_step", "checked"), [(3, False), (4, True), (8, False), (9, True)])
 def test_weights_are_checked_every_n_steps(global_step: int, checked: bool) -> None:
     after, _, recorder = build(action="warn", every=5)
-    after.run(TrainerFrontEnd(trainer(global_step), broken_module()), collective=False)  # the step after global_step
+    after.run(PlainFront(broken_module(), global_step=global_step), collective=False)  # the step after global_step
     assert len(recorder.events) == int(checked)
 
 
 def test_no_check_when_check_params_every_n_steps_is_zero() -> None:
     after, _, recorder = build(action="warn", every=0)
-    after.run(TrainerFrontEnd(trainer(4), broken_module()), collective=False)
+    after.run(PlainFront(broken_module(), global_step=4), collective=False)
     assert recorder.events == []
 
 
@@ -126,7 +114,7 @@ def test_non_finite_weights_with_action_warn_are_recorded_and_counted() -> None:
     module = broken_module()
     after.named_params = list(module.named_parameters())
     after.state.counters = Counters(bad_steps_total=1, consecutive_bad_steps=1)
-    after.run(TrainerFrontEnd(trainer(9), module), collective=False)
+    after.run(PlainFront(module, global_step=9), collective=False)
     (event,) = recorder.events
     assert (event.kinds, event.action, event.cause) == (("param",), "warned", "state")
     assert event.nonfinite_params == ("0.weight", "1.running_var")  # parameters, then BatchNorm buffers
@@ -141,7 +129,7 @@ def test_non_finite_weights_with_action_skip_stop_training() -> None:
     module = broken_module()
     after.named_params = list(module.named_parameters())
     with pytest.raises(NonFiniteTrainingError, match="NaN/Inf reached the weights") as raised:
-        after.run(TrainerFrontEnd(trainer(4), module), collective=False)
+        after.run(PlainFront(module, global_step=4), collective=False)
     (event,) = recorder.events
     assert event.action == "raised" and raised.value.events == [event]
     assert after.state.counters.bad_steps_total == 1
@@ -151,7 +139,7 @@ def test_non_finite_weights_with_action_rollback_roll_back_and_apply_state_remed
     after, recovery, recorder = build(action="rollback")
     module = broken_module()
     after.named_params = list(module.named_parameters())
-    after.run(TrainerFrontEnd(trainer(4), module), collective=False)
+    after.run(PlainFront(module, global_step=4), collective=False)
     assert recovery.calls == ["rollback", ("apply", {"cause": "state", "rolled_back": True})]
     (event,) = recorder.events
     assert event.action == "rolled_back" and event.remedies == ("rolled back to step 4", "lr x0.5")
@@ -160,7 +148,7 @@ def test_non_finite_weights_with_action_rollback_roll_back_and_apply_state_remed
 def test_rollback_without_a_snapshot_raises_instead() -> None:
     after, recovery, _ = build(action="rollback", available=False)
     with pytest.raises(NonFiniteTrainingError, match="NaN/Inf reached the weights"):
-        after.run(TrainerFrontEnd(trainer(4), broken_module()), collective=False)
+        after.run(PlainFront(broken_module(), global_step=4), collective=False)
     assert recovery.calls == []
 
 
@@ -179,7 +167,7 @@ def test_another_ranks_non_finite_weights_stop_every_rank_without_an_event_here(
     after, _, recorder = build(action="skip")
     after.agreement = AnotherRankIsBad()  # type: ignore[assignment]
     with pytest.raises(NonFiniteTrainingError, match="on another rank") as raised:
-        after.run(TrainerFrontEnd(trainer(4), nn.Linear(2, 2)), collective=True)
+        after.run(PlainFront(nn.Linear(2, 2), global_step=4), collective=True)
     assert after.agreement.asked == [False]  # type: ignore[attr-defined]
     assert recorder.events == [] and raised.value.events == []
     assert after.state.counters.bad_steps_total == 1  # counted on every rank alike
@@ -189,7 +177,7 @@ def test_a_failing_guard_still_joins_the_reduce() -> None:
     after, _, recorder = build(action="skip")
     after.agreement = AnotherRankIsBad()  # type: ignore[assignment]
     after.state.failing = True
-    after.run(TrainerFrontEnd(trainer(4), broken_module()), collective=True)
+    after.run(PlainFront(broken_module(), global_step=4), collective=True)
     assert after.agreement.asked == [False]  # type: ignore[attr-defined]  # it does not read its weights
     assert recorder.events == []
 
@@ -198,27 +186,27 @@ def test_a_failing_guard_still_joins_the_reduce() -> None:
 def test_a_snapshot_every_n_healthy_steps_under_rollback(global_step: int, bad: bool, captured: bool) -> None:
     after, recovery, _ = build(action="rollback", every=0, snapshot_every=10)
     after.state.step_was_bad = bad
-    after.run(TrainerFrontEnd(trainer(global_step), nn.Linear(2, 2)), collective=False)
+    after.run(PlainFront(nn.Linear(2, 2), global_step=global_step), collective=False)
     assert recovery.calls == (["capture"] if captured else [])
 
 
 def test_no_snapshot_when_the_weights_are_not_finite() -> None:
     after, recovery, _ = build(action="rollback", every=0, snapshot_every=10)
-    after.run(TrainerFrontEnd(trainer(9), broken_module()), collective=False)
+    after.run(PlainFront(broken_module(), global_step=9), collective=False)
     assert "capture" not in recovery.calls and "rollback" in recovery.calls
 
 
 def test_no_snapshots_under_other_actions() -> None:
     after, recovery, _ = build(action="skip", every=0, snapshot_every=1)
-    after.run(TrainerFrontEnd(trainer(9), nn.Linear(2, 2)), collective=False)
+    after.run(PlainFront(nn.Linear(2, 2), global_step=9), collective=False)
     assert recovery.calls == []
 
 
 def test_the_initial_snapshot_only_of_finite_weights() -> None:
     after, recovery, _ = build(action="rollback", available=False)
-    after.initial_snapshot(TrainerFrontEnd(trainer(0), broken_module()))
+    after.initial_snapshot(PlainFront(broken_module(), global_step=0))
     assert recovery.calls == []
-    after.initial_snapshot(TrainerFrontEnd(trainer(0), nn.Linear(2, 2)))
+    after.initial_snapshot(PlainFront(nn.Linear(2, 2), global_step=0))
     assert recovery.calls == ["capture"]
 
 
