@@ -1,1 +1,20 @@
-"""TODO."""
+"""The step engine: one optimizer step under the guard, for any training loop. Imports no Lightning.
+
+A front-end (:mod:`lightning_nanguard.trainer` for the Trainer) hands it a
+:class:`~lightning_nanguard.engine.frontend.FrontEnd` and calls it at the moments of a step; the
+engine checks, agrees across ranks, decides, acts, diagnoses and records, with the stages below
+(``detect`` ... ``reporting``). Its sub-stages, in the order a bad step meets them:
+
+- ``frontend.py``: the interface a loop provides (the model, the optimizer step, re-running a step,
+  where to log) and :class:`~.frontend.StepView`.
+- ``step/``: the step in progress: its window (micro-batches, losses, BatchNorm state), the fused
+  check's flags (``check.py``), the loss-spike watch, sync-free skipping.
+- ``controller.py``: check, agree, decide, act; ``after_step.py``: rollback, weight check, snapshot.
+- ``incident/``: a bad step: what this rank found (``inspector.py``; ``sharded.py`` in lockstep
+  under sharding), the one diagnosis routine (``diagnosis.py``), the incident's files.
+- ``rows/``: which samples and records the offending rows are (``samples.py``, ``records.py``).
+- ``data/``: the dataset indices of each batch and reading a record again (loader level, no Trainer).
+- ``recording.py``: events, sinks and scalars through the front-end; ``settings.py``: the
+  ``NanGuard`` arguments validated and turned into each part's settings; ``state.py``,
+  ``failure.py``, ``sharding.py``: shared state, the failsafe, the sharded layout.
+"""

@@ -24,15 +24,14 @@ if TYPE_CHECKING:
 
 
 class Guarded(Protocol):
-    """What :func:`failsafe` and :class:`CounterView` need of the callback (``NanGuard``), without importing it."""
+    """What :func:`failsafe` needs of the callback (``NanGuard``), without importing it."""
 
     active: bool
     controller: Any
     clock: GuardClock
-    counters: Any
 
 
-__all__ = ["CounterView", "Guarded", "UnguardableSetupError", "fail", "failsafe"]
+__all__ = ["Guarded", "UnguardableSetupError", "fail", "failsafe"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -79,15 +78,3 @@ def failsafe(hook: _F) -> _F:
             return None
 
     return wrapper  # type: ignore[return-value]
-
-
-class CounterView:
-    """A read-only attribute of ``NanGuard`` showing one of ``guard.counters`` (the same on every rank)."""
-
-    def __init__(self, name: str, doc: str) -> None:
-        self.name, self.__doc__ = name, doc
-
-    def __get__(self, guard: Guarded | None, owner: type) -> int:
-        if guard is None:
-            return self  # type: ignore[return-value]  # on the class: for help() and documentation tools
-        return int(getattr(guard.counters, self.name))

@@ -19,7 +19,7 @@ from typing import Any
 
 from lightning_nanguard.decide.policy import Counters
 
-__all__ = ["GuardState"]
+__all__ = ["CounterView", "GuardState"]
 
 
 @dataclass
@@ -64,3 +64,23 @@ class GuardState:
         self.counters = Counters(**{name: int(state.get(name, 0)) for name in Counters.__dataclass_fields__})
         norm = state.get("last_grad_norm")
         self.last_grad_norm = float(norm) if norm is not None else None
+
+
+class CounterView:
+    """A read-only attribute of ``NanGuard`` showing one of ``guard.counters`` (the same on every rank).
+
+    Example:
+        >>> class Guard:
+        ...     counters = Counters(skipped_total=3)
+        ...     skipped_total = CounterView("skipped_total", "Updates dropped.")
+        >>> Guard().skipped_total, Guard.skipped_total.__doc__
+        (3, 'Updates dropped.')
+    """
+
+    def __init__(self, name: str, doc: str) -> None:
+        self.name, self.__doc__ = name, doc
+
+    def __get__(self, guard: Any, owner: type) -> int:
+        if guard is None:
+            return self  # type: ignore[return-value]  # on the class: for help() and documentation tools
+        return int(getattr(guard.counters, self.name))

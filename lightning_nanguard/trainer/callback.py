@@ -26,10 +26,11 @@ from lightning_nanguard.detect.spikes import SpikeDetector
 from lightning_nanguard.diagnose.diagnosis import diagnose
 from lightning_nanguard.engine.controller import StepController
 from lightning_nanguard.engine.data.indices import indices_from_batch
-from lightning_nanguard.engine.failure import CounterView, failsafe
+from lightning_nanguard.engine.failure import failsafe
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.settings import GuardSettings, validate_arguments, warn_what_cannot_be_skipped
 from lightning_nanguard.engine.sharding import own_rank_state
+from lightning_nanguard.engine.state import CounterView
 from lightning_nanguard.recover.recovery import Recovery, apply_module_eps
 from lightning_nanguard.recover.remedies import Remedy
 from lightning_nanguard.trainer._compat import CALLBACK_BASES

@@ -11,8 +11,8 @@ from event_factory import make_event
 from lightning_nanguard.core.events import NonFiniteTrainingError
 from lightning_nanguard.core.timing import GuardClock
 from lightning_nanguard.decide.policy import Counters
-from lightning_nanguard.engine.failure import CounterView, failsafe
-from lightning_nanguard.engine.state import GuardState
+from lightning_nanguard.engine.failure import failsafe
+from lightning_nanguard.engine.state import CounterView, GuardState
 
 
 class Guard:
