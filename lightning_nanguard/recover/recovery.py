@@ -2,14 +2,14 @@
 
 :class:`Recovery` combines :mod:`~lightning_nanguard.recover.snapshot` and
 :mod:`~lightning_nanguard.recover.remedies`: it acts on the :class:`TrainingParts` it is handed
-(the module, optimizers, LR schedulers and GradScaler; the adapter reads them off the Trainer,
+(the module, optimizers, LR schedulers and GradScaler; the engine reads them off its front-end,
 :func:`lightning_nanguard.engine.frontend.training_parts`), decides which remedies fit an
 incident, and keeps the counts that go into checkpoints and TensorBoard. It never sees a Trainer.
 
 Which remedy for which incident, decided by the incident's ``cause`` at the first incident:
 
 - ``"data"`` or ``"input"`` (samples named, dataset indices known) -> ``quarantine`` them (the
-  adapter passes only records whose index and blame are verified);
+  engine passes only records whose index and blame are verified);
 - ``"batch"`` (the batch as a whole is degenerate) -> nothing but the skip (and ``raise_eps`` below);
 - origin localised in a layer with ``eps`` (norm layers) -> ``raise_eps`` (also Adam's ``eps``);
 - ``"state"`` (the weights or the learning rate are the problem), ``"interaction"`` or not
