@@ -1,9 +1,10 @@
 """The module paths of 0.2.0, still importable: each forwards to where its names live now.
 
 0.3.0 laid the package out by stage (``detect/``, ``decide/``, ``diagnose/``, ``recover/``,
-``reporting/`` and the Lightning adapter, since split into ``engine/`` and ``trainer/``). The
-module paths the 0.2.0 README documented (only ``lightning_nanguard.spikes``; everything else was
-reached through ``lightning_nanguard`` itself, whose names are unchanged) keep working and give one ``DeprecationWarning`` naming the new path.
+``reporting/`` and the Lightning adapter, since split into ``engine/`` and ``trainer/``). The module
+paths the 0.2.0 README documented (only ``lightning_nanguard.spikes``; everything else was reached
+through ``lightning_nanguard`` itself, whose names are unchanged) keep working and give one
+``DeprecationWarning`` naming the new path.
 They are removed in :data:`REMOVED_IN`.
 
 Example:
