@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from fitting import StepRecorder, build_trainer
+from fitting import StepRecorder, fit
 from models import NAMESPACES
 from states import states_equal
 from torch import nn
@@ -49,8 +49,8 @@ def _data(nan_at: int) -> TensorDataset:
 
 def _fit(ns_name: str, tmp_path: Path, nan_at: int, **guard_kwargs: Any) -> tuple[NanGuard, StepRecorder]:
     guard, recorder = NanGuard(verbose=False, save_repro=False, **guard_kwargs), StepRecorder()
-    trainer = build_trainer(ns_name, tmp_path, callbacks=[guard, recorder], accumulate_grad_batches=2)
-    trainer.fit(_module(ns_name), DataLoader(_data(nan_at), batch_size=8))
+    module, loader = _module(ns_name), DataLoader(_data(nan_at), batch_size=8)
+    fit(module, loader, root=tmp_path, guard=guard, callbacks=[recorder], ns=ns_name, accumulate_grad_batches=2)
     return guard, recorder
 
 

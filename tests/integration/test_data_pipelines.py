@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fitting
 import lightning.pytorch as pl
 import pattern_models as pm
 import pipeline_models as pp
@@ -90,8 +91,7 @@ def fit(
     loader = pp.loader(dataset, batch_size, collate, seed=SEED)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        build_trainer("lightning", root, callbacks=[guard, seen], max_epochs=epochs).fit(module, loader)
-    assert guard.active, "NanGuard disabled itself after an internal error (see the log)"
+        fitting.fit(module, loader, root=root, guard=guard, callbacks=[seen], max_epochs=epochs, require_active=True)
     assert all(bool(torch.isfinite(p).all()) for p in module.parameters()), "NaN/Inf reached the weights"
     return Run(guard, loader, seen, [str(w.message) for w in caught], module)
 

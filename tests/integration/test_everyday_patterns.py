@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import fitting
 import lightning.pytorch as pl
 import multitask_models as mm
 import pattern_models as pm
@@ -40,8 +41,7 @@ def fit(module: pl.LightningModule, dataset: TensorDataset, root: Path, **guard_
     """One epoch over a shuffled loader of ``dataset``; returns the guard and the loader (its sampler's log)."""
     guard = NanGuard(verbose=False, **guard_kwargs)
     loader = mm.loader(dataset, BATCH, seed=7)
-    build_trainer("lightning", root, callbacks=[guard]).fit(module, loader)
-    assert guard.active, "NanGuard disabled itself after an internal error (see the log)"
+    fitting.fit(module, loader, root=root, guard=guard, require_active=True)
     return guard, loader
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from fitting import fit
 from models import BATCH_SIZE, KINDS, FailureCase, make_case, make_loader, make_module, make_net, origin_line
 from torch import Tensor
 
@@ -145,12 +146,12 @@ def test_origin_line_unknown_name() -> None:
 # ------------------------------------------------------------------------------------ with the guard
 
 
-def _fit(make_trainer: Any, recorder: Any, case: FailureCase, ns_name: str, **guard_kwargs: Any) -> tuple[Any, Any]:
+def _fit(root: Path, recorder: Any, case: FailureCase, ns_name: str, **guard_kwargs: Any) -> tuple[Any, Any]:
     guard = NanGuard(**guard_kwargs)
     module = make_module(ns_name, case.kind)
-    trainer = make_trainer(callbacks=[guard, recorder])
-    trainer.fit(module, make_loader(case.dataset))
-    assert guard.active, "NanGuard disabled itself after an internal error (see the log)"
+    trainer, _ = fit(
+        module, make_loader(case.dataset), root=root, guard=guard, callbacks=[recorder], ns=ns_name, require_active=True
+    )
     return guard, trainer
 
 
@@ -203,18 +204,16 @@ def _assert_skipped_correctly(case: FailureCase, guard: NanGuard, trainer: Any, 
 
 
 @pytest.mark.parametrize("kind", CLASS_KINDS)
-def test_guard_skips_failure_class(kind: str, ns_name: str, make_trainer: Any, recorder: Any, tmp_path: Path) -> None:
+def test_guard_skips_failure_class(kind: str, ns_name: str, recorder: Any, tmp_path: Path) -> None:
     case = make_case(kind)
-    guard, trainer = _fit(make_trainer, recorder, case, ns_name, verbose=False)
+    guard, trainer = _fit(tmp_path, recorder, case, ns_name, verbose=False)
     _assert_skipped_correctly(case, guard, trainer, recorder, tmp_path)
 
 
 @NONFINITE
-def test_guard_skips_nonfinite_input_data(
-    value: float, ns_name: str, make_trainer: Any, recorder: Any, tmp_path: Path
-) -> None:
+def test_guard_skips_nonfinite_input_data(value: float, ns_name: str, recorder: Any, tmp_path: Path) -> None:
     case = make_case("input_data", value=value)
-    guard, trainer = _fit(make_trainer, recorder, case, ns_name, verbose=False)
+    guard, trainer = _fit(tmp_path, recorder, case, ns_name, verbose=False)
     _assert_skipped_correctly(case, guard, trainer, recorder, tmp_path)
     assert math.isnan(guard.events[0].loss)  # type: ignore[arg-type]
 
@@ -227,10 +226,10 @@ def test_guard_without_guard_the_model_is_destroyed(make_trainer: Any, ns_name: 
     assert not torch.isfinite(module.net.feature.weight).all()
 
 
-def test_guard_two_bad_batches_in_one_epoch(make_trainer: Any, ns_name: str, recorder: Any) -> None:
+def test_guard_two_bad_batches_in_one_epoch(ns_name: str, recorder: Any, tmp_path: Path) -> None:
     """Bad samples in batches 0 and 2: two separate events, each at its own step, none consecutive."""
     case = make_case("masked_div", bad=(2, 2 * BATCH_SIZE + 5))
-    guard, _ = _fit(make_trainer, recorder, case, ns_name, verbose=False)
+    guard, _ = _fit(tmp_path, recorder, case, ns_name, verbose=False)
     assert [(e.global_step, e.batch_idx) for e in guard.events] == [(0, 0), (2, 2)]
     assert (guard.bad_steps_total, guard.skipped_total, guard.consecutive_bad_steps) == (2, 2, 0)
     assert recorder.by_step(0).unchanged()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import fitting
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -36,7 +37,7 @@ from feature_models import (
     regression_data,
     state,
 )
-from fitting import StepRecorder, build_trainer
+from fitting import StepRecorder
 from lightning.fabric.utilities.spike import TrainingSpikeException
 from models import NAMESPACES
 from states import states_equal
@@ -61,12 +62,11 @@ def fit(
     **trainer_kwargs: Any,
 ) -> Any:
     """Fit ``module`` on ``data`` (a dataset, or a loader) with ``callbacks`` (and ``nan_guard`` first); the trainer."""
-    every = [nan_guard, *callbacks] if nan_guard is not None else callbacks
-    trainer = build_trainer(ns, root, callbacks=every, **trainer_kwargs)
-    trainer.fit(module, data if not isinstance(data, Dataset) else loader(data))
-    if nan_guard is not None:
-        assert nan_guard.active, "NanGuard disabled itself after an internal error (see the log)"
-    return trainer
+    train = data if not isinstance(data, Dataset) else loader(data)
+    fitted = fitting.fit(
+        module, train, root=root, guard=nan_guard, callbacks=callbacks, ns=ns, require_active=True, **trainer_kwargs
+    )
+    return fitted.trainer
 
 
 def all_finite(values: dict[str, torch.Tensor]) -> bool:

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import fitting
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -155,11 +156,17 @@ def logged_epochs(log_dir: str) -> list[dict[str, float]]:
 def fit(tmp_path: Path, module: Logging, guard: NanGuard, epochs: int = 3, **kwargs: Any) -> tuple[Any, Steps]:
     steps = Steps()
     module.guard = guard
-    callbacks = [guard, steps, *kwargs.pop("callbacks", [])]
-    trainer = build_trainer(
-        "lightning", tmp_path, callbacks=callbacks, max_epochs=epochs, logger=CSVLogger(tmp_path), **kwargs
+    callbacks = [steps, *kwargs.pop("callbacks", [])]
+    trainer, _ = fitting.fit(
+        module,
+        DataLoader(dataset(), batch_size=SIZE),
+        root=tmp_path,
+        guard=guard,
+        callbacks=callbacks,
+        max_epochs=epochs,
+        logger=CSVLogger(tmp_path),
+        **kwargs,
     )
-    trainer.fit(module, DataLoader(dataset(), batch_size=SIZE))
     return trainer, steps
 
 

@@ -19,7 +19,7 @@ import forensics_models as fm
 import pipeline_models as pp
 import pytest
 import torch
-from fitting import build_trainer
+from fitting import build_trainer, fit
 from forensics_models import one_thread  # noqa: F401 (fixture)
 from models import make_case, make_loader
 from torch.utils.data import DataLoader, TensorDataset
@@ -38,7 +38,7 @@ FIELDS = ("offending_samples", "dataset_indices", "culprit_module", "culprit_op"
 
 def train(module: Any, loader: Any, root: Path) -> NanEvent:
     guard = NanGuard(verbose=False)
-    build_trainer("lightning", root, callbacks=[guard]).fit(module, loader)
+    fit(module, loader, root=root, guard=guard)
     assert len(guard.events) == 1
     event = guard.events[0]
     assert event.repro_path is not None

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import fitting
 import multitask_models as mm
 import pytest
 import torch
@@ -40,9 +41,10 @@ MM_FILE = mm.__file__
 def fit(collection: Any, paths: list[tuple[Any, ...]], root: Path, epochs: int = 1, **guard_kwargs: Any) -> Any:
     guard = NanGuard(verbose=False, **guard_kwargs)
     keeper = mm.BatchKeeper()
-    trainer = build_trainer("lightning", root, callbacks=[guard, keeper], max_epochs=epochs)
-    trainer.fit(mm.MultiTaskModule(paths), collection)
-    assert guard.active, "NanGuard disabled itself after an internal error (see the log)"
+    module = mm.MultiTaskModule(paths)
+    trainer, _ = fitting.fit(
+        module, collection, root=root, guard=guard, callbacks=[keeper], max_epochs=epochs, require_active=True
+    )
     return guard, keeper, trainer
 
 

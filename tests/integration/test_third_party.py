@@ -16,10 +16,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+import fitting
 import pytest
 import third_party_models as tp
 import torch
-from fitting import build_trainer
 from forensics_models import one_thread  # noqa: F401 (fixture)
 from lightning.pytorch.demos import LightningTransformer
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
@@ -36,7 +36,7 @@ TP_FILE = tp.__file__
 
 def fit(module: Any, loader: Any, root: Path, **guard_kwargs: Any) -> NanGuard:
     guard = NanGuard(verbose=False, **guard_kwargs)
-    build_trainer("lightning", root, callbacks=[guard]).fit(module, loader)
+    fitting.fit(module, loader, root=root, guard=guard)
     return guard
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fitting
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -102,13 +103,10 @@ def _fit(
     **flags: Any,
 ) -> Run:
     steps, points = StepRecorder(), ValidationPoints()
-    callbacks = [c for c in (callback, steps, points, *extra_callbacks) if c is not None]
-    trainer = build_trainer("lightning", root, callbacks=callbacks, **flags)
-    module = module if module is not None else flag_module()
-    trainer.fit(module, train, val)
     guard = callback if isinstance(callback, NanGuard) else None
-    if guard is not None:
-        assert guard.active, "NanGuard disabled itself after an internal error (see the log)"
+    others = [c for c in (callback, steps, points, *extra_callbacks) if c is not None and c is not guard]
+    module = module if module is not None else flag_module()
+    trainer, _ = fitting.fit(module, train, val, root=root, guard=guard, callbacks=others, require_active=True, **flags)
     return Run(trainer, module, steps, points, guard, callback if isinstance(callback, HandSkip) else None)
 
 
