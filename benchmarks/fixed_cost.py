@@ -13,14 +13,18 @@ Printed: ``guard.clock.total`` per step in microseconds (median over repetitions
 hook, and the same guard's share of the step. With ``--logging`` the module logs four values
 (mean, sum, max, min; ``on_epoch=True``) and updates two torchmetrics metrics every step: the rise of
 ``on_train_batch_start`` against a run without is what capturing them for a possible skip costs.
-Compare two versions of the package by running this file against each checkout in turn on a quiet
-machine (``PYTHONPATH=<checkout>``).
+Compare two versions of the package side by side with ``--against <checkout>``: the repetitions
+alternate between this checkout's package and that one's (each in a fresh process), and the ratio
+of the medians is printed. ``--accelerator cuda`` measures on a GPU (the host time of the same hooks).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,14 +66,14 @@ class _Tiny(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-def run(steps: int, logging: bool = False) -> tuple[float, float, dict[str, float]]:
+def run(steps: int, logging: bool = False, accelerator: str = "cpu") -> tuple[float, float, dict[str, float]]:
     """One fit of ``steps`` steps: guard microseconds per step, the guard's share of the step, per hook."""
     x = torch.randn(steps * 4, 2)
     loader = DataLoader(TensorDataset(x, x.sum(1)), batch_size=4)
     guard = NanGuard(verbose=False)
     guard.clock.enabled = True
     with tempfile.TemporaryDirectory() as root:
-        trainer = benchmark_trainer(root, steps, [guard])
+        trainer = benchmark_trainer(root, steps, [guard], accelerator=accelerator)
         begin = time.perf_counter()
         trainer.fit(_Tiny(logging), loader)
         wall = time.perf_counter() - begin
@@ -77,14 +81,45 @@ def run(steps: int, logging: bool = False) -> tuple[float, float, dict[str, floa
     return guard.clock.total / steps * 1e6, guard.clock.total / wall, per_hook
 
 
+def _one_process(checkout: str, args: argparse.Namespace) -> float:
+    """One repetition in a fresh process importing the package of ``checkout``: guard microseconds per step."""
+    command = [sys.executable, __file__, "--steps", str(args.steps), "--repeat", "1", "--json"]
+    command += ["--accelerator", args.accelerator, *(["--logging"] if args.logging else [])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return float(json.loads(done.stdout.strip().splitlines()[-1])["per_step_us"])
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Alternate this checkout and ``args.against``, one fresh process per repetition; print the ratio."""
+    here = str(Path(__file__).resolve().parent.parent)
+    times: dict[str, list[float]] = {"this checkout": [], "against": []}
+    for _ in range(args.repeat):
+        times["this checkout"].append(_one_process(here, args))
+        times["against"].append(_one_process(args.against, args))
+    for name, values in times.items():
+        print(f"{name:14s} {statistics.median(values):7.1f} us per step (min {min(values):.1f}, max {max(values):.1f})")
+    ratio = statistics.median(times["this checkout"]) / statistics.median(times["against"])
+    print(f"ratio this/against: {ratio:.3f} ({args.repeat} alternating repetitions of {args.steps} steps)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--logging", action="store_true", help="4 logged values and 2 metrics every step")
+    parser.add_argument("--accelerator", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--against", metavar="CHECKOUT", help="another checkout's root, measured side by side")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results = [run(args.steps, args.logging) for _ in range(args.repeat)]
+    if args.against:
+        compare(args)
+        return
+    results = [run(args.steps, args.logging, args.accelerator) for _ in range(args.repeat)]
+    if args.json:
+        print(json.dumps({"per_step_us": statistics.median(r[0] for r in results)}))
+        return
     totals = [r[0] for r in results]
     print(
         f"guard per step: {statistics.median(totals):.1f} us (min {min(totals):.1f}, max {max(totals):.1f}) "

@@ -237,9 +237,11 @@ def make(name: str, seed: int = 0, batches: int = 8) -> tuple[LightningModule, D
     return spec.wrapper(spec.build_net()), DataLoader(data, batch_size=spec.batch_size, shuffle=False)
 
 
-def benchmark_trainer(root: str, max_steps: int, callbacks: list[Callback], **kwargs: Any) -> Trainer:
-    """The Trainer every benchmark run uses: CPU, one device, a real ``CSVLogger`` (so NanGuard logs
-    every ``log_every_n_steps``, Lightning's default 50), nothing else that costs time per step."""
+def benchmark_trainer(
+    root: str, max_steps: int, callbacks: list[Callback], accelerator: str = "cpu", **kwargs: Any
+) -> Trainer:
+    """The Trainer every benchmark run uses: CPU (unless told), one device, a real ``CSVLogger`` (so
+    NanGuard logs every ``log_every_n_steps``, Lightning's default 50), nothing else that costs time per step."""
     return Trainer(
         max_steps=max_steps,
         callbacks=callbacks,
@@ -248,7 +250,7 @@ def benchmark_trainer(root: str, max_steps: int, callbacks: list[Callback], **kw
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1,
         **kwargs,
     )
