@@ -1,23 +1,20 @@
 """``lightning_nanguard.detect.syncfree``: skipping on the device, restoring by select, reading later.
 
 CPU tests use torch's real fused optimizers (their CPU kernels honour ``found_inf`` like the CUDA
-ones) and a real GradScaler; the pinned-memory, event and multi-device paths need CUDA.
+ones) and a real GradScaler; the pinned-memory, event and multi-device paths need CUDA. The blocks
+wired into a real Trainer are tested in ``tests/integration/test_syncfree_blocks.py``.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from host_reads import HostReadCounter
-from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard.detect.batchnorm import batchnorm_buffers, batchnorm_running_vars
 from lightning_nanguard.detect.check import fused_health_check
@@ -353,112 +350,6 @@ def test_the_building_blocks_never_read_the_device() -> None:
         assert reader.result()[0] == (0.0 if bad is None else 1.0)  # the one read, deferred
     skip.remove()
     check.remove()
-
-
-# ---------------------------------------------------------------------------- with a real Trainer
-
-
-class SyncFreeSteps(pl.Callback):
-    """The building blocks wired the way an opt-in sync-free guard uses them (flags read one step later)."""
-
-    def __init__(self) -> None:
-        self.flags: list[list[float]] = []
-        self.reads_per_step: list[int] = []
-        self.counter = HostReadCounter()
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.check = GradientCheck(pl_module.parameters())
-        self.buffers = batchnorm_buffers(pl_module)
-        self.restore = SelectRestore([t for _, t in self.buffers])
-        self.reader = DeferredRead()
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.skip = DeviceSkip(trainer.optimizers[0], scaler)
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        if self.reader.pending:
-            self.flags.append(self.reader.result())  # before this step's forward
-        self.counter.reads.clear()
-        with self.counter:
-            self.restore.capture()
-
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        self.loss = loss.detach()
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        with self.counter:
-            summary = self.check.health_check(
-                others=[self.loss, *(t for _, t in self.buffers if t.is_floating_point())],
-                nonnegative=batchnorm_running_vars(self.buffers),
-            )
-            assert self.skip.arm(summary[0])
-            self.restore.restore_where_(summary[0])
-            self.reader.start(summary)
-        self.reads_per_step.append(sum(self.counter.reads.values()))
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        while self.reader.pending:
-            self.flags.append(self.reader.result())
-        self.skip.remove()
-        self.check.remove()
-
-
-class Net(pl.LightningModule):
-    def __init__(self, fused: bool) -> None:
-        super().__init__()
-        self.fused = fused
-        self.net = _net()
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        return self.net(batch[0]).square().mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=0.01, fused=self.fused)
-
-
-def _fit(root: Path, batches: list[Tensor], callbacks: list[Any], fused: bool = True, **kwargs: Any) -> Net:
-    module = Net(fused)
-    loader = DataLoader(TensorDataset(torch.cat(batches)), batch_size=16, shuffle=False)
-    trainer = pl.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=str(root),
-        callbacks=callbacks,
-        **kwargs,
-    )
-    trainer.fit(module, loader)
-    return module
-
-
-@NONFINITE
-def test_trainer_run_with_a_bad_batch_ends_where_the_run_without_it_ends(tmp_path: Path, value: float) -> None:
-    torch.manual_seed(2)
-    healthy = [_batch() for _ in range(5)]
-    with_bad = [*healthy[:2], _batch(value), *healthy[2:]]
-    steps = SyncFreeSteps()
-    guarded = _fit(tmp_path / "a", with_bad, [steps])
-    reference = _fit(tmp_path / "b", healthy, [])
-    assert [v[0] for v in steps.flags] == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
-    assert steps.reads_per_step == [0] * 6  # no host read inside the step; the flags are read one step later
-    assert _equal(guarded.state_dict(), reference.state_dict())
-    opt_state = guarded.trainer.optimizers[0].state_dict()["state"]
-    assert all(s["step"].item() == 5.0 for s in opt_state.values())
-
-
-def test_trainer_with_a_grad_scaler(tmp_path: Path) -> None:
-    """16-mixed on CPU: Lightning unscales the non-fused AdamW; the flag joins the scaler's found_inf."""
-    torch.manual_seed(2)
-    batches = [_batch() for _ in range(2)] + [_batch(math.nan)] + [_batch() for _ in range(2)]
-    steps = SyncFreeSteps()
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    module = _fit(tmp_path, batches, [steps], fused=False, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
-    assert [v[0] for v in steps.flags] == [0.0, 0.0, 1.0, 0.0, 0.0]
-    assert steps.reads_per_step == [0] * 5
-    assert all(torch.isfinite(t).all() for t in module.state_dict().values() if t.is_floating_point())
 
 
 # ---------------------------------------------------------------------------- GPU

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import pickle
+import random
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["bitwise_equal", "clone_state", "states_equal"]
+__all__ = ["bitwise_equal", "clone_state", "rng_states", "states_equal"]
 
 
 def clone_state(value: Any) -> Any:
@@ -41,3 +44,8 @@ def states_equal(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
+
+
+def rng_states() -> dict[str, Any]:
+    """The global RNG streams (torch, Python, numpy), comparable with :func:`states_equal`."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": pickle.dumps(np.random.get_state())}

@@ -11,10 +11,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+import fitting
 import forensics_models as fm
 import pytest
 import torch
-from fitting import StepRecorder, build_trainer
+from fitting import StepRecorder
 from forensics_models import EXPECTED, FUNCTIONS, one_thread  # noqa: F401 (fixture)
 from models import BATCH_SIZE, KINDS, make_case, make_loader, make_module, origin_line
 from torch import Tensor
@@ -47,8 +48,9 @@ def fit(
 ) -> tuple[NanGuard, Any, StepRecorder]:
     guard = NanGuard(verbose=False, **guard_kwargs)
     recorder = StepRecorder()
-    trainer = build_trainer(ns, root, callbacks=[guard, recorder], **(trainer_kwargs or {}))
-    trainer.fit(module, loader)
+    trainer, _ = fitting.fit(
+        module, loader, root=root, guard=guard, callbacks=[recorder], ns=ns, **(trainer_kwargs or {})
+    )
     return guard, trainer, recorder
 
 
@@ -392,8 +394,8 @@ def test_shuffled_loader_with_two_workers(tmp_path: Path) -> None:
     )
     keeper = BatchKeeper()
     guard = NanGuard(verbose=False)
-    trainer = build_trainer("lightning", tmp_path, max_epochs=2, callbacks=[guard, keeper])
-    trainer.fit(make_module("lightning", "cosine_norm"), loader)
+    module = make_module("lightning", "cosine_norm")
+    fitting.fit(module, loader, root=tmp_path, guard=guard, callbacks=[keeper], max_epochs=2)
 
     x_all = case.dataset.tensors[0]
     blank = {i for i in range(len(x_all)) if not x_all[i].any()}
@@ -584,8 +586,8 @@ def test_report_and_tensorboard_text_show_the_diagnosis(
     case = make_case("cosine_norm", bad=(13,))
     guard = NanGuard()  # verbose
     logger = TensorBoardLogger(str(tmp_path), name="tb", version=0)
-    build_trainer("lightning", tmp_path, callbacks=[guard], logger=logger).fit(
-        make_module("lightning", "cosine_norm"), make_loader(case.dataset)
+    fitting.fit(
+        make_module("lightning", "cosine_norm"), make_loader(case.dataset), root=tmp_path, guard=guard, logger=logger
     )
     err = " ".join(capsys.readouterr().err.split())
     line = origin_line("cosine_norm")
