@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import socket
-import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from launcher import launch
 from torch import nn
 
 from lightning_nanguard.diagnose.diagnosis import diagnose
@@ -68,25 +64,11 @@ def test_the_runner_differentiates_the_graphs_leaves() -> None:
     assert loss is not None and len(runner.gradients(loss)) == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    from lockstep_workers import worker
-
     out = tmp_path_factory.mktemp("lockstep")
-    context = mp.start_processes(worker, args=(2, _free_port(), str(out)), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=max(0.0, deadline - time.monotonic())):  # one process at a time
-        if time.monotonic() >= deadline:  # a mismatched collective would hang here
-            for process in context.processes:
-                process.terminate()
-            pytest.fail("the two-rank lockstep run did not finish")
-    return {rank: json.loads((Path(out) / f"rank{rank}.json").read_text(encoding="utf-8")) for rank in (0, 1)}
+    # a mismatched collective would hang: the timeout turns that into a failure
+    return launch("lockstep_workers.py", out, nprocs=2, out_dir=out, timeout=TIMEOUT_S).results()
 
 
 def test_ranks_with_different_numbers_of_passes_leave_together(two_ranks: dict[int, dict[str, Any]]) -> None:

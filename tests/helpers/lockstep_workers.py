@@ -1,5 +1,8 @@
 """Workers of ``diagnose/test_lockstep.py``: two gloo processes running the lockstep protocol.
 
+Usage: ``launcher.launch("lockstep_workers.py", OUTPUT_DIR, nprocs=2, ...)``: each process joins the
+process group from its launch environment and writes ``rank<N>.json``.
+
 Each *pass* of these workers makes one ``all_reduce``, as a sharded forward does: if the ranks ever
 ran a different number of passes, or a pass against an exchange, the collectives would mismatch
 (gloo raises or hangs, and the test's timeout fails it).
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 import torch
@@ -18,7 +22,7 @@ from torch import nn
 from lightning_nanguard.diagnose.diagnosis import diagnose
 from lightning_nanguard.diagnose.lockstep import Lockstep, LockstepAborted, LockstepRunner
 
-__all__ = ["worker"]
+__all__ = ["main"]
 
 
 def _collective_pass() -> None:
@@ -81,12 +85,16 @@ def _scenario(rank: int) -> dict[str, Any]:
     return out
 
 
-def worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def main(out_dir: str) -> None:
+    dist.init_process_group("gloo")  # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE from the launcher
+    rank = dist.get_rank()
     try:
         result = _scenario(rank)
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

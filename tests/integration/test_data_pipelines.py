@@ -13,11 +13,7 @@ wrong one; quarantine removes only records whose index and blame are both verifi
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +28,7 @@ import pytest
 import torch
 from fitting import build_trainer
 from forensics_models import one_thread  # noqa: F401 (fixture)
+from launcher import launch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_nanguard import NanEvent, NanGuard
@@ -514,30 +511,9 @@ class StepLog(pl.Callback):
 # ------------------------------------------------------------------------------------ i. DDP
 
 
-DDP_SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "pipeline_ddp_script.py"
-REPO = Path(__file__).resolve().parents[2]
-
-
 def run_ddp(scenario: str, out: Path) -> dict[int, dict[str, Any]]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    for var in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
-        env.pop(var, None)  # a clean launch, whatever the calling environment holds
-    proc = subprocess.run(
-        [sys.executable, str(DDP_SCRIPT), scenario, str(out)],
-        cwd=str(out),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,  # a rank waiting alone in a collective would hang: this turns it into a failure
-        check=False,
-    )
-    assert proc.returncode == 0, f"DDP run {scenario} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    ranks = {}
-    for path in sorted(out.glob("rank*.json")):
-        data = json.loads(path.read_text(encoding="utf-8"))
-        ranks[data["rank"]] = data
-    assert sorted(ranks) == [0, 1], f"not every rank finished:\n{proc.stderr[-3000:]}"
-    return ranks
+    # a rank waiting alone in a collective would hang: the timeout turns it into a failure
+    return launch("pipeline_ddp_script.py", scenario, out, nprocs=2, out_dir=out, timeout=180).results()
 
 
 @pytest.mark.slow

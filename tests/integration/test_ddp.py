@@ -1,22 +1,20 @@
 """DDP on two CPU processes (gloo): every decision is the same on every rank, whatever rank the fault is on.
 
-Runs ``tests/helpers/ddp_script.py`` once per scenario in a subprocess (Lightning launches the second
-process itself) and checks the per-rank JSON results. Marked ``slow`` but part of the default run.
+Runs ``tests/helpers/ddp_script.py`` once per scenario in two processes (``launcher.launch``; for
+``ddp_spawn``, one process whose Trainer starts the two workers) and checks the per-rank JSON
+results. Marked ``slow`` but part of the default run.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from launcher import HELPERS, launch
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "ddp_script.py"
+SCRIPT = HELPERS / "ddp_script.py"
 TIMEOUT_S = 180
 
 pytestmark = pytest.mark.slow
@@ -25,25 +23,13 @@ Ranks = dict[int, dict[str, Any]]
 
 
 def _run(scenario: str, out: Path) -> Ranks:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    for var in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
-        env.pop(var, None)  # a clean launch, whatever the calling environment holds
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), scenario, str(out)],
-        cwd=str(out),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,  # a rank waiting alone in a collective would hang: this turns it into a failure
-        check=False,
+    """Two ranks, each its own process; ``spawn``: one process, whose Trainer starts two workers (ddp_spawn)."""
+    spawn = scenario == "spawn"
+    # a rank waiting alone in a collective would hang: the timeout turns it into a failure
+    launched = launch(
+        SCRIPT, scenario, out, nprocs=1 if spawn else 2, out_dir=out, timeout=TIMEOUT_S, rank_env=not spawn
     )
-    assert proc.returncode == 0, f"DDP run {scenario} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    results = {}
-    for path in sorted(out.glob("rank*.json")):
-        data = json.loads(path.read_text(encoding="utf-8"))
-        results[data["rank"]] = data
-    assert sorted(results) == [0, 1], f"not every rank finished {scenario}:\n{proc.stderr[-3000:]}"
-    return results
+    return launched.results(ranks=(0, 1))
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """``ModelParallelStrategy`` on CPU (gloo): FSDP2 (2 ranks, BatchNorm), tensor parallel (2 ranks), 2-D (4 ranks).
 
-Each mesh runs ``tests/helpers/sharded_script.py MESH all`` once: four fits in the same processes (see that
-script), every fault on data-parallel rank 1. What is checked, for every mesh:
+Each mesh runs ``tests/helpers/sharded_script.py MESH all`` once, in one process per rank
+(``launcher.launch``): four fits in the same processes (see that script), every fault on
+data-parallel rank 1. What is checked, for every mesh:
 
 - ``main``: no error and the guard stays active; the steps of the forward NaN, the backward-only
   NaN, the loss spike and the divergence are skipped on every rank; the full weights are finite and
@@ -30,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from launcher import HELPERS, REPO, launch
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "sharded_script.py"
+SCRIPT = HELPERS / "sharded_script.py"
 TIMEOUT_S = 600  # a rank waiting alone in a collective would hang: this turns it into a failure
 MESHES = {"fsdp2": 2, "tp": 2, "2d": 4, "one": 1}  # processes ("one": FSDP2 on a single process, nothing to wait for)
 MAIN_SKIPPED = [1, 3, 6, 8]  # forward NaN, backward-only NaN, loss spike, divergence (rolled back)
@@ -43,6 +44,7 @@ Fits = dict[str, dict[int, dict[str, Any]]]  # fit -> rank -> result
 
 
 def _env() -> dict[str, str]:
+    """The environment of the replay's fresh process."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     for var in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
         env.pop(var, None)  # a clean launch, whatever the calling environment holds
@@ -50,16 +52,7 @@ def _env() -> dict[str, str]:
 
 
 def _run(mesh: str, out: Path) -> Fits:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), mesh, "all", str(out)],
-        cwd=str(out),
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
-    assert proc.returncode == 0, f"{mesh} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    launch(SCRIPT, mesh, "all", out, nprocs=MESHES[mesh], out_dir=out, timeout=TIMEOUT_S)
     fits: Fits = {}
     for path in sorted(out.glob("*-rank*.json")):
         data = json.loads(path.read_text(encoding="utf-8"))

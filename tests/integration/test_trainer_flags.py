@@ -19,10 +19,6 @@ Gradient accumulation, AMP overflows and DDP decisions have their own files (``t
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +39,7 @@ from flag_models import (
     nan_data,
     nan_loader,
 )
+from launcher import launch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
 from states import states_equal
@@ -772,22 +769,9 @@ def test_sync_batchnorm(tmp_path: Path) -> None:
     torch runs SyncBatchNorm on GPUs only: the script lets it train on CPU with the same math through
     ``all_reduce`` (:func:`flag_models.cpu_sync_batchnorm`).
     """
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
-    for var in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
-        env.pop(var, None)
-    script = Path(__file__).resolve().parents[1] / "helpers" / "flag_models.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "syncbn", str(tmp_path)],
-        cwd=str(tmp_path),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,  # a rank left alone in a collective would hang: this turns it into a failure
-        check=False,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text(encoding="utf-8")) for r in (0, 1)]
+    # a rank left alone in a collective would hang: the timeout turns it into a failure
+    results = launch("flag_models.py", "syncbn", tmp_path, nprocs=2, out_dir=tmp_path, timeout=240).results()
+    ranks = [results[r] for r in (0, 1)]
     for rank in ranks:
         guarded, reference = rank["guard"], rank["reference"]
         assert guarded["batchnorm"] == reference["batchnorm"] == "SyncBatchNorm"
