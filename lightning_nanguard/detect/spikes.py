@@ -47,8 +47,8 @@ The caller's protocol, once per step::
 
 from __future__ import annotations
 
-import itertools
 import math
+import operator
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -376,7 +376,7 @@ class _Statistic:
             return cls.warming_up(len(values), baseline)
         positive = baseline > 0
         series = logs if positive else values
-        changes = sorted(abs(b - a) for a, b in itertools.pairwise(series))
+        changes = sorted(map(abs, map(operator.sub, series[1:], series[:-1])))  # |b - a| of each pair, no generator
         quantile = changes[round(_Q * (len(changes) - 1))] if changes else 0.0
         margin = quantile * sigmas / _Q_TO_SIGMA
         if positive:
