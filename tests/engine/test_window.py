@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_nanguard.engine.step.window import REFERENCE_SIZE, MicroBatch, StepWindow
+from lightning_nanguard.engine.step.window import REFERENCE_SIZE, StepWindow
 
 
 def batchnorm_net() -> nn.Sequential:
@@ -195,8 +195,3 @@ def test_a_batch_of_one_sample_gives_no_reference() -> None:
     window.add_batch(torch.ones(1, 2), 0, None, keep=True)
     window.refresh_reference(0, every_n_steps=1, slicer=None)
     assert window.reference is None
-
-
-def test_micro_batch_fields() -> None:
-    micro = MicroBatch(batch="b", batch_idx=3, dataset_indices=[1])
-    assert (micro.batch, micro.batch_idx, micro.dataset_indices) == ("b", 3, [1])
