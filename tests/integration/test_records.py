@@ -13,11 +13,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import fitting
 import multitask_models as mm
 import pytest
 import record_pipelines as rp
 import torch
-from conftest import build_trainer
 from forensics_models import one_thread  # noqa: F401 (fixture)
 from torch.utils.data import DataLoader
 
@@ -40,11 +40,10 @@ def fit(
     """Fit one epoch; the guard, the batches ``training_step`` got, and the guard's warnings."""
     guard = NanGuard(verbose=False, save_repro=False, **guard_kwargs)
     keeper = mm.BatchKeeper()
-    trainer = build_trainer("lightning", root, callbacks=[guard, keeper])
+    module = module or rp.SqrtModule()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module or rp.SqrtModule(), loaders)
-    assert guard.active, "NanGuard disabled itself after an internal error (see the log)"
+        fitting.fit(module, loaders, root=root, guard=guard, callbacks=[keeper], require_active=True)
     return guard, keeper, [str(w.message) for w in caught if str(w.message).startswith("NanGuard (rank")]
 
 

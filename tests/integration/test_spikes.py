@@ -10,7 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import build_trainer
+from fitting import build_trainer, fit
 from spike_models import BATCH, TYPOS, Regression, Regressor
 from torch import nn
 from torch.utils.data import DataLoader
@@ -20,8 +20,8 @@ from lightning_nanguard import NanGuard
 
 def _fit(tmp_path: Path, guard: NanGuard | None, typos: tuple[int, ...], epochs: int = 2, **kwargs: Any) -> Any:
     module = Regressor()
-    trainer = build_trainer("lightning", tmp_path, callbacks=[guard] if guard else [], max_epochs=epochs, **kwargs)
-    trainer.fit(module, DataLoader(Regression(typos), batch_size=BATCH))
+    loader = DataLoader(Regression(typos), batch_size=BATCH)
+    trainer, _ = fit(module, loader, root=tmp_path, guard=guard, max_epochs=epochs, **kwargs)
     return module, trainer
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import StepRecorder, build_trainer
+from fitting import StepRecorder, build_trainer, fit
 from host_reads import HostReadCounter
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -51,8 +51,7 @@ def _data(bad: tuple[int, ...] = (BAD_ITEM,)) -> DataLoader:
 
 def _fit(tmp_path: Path, guard: NanGuard, module: Net | None = None, bad: tuple[int, ...] = (BAD_ITEM,)) -> Any:
     recorder = StepRecorder()
-    trainer = build_trainer("lightning", tmp_path, callbacks=[guard, recorder], max_epochs=1)
-    trainer.fit(module or Net(), _data(bad))
+    trainer, _ = fit(module or Net(), _data(bad), root=tmp_path, guard=guard, callbacks=[recorder], max_epochs=1)
     return trainer, recorder
 
 
