@@ -6,7 +6,7 @@ Run from the repository root::
     python benchmarks/spike_margins.py --quick    # fewer steps per run (a smoke test; docs/spikes.md untouched)
 
 1. **Healthy runs.** Real ``Trainer.fit`` runs of real models on clean data: the demo model, the
-   models of ``tests/models.py`` and ``tests/forensics_models.py``, every model of
+   models of ``tests/helpers/models.py`` and ``tests/helpers/forensics_models.py``, every model of
    ``benchmarks/models.py``, Lightning's ``BoringModel`` and demo ``Transformer`` (random tokens), a
    tiny Hugging Face GPT-2 built from a config, LR warm-up, fast-falling losses, small and full
    batches, accumulated micro-batches. A callback records per optimizer step what the guard's spike
@@ -51,18 +51,18 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-for folder in (ROOT / "tests", ROOT / "examples"):  # tests/models.py is importable as ``models``
+for folder in (ROOT / "tests" / "helpers", ROOT / "examples"):  # tests/helpers/models.py is ``models``
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
 
-from models import KINDS as FAILURE_KINDS  # noqa: E402  (tests/models.py)
+from models import KINDS as FAILURE_KINDS  # noqa: E402  (tests/helpers/models.py)
 
 from lightning_nanguard.detect.spikes import SpikeDetector  # noqa: E402
 
 
 def _benchmark_models() -> ModuleType:
-    """``benchmarks/models.py`` under another name (``models`` is ``tests/models.py`` here)."""
+    """``benchmarks/models.py`` under another name (``models`` is ``tests/helpers/models.py`` here)."""
     spec = importlib.util.spec_from_file_location("benchmark_models", ROOT / "benchmarks" / "models.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -354,7 +354,7 @@ RUNS: list[tuple[str, str, Callable[[Curve], Curve]]] = [
     ("cosine_norm_demo, 4 micro-batches", "accumulation", _demo(8, 100, accumulate=4)),
     *[
         (f"tests/models {kind}", "test model", _failure_model(kind, 8, 300))
-        for kind in (*FAILURE_KINDS, "norm_overflow")  # every failure class of tests/models.py, run healthy
+        for kind in (*FAILURE_KINDS, "norm_overflow")  # every failure class of tests/helpers/models.py, run healthy
     ],
     *[
         (f"tests/models {kind}, full batch", "full batch", _failure_model(kind, 32, 400))

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
-from dashboard_runs import tensorboard_server, wait_for  # noqa: E402  (tests/dashboard_runs.py)
+from dashboard_runs import tensorboard_server, wait_for  # noqa: E402  (tests/helpers/dashboard_runs.py)
 from selenium import webdriver  # noqa: E402
 from selenium.webdriver.chrome.options import Options  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
