@@ -271,7 +271,7 @@ class StepController:
             except Exception as error:  # a bug in the guard: this rank says so in the reduce instead of hanging it
                 self.fail(error, "the per-step check")
         if vector is None:
-            vector = local_vector(torch.tensor([0.0, -1.0, 0.0], device=self.window.device), failed=True)
+            vector = local_vector(torch.tensor([0.0, -1.0, 0.0], device=front.device), failed=True)
         if self.sharding is not None:  # the norm's shares travel with the flags: still one reduce
             return self.sharding.agree(vector, self.agreement, self._collective(front))
         if self._collective(front):

@@ -10,7 +10,8 @@ are for:
 =====================  ==========================================================================
 where the run is       ``global_step``, ``current_epoch``, ``global_rank``, ``world_size``,
                        ``is_global_zero``
-the model and its step ``module`` (the model), ``automatic_optimization`` (the guard may skip the
+the model and its step ``module`` (the model), ``device`` (where it computes),
+                       ``automatic_optimization`` (the guard may skip the
                        update), ``optimizers``, ``strategy`` (a Lightning strategy, the Trainer's
                        or Fabric's: collectives, device, mesh), ``grad_scaler``, ``lr_schedulers``
 re-running a step      ``step_fn()``, ``step_context()``, ``as_training_batch(...)``
@@ -35,6 +36,7 @@ Example:
     >>> class PlainLoop:
     ...     global_step, current_epoch, global_rank, world_size, is_global_zero = 0, 0, 0, 1, True
     ...     automatic_optimization, strategy, grad_scaler, loggers, progress_bar = True, None, None, [], None
+    ...     device = torch.device("cpu")
     ...     def __init__(self, module, optimizer):
     ...         self.module, self.optimizers, self.lr_schedulers = module, [optimizer], []
     ...     def step_fn(self): return lambda batch, batch_idx: self.module(batch).sum()
@@ -60,6 +62,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from torch import nn
 
 from lightning_nanguard.recover.recovery import TrainingParts
@@ -100,6 +103,10 @@ class FrontEnd(Protocol):
     @property
     def module(self) -> nn.Module:
         """The model being trained (the one whose parameters, buffers and metrics are checked)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes now: the step's flags are made there."""
 
     @property
     def automatic_optimization(self) -> bool:

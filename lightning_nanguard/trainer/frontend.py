@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from lightning_nanguard.engine.recording import Count
 from lightning_nanguard.trainer._compat import TENSORBOARD_LOGGER_TYPES
 from lightning_nanguard.trainer.logged_values import LoggedValues
@@ -74,6 +76,10 @@ class TrainerFrontEnd:
         return self.trainer.is_global_zero
 
     # ------------------------------------------------------------------ the model and its step
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.device  # the LightningModule's, kept up to date by its `.to()`
 
     @property
     def automatic_optimization(self) -> bool:

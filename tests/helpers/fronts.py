@@ -12,7 +12,10 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
 from torch import nn
+
+from lightning_nanguard.engine.step.window import module_device
 
 
 class PlainFront:
@@ -50,6 +53,10 @@ class PlainFront:
         self._logging_due = logging_due
         self.dropped_logged = 0  # how often the engine asked to undo what a step logged
         self.clipping_suspended = False
+
+    @property
+    def device(self) -> torch.device:
+        return module_device(self.module)
 
     @property
     def is_global_zero(self) -> bool:

@@ -58,7 +58,7 @@ def step_flags(
         grads if scaler_flag is None else [],
         others=[*window.losses, *(t for _, t in bn if t.is_floating_point())],
         nonnegative=window.running_vars,
-        device=window.device,
+        device=front.device,
         with_norm=norm_due,
     )
     if scaler_flag is not None:

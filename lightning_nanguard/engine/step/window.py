@@ -103,14 +103,12 @@ class StepWindow:
         self.metrics: MetricStates | None = None
         self.metrics_changed = False  # a metric's state became unrestorable at the last capture
         self.logged_unsupported: str | None = None  # why the loop's logged values cannot be put back
-        self.device = torch.device("cpu")  # where the module computes: the flags are made there
 
     def attach(self, module: nn.Module, track_batchnorm: bool) -> None:
         """Find the BatchNorm buffers and torchmetrics metrics of ``module`` (once the model sits on its device)."""
         self._bn = BatchNormSnapshot(module)
         self._track_batchnorm = track_batchnorm
         self.metrics = MetricStates(module)
-        self.device = module_device(module)
         self.open = False
 
     def follow(self) -> bool:
@@ -131,7 +129,6 @@ class StepWindow:
             self._bn.module = module
             self._bn.refresh()
         self.metrics = MetricStates(module)
-        self.device = module_device(module)
 
     # ------------------------------------------------------------------ one optimizer step
 
