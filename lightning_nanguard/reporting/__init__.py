@@ -1,6 +1,6 @@
 """Where events go: ``events.jsonl``, TensorBoard and the terminal. Each sink works without a Trainer.
 
-Trainer-free: the Lightning side (where a run's events go, its scalars) is
+Trainer-free: where a run's events go and its scalars, through a front-end, is
 :mod:`lightning_nanguard.engine.recording`. Repro bundles (:mod:`.repro`) are written and read here too.
 """
 

@@ -1,4 +1,4 @@
-"""Read one record of a training loader again, as the fit loop would hand it to ``training_step``.
+"""Read one record of a training loader again, as the loop would hand it to its training step.
 
 The check that a dataset index names the record really in a row
 (:mod:`~lightning_nanguard.diagnose.records`) compares the row with the record read again. A

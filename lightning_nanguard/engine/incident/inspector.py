@@ -1,4 +1,4 @@
-"""What one rank found on a step that was not healthy: the event, the diagnosis, the report to share.
+"""What one rank found on a step that was not healthy: the event, the diagnosis, the vote to share.
 
 :class:`IncidentInspector` runs on every rank when some rank's check flagged the step. It confirms
 this rank's own NaN/Inf element by element (a finite tensor can overflow a norm), tells an AMP

@@ -1,4 +1,4 @@
-"""The Lightning side of :mod:`~lightning_nanguard.diagnose.records`: which records the offending rows hold.
+"""Which records the offending rows hold: :mod:`~lightning_nanguard.diagnose.records` at an incident.
 
 At an incident, once the diagnosis named offending rows, :class:`RowNamer` names the dataset records
 they hold, and says whether that is verified (``NanEvent.indices_verified``). Per loader (one, or
