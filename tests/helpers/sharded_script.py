@@ -9,6 +9,10 @@ a fit of this model).
 ``abort``: the bisection cannot cut half a batch on the last rank: the diagnosis must stop on
 every rank at the same pass, say why in the event, and training go on.
 
+``loaders`` (not part of ``all``; ``fsdp2`` only; run by ``integration/test_sharded_loaders.py``):
+two training loaders given to ``fit`` as a dict (a ``CombinedLoader``), of different then of equal
+batch sizes, each with an all-zero record on data-parallel rank 1 (:data:`LOADERS_FITS`).
+
 Every fit writes ``<fit>-rank<N>.json`` per rank: the steps whose update left every local shard
 bitwise unchanged, the events, counters, learning rate, whether the guard is still active, a hash
 of each parameter's *full* tensor (gathered at the end, on every rank) and of the BatchNorm
@@ -46,6 +50,7 @@ from lightning_nanguard import NanGuard, NonFiniteTrainingError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_reads import HostReadCounter  # the tests' helper, next to this script
+from multitask_models import MultiTaskModule
 from process_group import leave_process_group_at_exit
 
 leave_process_group_at_exit()  # every process of the run, ddp_spawn's workers too (they import this file)
@@ -432,7 +437,140 @@ def run_fit(mesh: str, fit: Fit, out_dir: str) -> None:
         json.dump(result, handle)
 
 
+# ------------------------------------------------------------------------------------ several training loaders
+
+
+@dataclass(frozen=True)
+class LoadersFit:
+    """A fit on two training loaders, ``a`` and ``b``: each one's batch size (per data-parallel rank) and zero record.
+
+    ``zero_records``: loader -> (step, position in its part of data-parallel rank 1's batch) of an
+    all-zero record (a NaN loss); after a healthy step 0, whose first samples become the guard's
+    reference sub-batch (what the rank that does not search runs in its dummy passes). A bad step 0
+    is not covered: without a reference that rank cuts its dummy batch from the step's batch as one
+    batch, which fails for parts of different sizes, and the run ends in a collective mismatch.
+    """
+
+    name: str
+    batch: dict[str, int]
+    zero_records: dict[str, tuple[int, int]]
+    steps: int = 5
+
+
+LOADERS_FITS = (  # parts of different sizes; of equal sizes (a batch cut as one is cut at the same rows of both)
+    LoadersFit("loaders", batch={"a": 8, "b": 4}, zero_records={"b": (1, 2), "a": (3, 5)}),
+    LoadersFit("loaders_equal", batch={"a": 4, "b": 4}, zero_records={"b": (1, 2), "a": (3, 1)}),
+)
+LOADER_SEED = 0  # the seed of the DistributedSampler Lightning puts into each loader (PL_GLOBAL_SEED unset)
+
+
+class ShardedMultiTask(MultiTaskModule):
+    """``multitask_models.MultiTaskModule`` (a shared projection, one head per loader) under FSDP2.
+
+    Each loader's ``x`` is normalised first: an all-zero record gives ``0 / 0``, a NaN loss on the
+    rank whose batch holds it (and NaN gradients on every rank, through the reduction).
+    """
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)  # the same initial weights on every rank
+        super().__init__((("a",), ("b",)))
+
+    def configure_model(self) -> None:
+        dp_mesh = self.device_mesh["data_parallel"]
+        for module in (self.shared, *self.heads):
+            fully_shard(module, mesh=dp_mesh)
+
+    def task_loss(self, x: torch.Tensor, y: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        x = x / x.norm(dim=-1, keepdim=True)  # LOADERS FORWARD ORIGIN
+        return super().task_loss(x, y, head)
+
+
+def loader_datasets(fit: LoadersFit, dp: int) -> tuple[dict[str, TensorDataset], dict[str, int]]:
+    """Each loader's dataset (the same in every process) and the dataset index of its zero record.
+
+    The record is put where data-parallel rank 1 meets it (``fit.zero_records``), in the order of the
+    shuffling ``DistributedSampler`` Lightning gives a training loader (epoch 0).
+    """
+    datasets, zero = {}, {}
+    for seed, (key, batch) in enumerate(fit.batch.items(), start=11):
+        n = batch * dp * fit.steps  # as many batches in each loader: no loader cycles
+        g = torch.Generator().manual_seed(seed)
+        dataset = TensorDataset(torch.randn(n, FEATURES, generator=g), torch.randn(n, generator=g))
+        sampler = DistributedSampler(dataset, num_replicas=dp, rank=min(BAD_DP_RANK, dp - 1), seed=LOADER_SEED)
+        step, position = fit.zero_records[key]
+        zero[key] = list(sampler)[step * batch + position]
+        dataset.tensors[0][zero[key]] = 0.0
+        datasets[key] = dataset
+    return datasets, zero
+
+
+class ZeroRecordsSeen(pl.Callback):
+    """Where the batches ``training_step`` received held an all-zero record: ``[step, loader, position]``."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[Any]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
+        for key, (x, _) in batch.items():
+            for position in (x.abs().sum(dim=-1) == 0).nonzero().flatten().tolist():
+                self.seen.append([trainer.global_step, key, position])
+
+
+def run_loaders_fit(mesh: str, fit: LoadersFit, out_dir: str) -> None:
+    """Two training loaders as a dict, ``trainer.fit(model, {"a": ..., "b": ...})``, under FSDP2 (2 ranks).
+
+    Lightning puts a shuffling ``DistributedSampler`` over the data-parallel ranks into each loader.
+    Writes ``<fit>-rank<N>.json``: skipped steps, events, full-weight hashes, the dataset index of
+    each loader's zero record (``zero_index``) and where this rank's batches held one (``zero_seen``).
+    """
+    if mesh != "fsdp2":
+        raise ValueError(f"the loaders run is an FSDP2 run over 2 ranks, not {mesh!r}")
+    dp, tp = MESHES[mesh]
+    guard = NanGuard(verbose=False)
+    probe, seen = Probe(Fit(fit.name, fit.steps), guard), ZeroRecordsSeen()
+    trainer = pl.Trainer(
+        strategy=ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp),
+        accelerator="cpu",
+        devices=dp * tp,
+        max_steps=fit.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=os.path.join(out_dir, fit.name),
+        callbacks=[seen, probe, guard],
+    )
+    module = ShardedMultiTask()
+    datasets, zero_index = loader_datasets(fit, dp)
+    loaders = {key: DataLoader(datasets[key], batch_size=size) for key, size in fit.batch.items()}
+    error = None
+    try:
+        trainer.fit(module, train_dataloaders=loaders)
+    except NonFiniteTrainingError as caught:
+        error = {"message": str(caught), "step": trainer.global_step}
+    result = {
+        "rank": trainer.global_rank,
+        "dp_rank": module.device_mesh["data_parallel"].get_local_rank(),
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+        "active": guard.active,
+        "error": error,
+        "skipped_steps": probe.skipped,
+        "finite": all(bool(torch.isfinite(_local(p)).all()) for p in module.parameters()),
+        "full_hashes": _full_hashes(module),
+        "events": [event.to_dict() for event in guard.events],
+        "zero_index": zero_index,
+        "zero_seen": seen.seen,
+    }
+    with open(os.path.join(out_dir, f"{fit.name}-rank{trainer.global_rank}.json"), "w", encoding="utf-8") as handle:
+        json.dump(result, handle)
+
+
 def main(mesh: str, run: str, out_dir: str) -> None:
+    if run == "loaders":
+        for loaders_fit in LOADERS_FITS:
+            run_loaders_fit(mesh, loaders_fit, out_dir)
+        return
     for fit in RUNS[run]:
         run_fit(mesh, fit, out_dir)
 
