@@ -71,6 +71,8 @@ class Lockstep:
         group: the process group every rank of the run belongs to (default: the world).
         device: where the exchanged flags live (the backend's device: CUDA for NCCL).
         max_passes: a safety cap; past it a rank's next pass counts as one that cannot run.
+        dummy_failure: why ``dummy`` cannot run, when that is known before any pass (no healthy
+            sub-batch to run): said in the exchange before the pass, so no rank enters it.
 
     Attributes:
         passes: forward/backward passes this rank ran in lockstep (the same on every rank).
@@ -85,9 +87,11 @@ class Lockstep:
         group: Any = None,
         device: torch.device | None = None,
         max_passes: int = 10_000,
+        dummy_failure: BaseException | None = None,
     ) -> None:
         self.peers = sorted(set(peers))
         self.dummy = dummy
+        self.dummy_failure = dummy_failure
         self.group = group
         self.device = device if device is not None else torch.device("cpu")
         self.max_passes = max_passes
@@ -132,12 +136,13 @@ class Lockstep:
         if not self.distributed:
             return
         while self.aborted is None:
-            table = self._exchange(None, done=True, failed=False)
-            try:
-                self._stop_if_failed(table, None)
-            except LockstepAborted:
-                return
+            cannot = self.dummy_failure  # said before the pass: a rank still searching does not enter it
+            table = self._exchange(None, done=True, failed=cannot is not None)
             if bool(table[:, _DONE].all()):
+                return  # nobody needs another pass, runnable or not
+            try:
+                self._stop_if_failed(table, cannot)
+            except LockstepAborted:
                 return
             failure: BaseException | None = None
             try:

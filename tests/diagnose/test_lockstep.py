@@ -92,3 +92,12 @@ def test_one_rank_diagnoses_while_the_other_runs_dummy_passes(two_ranks: dict[in
     helper, searcher = two_ranks[0]["diagnosis"], two_ranks[1]["diagnosis"]
     assert (searcher["offending"], searcher["cause"], searcher["op"]) == ([2], "data", "LogBackward0")
     assert helper["passes_run"] == searcher["passes_run"] == searcher["passes"] + 1  # and the localisation pass
+
+
+def test_a_helper_without_a_dummy_batch_says_so_before_the_search_passes(two_ranks: dict[int, dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        seen = two_ranks[rank]["unrunnable_dummy"]
+        assert seen["passes_run"] == 0 and "rank 0 could not run its pass" in seen["reason"]
+    assert two_ranks[1]["unrunnable_dummy"]["entered"] == []  # the searching rank never entered its pass
+    assert two_ranks[0]["unrunnable_dummy"]["reason"].endswith("(RuntimeError: no batch)")
+    assert [two_ranks[r]["unrunnable_dummy_unneeded"] for r in (0, 1)] == [{"passes_run": 0, "reason": None}] * 2

@@ -10,6 +10,7 @@ ran a different number of passes, or a pass against an exchange, the collectives
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -82,6 +83,19 @@ def _scenario(rank: int) -> dict[str, Any]:
         "op": found.localization.op if found is not None and found.localization is not None else None,
         "passes": found.passes if found is not None else None,
     }
+    # 5. rank 0 has no batch for its dummy passes (known before any pass) while rank 1 searches: it says so
+    # before rank 1's first pass, so rank 1 never enters a pass (with its collective) that rank 0 would not match
+    lockstep = Lockstep([rank], dummy=_collective_pass, dummy_failure=RuntimeError("no batch") if rank == 0 else None)
+    entered: list[int] = []
+    if rank == 1:
+        with contextlib.suppress(LockstepAborted):
+            lockstep.tick(lambda: (entered.append(1), _collective_pass(), (True, True))[2])
+    lockstep.finish()
+    out["unrunnable_dummy"] = {"entered": entered, "passes_run": lockstep.passes, "reason": lockstep.aborted}
+    # 6. the same helper when nobody searches: every rank is done at once, nothing is stopped
+    lockstep = Lockstep([rank], dummy=_collective_pass, dummy_failure=RuntimeError("no batch") if rank == 0 else None)
+    lockstep.finish()
+    out["unrunnable_dummy_unneeded"] = {"passes_run": lockstep.passes, "reason": lockstep.aborted}
     return out
 
 

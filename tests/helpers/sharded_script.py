@@ -445,10 +445,9 @@ class LoadersFit:
     """A fit on two training loaders, ``a`` and ``b``: each one's batch size (per data-parallel rank) and zero record.
 
     ``zero_records``: loader -> (step, position in its part of data-parallel rank 1's batch) of an
-    all-zero record (a NaN loss); after a healthy step 0, whose first samples become the guard's
-    reference sub-batch (what the rank that does not search runs in its dummy passes). A bad step 0
-    is not covered: without a reference that rank cuts its dummy batch from the step's batch as one
-    batch, which fails for parts of different sizes, and the run ends in a collective mismatch.
+    all-zero record (a NaN loss). A healthy step 0's first samples become the guard's reference
+    sub-batch (what the rank that does not search runs in its dummy passes); at a bad step 0 there
+    is none yet, and that rank cuts its dummy batch from the step's batch, loader by loader.
     """
 
     name: str
@@ -460,6 +459,7 @@ class LoadersFit:
 LOADERS_FITS = (  # parts of different sizes; of equal sizes (a batch cut as one is cut at the same rows of both)
     LoadersFit("loaders", batch={"a": 8, "b": 4}, zero_records={"b": (1, 2), "a": (3, 5)}),
     LoadersFit("loaders_equal", batch={"a": 4, "b": 4}, zero_records={"b": (1, 2), "a": (3, 1)}),
+    LoadersFit("loaders_first_step", batch={"a": 8, "b": 4}, zero_records={"b": (0, 2), "a": (3, 5)}),  # no reference
 )
 LOADER_SEED = 0  # the seed of the DistributedSampler Lightning puts into each loader (PL_GLOBAL_SEED unset)
 

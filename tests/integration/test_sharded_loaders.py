@@ -32,6 +32,9 @@ BAD_RANK = 1
 FITS: dict[str, tuple[list[list[Any]], dict[int, tuple[str, int]]]] = {
     "loaders": ([["a", 8], ["b", 4]], {1: ("b", 2), 3: ("a", 5)}),
     "loaders_equal": ([["a", 4], ["b", 4]], {1: ("b", 2), 3: ("a", 1)}),
+    # a bad first step: no reference sub-batch yet, the helping rank cuts its dummy batch loader by loader
+    # (before, it cut it as one batch, failed, and the run died in a collective mismatch)
+    "loaders_first_step": ([["a", 8], ["b", 4]], {0: ("b", 2), 3: ("a", 5)}),
 }
 
 pytestmark = pytest.mark.slow

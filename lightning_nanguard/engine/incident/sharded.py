@@ -42,6 +42,7 @@ from lightning_nanguard.decide.policy import RankVote, StepHealth
 from lightning_nanguard.decide.sharded import Finding, SearchResult, plan_search, recorders
 from lightning_nanguard.detect.confirm import nonfinite_names
 from lightning_nanguard.diagnose.batching import slice_batch
+from lightning_nanguard.diagnose.combined import CombinedBatch
 from lightning_nanguard.diagnose.lockstep import Lockstep
 from lightning_nanguard.diagnose.runner import SubBatchRunner
 from lightning_nanguard.engine.incident.diagnosis import StepDiagnosis, diagnose_micro_batches
@@ -167,7 +168,8 @@ class ShardedIncidentInspector(IncidentInspector):
         searching = self.layout.peers in plan
         threshold = plan.get(self.layout.peers)
         weights = sorted({name for f in findings for name in f.nonfinite_weights})
-        lockstep = Lockstep(self.layout.peers, self._dummy(front), device=self.layout.device)
+        dummy, cannot_run = self._dummy(front)
+        lockstep = Lockstep(self.layout.peers, dummy, device=self.layout.device, dummy_failure=cannot_run)
         outcome = SearchResult(front.global_rank, self.layout.peers, searched=searching, event=event)
         with self.window.before_step_batchnorm(keep_after=True):
             found: StepDiagnosis | None = None
@@ -234,20 +236,25 @@ class ShardedIncidentInspector(IncidentInspector):
             grad_norm=grad_norm,
         )
 
-    def _dummy(self, front: FrontEnd) -> Callable[[], None]:
+    def _dummy(self, front: FrontEnd) -> tuple[Callable[[], None], BaseException | None]:
         """The pass a rank runs while others search: a healthy reference sub-batch (identical across peers).
 
-        Never raises: without a batch to run, the returned pass raises, and the first tick that needs
-        it stops the diagnosis on every rank.
+        Never raises. Without a batch it can run (no reference yet and the step's batch cannot be
+        cut), it returns why: the lockstep says so before any pass, and the diagnosis stops on every rank.
         """
         slicer = self.settings.slicer_for(front.module)
         batch = self.window.reference
-        if batch is None and self.window.micro_batches:
-            first = self.window.micro_batches[0].batch
+        first = self.window.micro_batches[0] if self.window.micro_batches else None
+        layout = first.loaders.layout if first is not None and first.loaders is not None else None
+        if batch is None and first is not None:
             try:
-                batch = (slicer or slice_batch)(first, list(range(DUMMY_SIZE)))
+                if layout is not None:  # several training loaders: the first rows of each loader's part
+                    combined = CombinedBatch(first.batch, layout, slicer)
+                    batch = combined.cut(combined.first_rows(DUMMY_SIZE))
+                else:
+                    batch = (slicer or slice_batch)(first.batch, list(range(DUMMY_SIZE)))
             except Exception:  # an unsliceable batch: the whole batch
-                batch = first
+                batch = first.batch
         try:
             runner = SubBatchRunner(
                 front.module,
@@ -257,19 +264,20 @@ class ShardedIncidentInspector(IncidentInspector):
                 slicer,
                 front.step_context,
                 grads_from_graph=True,
+                layout=layout,
             )
         except Exception as error:
-            reason = f"no batch for the passes of a rank that does not search: {error!r}"
+            reason = RuntimeError(f"no batch for the passes of a rank that does not search: {error!r}")
 
             def cannot() -> None:
-                raise RuntimeError(reason)
+                raise reason
 
-            return cannot
+            return cannot, reason
 
         def run() -> None:
             runner.run(*runner.prepare(range(runner.size)))
 
-        return run
+        return run, None
 
     def _result(self, rank: int, found: StepDiagnosis, threshold: float | None) -> SearchResult:
         """What this rank's search found: whether its batch holds the incident, and the event it filled."""
