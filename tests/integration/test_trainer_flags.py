@@ -14,7 +14,7 @@ regression (64 samples, batches of 8, no shuffling: sample ``i`` is in batch ``i
 
 Gradient accumulation, AMP overflows and DDP decisions have their own files (``test_accumulation.py``,
 ``test_amp.py``, ``test_ddp.py``); checkpoint round trips of the guard's state are in
-``tests/adapter/test_guard.py``.
+``tests/trainer/test_callback.py``.
 """
 
 from __future__ import annotations
