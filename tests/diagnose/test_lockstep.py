@@ -71,14 +71,17 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, A
     return launch("lockstep_workers.py", out, nprocs=2, out_dir=out, timeout=TIMEOUT_S).results()
 
 
+@pytest.mark.slow  # two processes
 def test_ranks_with_different_numbers_of_passes_leave_together(two_ranks: dict[int, dict[str, Any]]) -> None:
     assert two_ranks[0]["uneven_passes"] == two_ranks[1]["uneven_passes"] == 3  # rank 0: one pass, two dummy ones
 
 
+@pytest.mark.slow  # two processes
 def test_ranks_sharing_a_batch_share_its_pass_results(two_ranks: dict[int, dict[str, Any]]) -> None:
     assert two_ranks[0]["shared_result"] == two_ranks[1]["shared_result"] == [True, False]
 
 
+@pytest.mark.slow  # two processes
 def test_a_pass_that_cannot_run_on_one_rank_stops_both_at_the_same_tick(two_ranks: dict[int, dict[str, Any]]) -> None:
     for rank in (0, 1):
         failure = two_ranks[rank]["failure"]
@@ -88,12 +91,14 @@ def test_a_pass_that_cannot_run_on_one_rank_stops_both_at_the_same_tick(two_rank
     assert "cannot cut the batch" in two_ranks[1]["failure"]["reason"]
 
 
+@pytest.mark.slow  # two processes
 def test_one_rank_diagnoses_while_the_other_runs_dummy_passes(two_ranks: dict[int, dict[str, Any]]) -> None:
     helper, searcher = two_ranks[0]["diagnosis"], two_ranks[1]["diagnosis"]
     assert (searcher["offending"], searcher["cause"], searcher["op"]) == ([2], "data", "LogBackward0")
     assert helper["passes_run"] == searcher["passes_run"] == searcher["passes"] + 1  # and the localisation pass
 
 
+@pytest.mark.slow  # two processes
 def test_a_helper_without_a_dummy_batch_says_so_before_the_search_passes(two_ranks: dict[int, dict[str, Any]]) -> None:
     for rank in (0, 1):
         seen = two_ranks[rank]["unrunnable_dummy"]
