@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from batchnorm_models import mlp_batch, mlp_with_batchnorm
 from host_reads import HostReadCounter
 from torch import Tensor, nn
 
@@ -41,16 +42,7 @@ FUSED = pytest.mark.parametrize(
 )
 
 
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 128), nn.Linear(128, 2))
-
-
-def _batch(bad: float | None = None) -> Tensor:
-    x = torch.randn(16, 8)
-    if bad is not None:
-        x[3, 5] = bad
-    return x
+_net, _batch = mlp_with_batchnorm, mlp_batch
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 __all__ = ["Nested"]
 
@@ -23,3 +23,17 @@ class Nested(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.layer_norm(self.no_stats(h))
+
+
+def mlp_with_batchnorm() -> nn.Module:
+    """The sync-free tests' model: a BatchNorm between linear layers, seeded (the same weights each call)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 128), nn.Linear(128, 2))
+
+
+def mlp_batch(bad: float | None = None) -> Tensor:
+    """16 samples for :func:`mlp_with_batchnorm`; ``bad`` goes into sample 3."""
+    x = torch.randn(16, 8)
+    if bad is not None:
+        x[3, 5] = bad
+    return x

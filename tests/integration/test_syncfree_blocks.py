@@ -15,11 +15,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from batchnorm_models import mlp_batch, mlp_with_batchnorm
 from fitting import fit
 from host_reads import HostReadCounter
 from lightning.pytorch.plugins import MixedPrecision
 from states import states_equal
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard.detect.batchnorm import batchnorm_buffers, batchnorm_running_vars
@@ -29,16 +30,7 @@ from lightning_nanguard.detect.syncfree import DeferredRead, DeviceSkip, SelectR
 NONFINITE = pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "+inf", "-inf"])
 
 
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 128), nn.Linear(128, 2))
-
-
-def _batch(bad: float | None = None) -> Tensor:
-    x = torch.randn(16, 8)
-    if bad is not None:
-        x[3, 5] = bad
-    return x
+_net, _batch = mlp_with_batchnorm, mlp_batch
 
 
 class SyncFreeSteps(pl.Callback):
