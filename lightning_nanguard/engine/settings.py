@@ -131,6 +131,7 @@ RULES: dict[str, Rule] = {
     "spike_warmup_steps": integer(2),
     "spike_rebaseline_after": integer(1),
     "sync_free": boolean(),
+    "loss_fn": Rule(lambda v: v is None or callable(v), "None or a callable(model, batch) returning the loss"),
 }
 
 

@@ -31,6 +31,8 @@ from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.settings import GuardSettings, validate_arguments, warn_what_cannot_be_skipped
 from lightning_nanguard.engine.sharding import own_rank_state
 from lightning_nanguard.engine.state import CounterView
+from lightning_nanguard.fabric.setup import take_hold_of_fabric
+from lightning_nanguard.fabric.steps import FabricSteps
 from lightning_nanguard.recover.recovery import Recovery, apply_module_eps
 from lightning_nanguard.recover.remedies import Remedy
 from lightning_nanguard.trainer._compat import CALLBACK_BASES
@@ -131,6 +133,11 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             Adam/AdamW/SGD/Adagrad (``found_inf``) and its BatchNorm statistics restored by a
             device-side select; the flags are read one step later, before the next forward, and
             the incident handled then. Other optimizers keep the one host read per step (one warning).
+        loss_fn: in a Lightning Fabric loop, ``loss_fn(model, batch) -> loss`` (a tensor, or a dict with
+            ``"loss"``): the guard re-runs it on sub-batches of a bad step to name the offending samples
+            (``model``: the module you gave ``fabric.setup``, run under Fabric's precision; ``batch``: as
+            the training loader gave it, moved to the device). Without it a bad step is still skipped and reported. Ignored by the
+            Trainer, which re-runs ``training_step``.
 
     Example:
         >>> guard = NanGuard(action="skip", max_consecutive_bad_steps=5)
@@ -176,6 +183,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         spike_warmup_steps: int = default_of(SpikeDetector, "warmup"),
         spike_rebaseline_after: int = default_of(SpikeDetector, "rebaseline_after"),
         sync_free: bool = False,
+        loss_fn: Callable[[Any, Any], Any] | None = None,
     ) -> None:
         arguments = dict(locals())
         arguments.pop("self")
@@ -212,6 +220,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.spike_warmup_steps = spike_warmup_steps
         self.spike_rebaseline_after = spike_rebaseline_after
         self.sync_free = sync_free
+        self.loss_fn = loss_fn
 
         self.clock = GuardClock()  # `guard.clock.enabled = True` measures the time spent in the guard
         self.recorder = IncidentRecorder(verbose)
@@ -221,6 +230,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self._front: TrainerFrontEnd | None = None  # the engine's view of the fit in progress
         self._hooks: StrategyHooks | None = None
         self._forward_only = ForwardOnlyEpoch()
+        self._fabric_steps: FabricSteps | None = None  # a Fabric loop's steps (lightning_nanguard.fabric)
 
     # ------------------------------------------------------------------ state, read-only
 
@@ -425,6 +435,25 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
 
     def _strategy_active(self) -> bool:
         return self.active or self.controller.state.failing
+
+    # ------------------------------------------------------------------ Lightning Fabric loops
+
+    @failsafe
+    def on_after_setup(self, fabric: Any, module: nn.Module) -> None:
+        """Fabric's ``fabric.setup(model, ...)``: take hold of the loop's strategy (every rank)."""
+        if self._fabric_steps is not None:
+            self.recorder.notices.warn(
+                "fabric-models",
+                "NanGuard: fabric.setup was called again; the guard keeps guarding the first model set up.",
+            )
+            return
+        self._fabric_steps = take_hold_of_fabric(self.controller, self._arguments(), fabric, module, self.loss_fn)
+
+    @failsafe
+    def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
+        """Fabric, after ``optimizer.step()``: rollback, weight check, snapshot; the step count moves on."""
+        if self._fabric_steps is not None:
+            self._fabric_steps.after_update(optimizer)
 
     # ------------------------------------------------------------------ manual loops
 

@@ -47,6 +47,7 @@ BAD: dict[str, list[Any]] = {
     "spike_warmup_steps": [1, 0, 16.5],
     "spike_rebaseline_after": [0, 2.5, None],
     "sync_free": ["true", 1, None],
+    "loss_fn": ["my_pkg.loss", 3],
 }
 
 GOOD: dict[str, list[Any]] = {
@@ -82,6 +83,7 @@ GOOD: dict[str, list[Any]] = {
     "spike_warmup_steps": [2, 16, 128],
     "spike_rebaseline_after": [1, 5],
     "sync_free": [True, False],
+    "loss_fn": [None, lambda model, batch: model(batch).sum()],
 }
 
 

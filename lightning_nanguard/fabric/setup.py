@@ -1,0 +1,57 @@
+"""The guard taking hold of a Fabric loop at ``fabric.setup`` (Fabric's ``on_after_setup`` hook).
+
+Example:
+    >>> import lightning as L, torch
+    >>> from lightning_nanguard import NanGuard
+    >>> fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[NanGuard(verbose=False)])
+    >>> model, optimizer = fabric.setup(torch.nn.Linear(2, 1), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    >>> type(fabric.strategy).__name__
+    'NanGuardSingleDeviceStrategy'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lightning_nanguard.engine.controller import StepController
+from lightning_nanguard.engine.settings import GuardSettings, warn_what_cannot_be_skipped
+from lightning_nanguard.engine.sharding import strategy_kind
+from lightning_nanguard.fabric.frontend import FabricFrontEnd, LossFn
+from lightning_nanguard.fabric.steps import FabricSteps
+from lightning_nanguard.fabric.strategy import hold_fabric_strategy
+
+__all__ = ["take_hold_of_fabric"]
+
+
+def take_hold_of_fabric(
+    controller: StepController,
+    arguments: dict[str, Any],
+    fabric: Any,
+    module: nn.Module,
+    loss_fn: LossFn | None,
+) -> FabricSteps:
+    """Configure the engine for this loop, attach it to the model, and hold the strategy; the loop's steps.
+
+    Every rank calls it (``fabric.setup`` runs on every rank): the log directory is agreed here.
+    """
+    kind = strategy_kind(fabric.strategy)
+    controller.configure(GuardSettings.from_arguments(arguments, strategy_kind=kind))
+    front = FabricFrontEnd(fabric, module, loss_fn)
+    recorder = controller.recorder
+    recorder.sinks.verbose = bool(arguments["verbose"])
+    recorder.attach(front, controller.scalar_tags(front))
+    warn_what_cannot_be_skipped(front, arguments["action"], recorder.notices)
+    controller.attach(front)
+    keep = loss_fn is not None and controller.diagnosis.diagnoses
+    if loss_fn is None and controller.diagnosis.diagnoses:
+        recorder.notices.warn(
+            "fabric-loss-fn",
+            "NanGuard: in a Fabric loop bad steps are skipped, but the offending samples, module and op are "
+            "named only when the guard can re-run the step: pass NanGuard(loss_fn=...), with "
+            "loss_fn(model, batch) -> loss.",
+        )
+    steps = FabricSteps(controller, front, int(arguments["check_every_n_steps"]), keep_batches=keep)
+    hold_fabric_strategy(fabric.strategy, steps)
+    return steps

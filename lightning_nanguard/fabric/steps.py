@@ -1,0 +1,151 @@
+"""The moments of a step in a Fabric loop, carried to the step engine.
+
+Fabric calls no hook before the update, and ``fabric.backward`` and ``fabric.clip_gradients`` call
+none at all; the guard's strategy wrapper (:mod:`.strategy`) sees all three moments instead and
+hands them here:
+
+- a batch leaves a training loader that ``fabric.setup_dataloaders`` set up after ``fabric.setup``
+  (its dataset indices recorded): kept until the backward that uses it;
+- ``fabric.backward(loss)``: the first backward after an update opens the step's window (the
+  pending batches go into it), every backward adds its loss;
+- ``fabric.clip_gradients(...)`` or ``optimizer.step()``, whichever comes first: the step is
+  checked once per optimizer, and a bad one dropped (its gradients set to ``None``); clipping a
+  dropped step does nothing (no ``RuntimeError`` for a non-finite norm);
+- after ``optimizer.step()`` (Fabric's ``on_after_optimizer_step``): the after-step work (rollback,
+  weight check, snapshot), and the step count moves on.
+
+Every moment runs under the failsafe: an error in the guard disables it, never the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_nanguard.core.events import NonFiniteTrainingError
+from lightning_nanguard.engine.controller import StepController
+from lightning_nanguard.engine.data.indices import RecordingBatchSampler, next_recorded_indices, record_batch_indices
+from lightning_nanguard.engine.data.readers import RecordReader
+from lightning_nanguard.fabric.frontend import FabricFrontEnd
+
+__all__ = ["FabricSteps"]
+
+log = logging.getLogger("lightning_nanguard")
+
+
+class FabricSteps:
+    """One Fabric loop's steps under the guard (see module docs).
+
+    Args:
+        controller: the guard's step controller.
+        front: the loop's front-end.
+        every_n_steps: check one optimizer step in ``n``.
+        keep_batches: keep each step's batches for a diagnosis (needs a ``loss_fn``).
+    """
+
+    def __init__(self, controller: StepController, front: FabricFrontEnd, every_n_steps: int, keep_batches: bool):
+        self.controller = controller
+        self.front = front
+        self.every_n_steps = every_n_steps
+        self.keep_batches = keep_batches
+        self._pending: list[tuple[Any, list[int] | None, tuple[RecordReader, ...]]] = []
+        self._checked: dict[int, bool] = {}  # id(optimizer) -> dropped, for this step
+        self._batches_seen = 0
+
+    # ------------------------------------------------------------------ loaders
+
+    def watch_loader(self, loader: Any) -> Any:
+        """Make a training loader record its dataset indices and hand each batch here as it leaves."""
+        sampler = record_batch_indices(loader) if self.keep_batches else None
+        reader = RecordReader.of(loader) if sampler is not None else None
+        steps = self
+
+        def note(batch: Any) -> None:
+            indices = next_recorded_indices([sampler]) if sampler is not None else None
+            steps._pending.append((batch, indices, (reader,) if reader is not None else ()))
+
+        _note_batches(loader, note if self.keep_batches else None, sampler)
+        return loader
+
+    # ------------------------------------------------------------------ the moments of a step
+
+    def before_backward(self, loss: Tensor) -> None:
+        """Open the step's window at its first backward (with the batches that came since); keep the loss."""
+        window = self.controller.window
+        if not window.open:
+            self._checked = {}
+            self.controller.begin_step(self.front, self.every_n_steps)
+        for batch, indices, readers in self._pending:
+            window.add_batch(batch, self._batches_seen, indices, keep=self.keep_batches, readers=readers)
+            self._batches_seen += 1
+        self._pending = []
+        window.add_loss(loss)
+
+    def before_update(self, optimizer: Any) -> bool:
+        """Check the step for ``optimizer`` (once per step); ``True`` when its update was dropped."""
+        key = id(optimizer)
+        if key in self._checked:
+            return self._checked[key]
+        self.front.saw_optimizer(optimizer)
+        controller = self.controller
+        controller.window.close()
+        if controller.checking(self.front, self.every_n_steps):
+            controller.check_step(self.front, optimizer)
+        dropped = all(p.grad is None for group in optimizer.param_groups for p in group["params"])
+        self._checked[key] = dropped
+        return dropped
+
+    def after_update(self, optimizer: Any) -> None:
+        """The after-step work, then the next step's number."""
+        self.controller.after_optimizer_step(self.front)
+        self.front.global_step += 1
+        self._checked = {}
+
+
+def _note_batches(loader: Any, note: Callable[[Any], None] | None, sampler: RecordingBatchSampler | None) -> None:
+    """Swap ``loader``'s class for a subclass whose iterator hands every batch to ``note`` (once per class)."""
+    if note is None:
+        return
+    cls = type(loader)
+    noting = _NOTING_CLASSES.get(cls)
+    if noting is None:
+
+        def __iter__(self: Any) -> Any:
+            for batch in cls.__iter__(self):
+                hand = self.__dict__.get("_nanguard_note")
+                if hand is not None:
+                    hand(batch)
+                yield batch
+
+        noting = type(f"NanGuard{cls.__name__}", (cls,), {"__iter__": __iter__})
+        _NOTING_CLASSES[cls] = noting
+    object.__setattr__(loader, "_nanguard_note", note)  # DataLoader refuses some attributes after init
+    loader.__class__ = noting
+
+
+_NOTING_CLASSES: dict[type, type] = {}
+
+
+def guarded(steps: FabricSteps | None, moment: Callable[..., Any], *args: Any) -> Any:
+    """Run a moment of ``steps`` under the failsafe: the guard's own error disables it, never the loop."""
+    if steps is None:
+        return None
+    state = steps.controller.state
+    if state.disabled and not state.failing:
+        return None
+    try:
+        return moment(*args)
+    except NonFiniteTrainingError:
+        raise
+    except Exception as error:
+        steps.controller.fail(error, getattr(moment, "__name__", "a Fabric step"))
+        return None
+
+
+def zero_norm(device: torch.device) -> Tensor:
+    """What ``clip_gradients(max_norm=...)`` returns for a dropped step: no gradients, norm 0."""
+    return torch.zeros((), device=device)

@@ -1,0 +1,71 @@
+"""The guard's hold on a Fabric strategy: a class swap that sees backward, clipping and the optimizer step.
+
+``fabric.backward``, ``fabric.clip_gradients`` and ``optimizer.step()`` all go through the live
+strategy object (``fabric.strategy``): ``backward``, ``clip_gradients_norm``/``clip_gradients_value``
+and ``optimizer_step``; ``fabric.setup_dataloaders`` goes through ``process_dataloader``. Fabric
+checks ``isinstance(strategy, ...)`` in places, so the instance's class is swapped for a generated
+subclass ``NanGuard<Original>`` with :class:`NanGuardFabricMixin` in front (as the Trainer's
+wrapper does), holding a :class:`~lightning_nanguard.fabric.steps.FabricSteps`.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from lightning_nanguard.fabric.steps import FabricSteps, guarded, zero_norm
+
+__all__ = ["NanGuardFabricMixin", "hold_fabric_strategy"]
+
+
+class NanGuardFabricMixin(abc.ABC):  # ABC: the metaclass and instance layout of Fabric's strategies
+    """What the guard adds to a Fabric strategy (see module docs); every moment passes through when off."""
+
+    _nanguard_steps: FabricSteps | None
+
+    def backward(self, tensor: Any, module: Any, *args: Any, **kwargs: Any) -> Any:
+        guarded(self.__dict__.get("_nanguard_steps"), _before_backward, self, tensor)
+        return super().backward(tensor, module, *args, **kwargs)  # type: ignore[misc]
+
+    def clip_gradients_norm(self, module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if guarded(self.__dict__.get("_nanguard_steps"), _before_update, self, optimizer):
+            return zero_norm(self.root_device)  # type: ignore[attr-defined]  # dropped: nothing to clip
+        return super().clip_gradients_norm(module, optimizer, *args, **kwargs)  # type: ignore[misc]
+
+    def clip_gradients_value(self, module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if guarded(self.__dict__.get("_nanguard_steps"), _before_update, self, optimizer):
+            return None
+        return super().clip_gradients_value(module, optimizer, *args, **kwargs)  # type: ignore[misc]
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        guarded(self.__dict__.get("_nanguard_steps"), _before_update, self, optimizer)
+        return super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        steps = self.__dict__.get("_nanguard_steps")
+        watched = guarded(steps, steps.watch_loader, dataloader) if steps is not None else None
+        return watched if watched is not None else dataloader
+
+
+def _before_backward(strategy: Any, loss: Any) -> None:
+    strategy._nanguard_steps.before_backward(loss)
+
+
+def _before_update(strategy: Any, optimizer: Any) -> bool:
+    return bool(strategy._nanguard_steps.before_update(getattr(optimizer, "optimizer", optimizer)))
+
+
+_WRAPPED: dict[type, type] = {}
+
+
+def hold_fabric_strategy(strategy: Any, steps: FabricSteps) -> None:
+    """Swap ``strategy``'s class for its ``NanGuard<Original>`` subclass and give it ``steps``."""
+    cls = type(strategy)
+    if not issubclass(cls, NanGuardFabricMixin):
+        wrapped = _WRAPPED.get(cls)
+        if wrapped is None:
+            wrapped = type(f"NanGuard{cls.__name__}", (NanGuardFabricMixin, cls), {"__module__": __name__})
+            _WRAPPED[cls] = wrapped
+        strategy.__class__ = wrapped
+    strategy._nanguard_steps = steps

@@ -1,0 +1,132 @@
+"""``NanGuard`` in a hand-written Lightning Fabric loop (issue 24, first part): one process, real ``Fabric``.
+
+The loop is the one Fabric's docs show: ``fabric.setup``, ``setup_dataloaders``, ``fabric.backward``,
+``fabric.clip_gradients(max_norm=1.0)`` (which raises on a non-finite norm by default),
+``optimizer.step()``. The model normalises its input (``x / ||x||``): the all-zero records 5 and 21
+make the steps that hold them NaN.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from states import clone_state
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_nanguard import NanGuard
+
+BAD_RECORDS = (5, 21)  # batches 0 and 2 of 8 records each, position 5 in both
+BATCH = 8
+
+
+class Normalised(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x / x.norm(dim=-1, keepdim=True)  # FORWARD ORIGIN
+        return self.l2(torch.relu(self.l1(x))).squeeze(-1)
+
+
+def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _loop(
+    guard: NanGuard, clip: bool = True, accumulate: int = 1, **fabric_args: Any
+) -> tuple[nn.Module, list[dict[str, torch.Tensor]]]:
+    """One epoch of the loop; the weights after every optimizer step."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 4, generator=g), torch.randn(32, generator=g)
+    x[list(BAD_RECORDS)] = 0.0
+    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[guard], **fabric_args)
+    module = Normalised()
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    loader = fabric.setup_dataloaders(DataLoader(TensorDataset(x, y), batch_size=BATCH // accumulate))
+    states = []
+    for i, batch in enumerate(loader):
+        fabric.backward(loss_fn(model, batch) / accumulate)
+        if (i + 1) % accumulate:
+            continue
+        if clip:
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        states.append(clone_state(module.state_dict()))
+    return module, states
+
+
+def _unchanged(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.fixture(autouse=True)
+def _events_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NANGUARD_DIR", str(tmp_path))
+
+
+def test_the_bad_steps_are_dropped_and_clip_gradients_does_not_raise(tmp_path: Path) -> None:
+    guard = NanGuard(verbose=False)
+    module, states = _loop(guard)
+    assert [(e.global_step, e.action, e.kinds) for e in guard.events] == [
+        (0, "skipped", ("loss", "grad")),
+        (2, "skipped", ("loss", "grad")),
+    ]
+    assert _unchanged(states[1], states[2]) and not _unchanged(states[2], states[3])  # step 2 dropped, 3 applied
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    assert guard.counters.skipped_total == 2 and guard.active
+    lines = (tmp_path / "nanguard" / "events.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["global_step"] for line in lines] == [0, 2]
+
+
+def test_with_loss_fn_the_records_the_module_and_the_line_are_named(tmp_path: Path) -> None:
+    guard = NanGuard(verbose=False, loss_fn=loss_fn)
+    _loop(guard)
+    assert [(e.offending_samples, e.dataset_indices) for e in guard.events] == [((5,), (5,)), ((5,), (21,))]
+    for event in guard.events:
+        assert (event.cause, event.blame_verified, event.indices_verified) == ("data", True, True)
+        assert (event.phase, event.culprit_op, event.details["source_text"]) == (
+            "forward",
+            "div",
+            "x = x / x.norm(dim=-1, keepdim=True)  # FORWARD ORIGIN",
+        )
+        assert event.repro_path is not None and Path(event.repro_path, "batch.pt").exists()
+
+
+def test_without_clipping_the_weights_stay_finite_too() -> None:
+    guard = NanGuard(verbose=False, bisect=False, localize=False, save_repro=False)
+    module, states = _loop(guard, clip=False)
+    assert [e.global_step for e in guard.events] == [0, 2]
+    assert _unchanged(states[1], states[2])
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+def test_gradient_accumulation_checks_the_whole_step() -> None:
+    """Two backward passes per step (half batches): the step holding a bad half is dropped, named by its half."""
+    guard = NanGuard(verbose=False, loss_fn=loss_fn)
+    module, states = _loop(guard, accumulate=2)
+    assert [e.global_step for e in guard.events] == [0, 2]
+    assert [(e.offending_samples, e.dataset_indices, e.details.get("micro_batch")) for e in guard.events] == [
+        ((1,), (5,), 1),
+        ((1,), (21,), 1),
+    ]
+    assert _unchanged(states[1], states[2])
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+def test_raise_stops_the_loop_with_the_event() -> None:
+    from lightning_nanguard import NonFiniteTrainingError
+
+    guard = NanGuard(verbose=False, action="raise", bisect=False, localize=False, save_repro=False)
+    with pytest.raises(NonFiniteTrainingError) as raised:
+        _loop(guard)
+    assert [e.global_step for e in raised.value.events] == [0]
