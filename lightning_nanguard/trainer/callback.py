@@ -136,8 +136,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         loss_fn: in a Lightning Fabric loop, ``loss_fn(model, batch) -> loss`` (a tensor, or a dict with
             ``"loss"``): the guard re-runs it on sub-batches of a bad step to name the offending samples
             (``model``: the module you gave ``fabric.setup``, run under Fabric's precision; ``batch``: as
-            the training loader gave it, moved to the device). Without it a bad step is still skipped and reported. Ignored by the
-            Trainer, which re-runs ``training_step``.
+            the training loader gave it, moved to the device). Without it a bad step is still skipped
+            and reported. Ignored by the Trainer, which re-runs ``training_step``.
 
     Example:
         >>> guard = NanGuard(action="skip", max_consecutive_bad_steps=5)
