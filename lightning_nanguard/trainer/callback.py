@@ -231,6 +231,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self._hooks: StrategyHooks | None = None
         self._forward_only = ForwardOnlyEpoch()
         self._fabric_steps: FabricSteps | None = None  # a Fabric loop's steps (lightning_nanguard.fabric)
+        self.from_environment = False  # made by NANGUARD=1 (lightning_nanguard.entry_points): stands aside for yours
 
     # ------------------------------------------------------------------ state, read-only
 
@@ -441,6 +442,10 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     @failsafe
     def on_after_setup(self, fabric: Any, module: nn.Module) -> None:
         """Fabric's ``fabric.setup(model, ...)``: take hold of the loop's strategy (every rank)."""
+        guards = [cb for cb in getattr(fabric, "_callbacks", []) if isinstance(cb, NanGuard)]
+        if self.from_environment and any(not guard.from_environment for guard in guards):
+            self.active = False  # the user's own NanGuard guards this loop: never two
+            return
         if self._fabric_steps is not None:
             self.recorder.notices.warn(
                 "fabric-models",
@@ -498,4 +503,5 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_front"] = None  # never pickle the Trainer with the callback
+        state["_fabric_steps"] = None  # nor a Fabric loop
         return state

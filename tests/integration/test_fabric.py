@@ -130,3 +130,54 @@ def test_raise_stops_the_loop_with_the_event() -> None:
     with pytest.raises(NonFiniteTrainingError) as raised:
         _loop(guard)
     assert [e.global_step for e in raised.value.events] == [0]
+
+
+# ------------------------------------------------------------------------------------ NANGUARD=1
+
+
+def test_nanguard_1_adds_one_guard_to_every_fabric(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NANGUARD", "1")
+    monkeypatch.setenv("NANGUARD_ARGS", '{"verbose": false, "bisect": false}')
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    (guard,) = [cb for cb in fabric._callbacks if isinstance(cb, NanGuard)]
+    assert guard.from_environment and (guard.verbose, guard.bisect) == (False, False)
+    module = Normalised()
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    fabric.backward(loss_fn(model, (torch.zeros(2, 4), torch.zeros(2))))  # 0/0: a NaN step
+    optimizer.step()
+    assert [e.global_step for e in guard.events] == [0] and all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_without_nanguard_1_fabric_gets_no_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NANGUARD", raising=False)
+    assert not [cb for cb in L.Fabric(accelerator="cpu")._callbacks if isinstance(cb, NanGuard)]
+    monkeypatch.setenv("NANGUARD", "0")
+    assert not [cb for cb in L.Fabric(accelerator="cpu")._callbacks if isinstance(cb, NanGuard)]
+
+
+def test_the_users_own_guard_wins_over_the_environments(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NANGUARD", "1")
+    mine = NanGuard(verbose=False, bisect=False, localize=False, save_repro=False)
+    _loop(mine)
+    fabric_guards = [e.global_step for e in mine.events]
+    assert fabric_guards == [0, 2]  # mine recorded both; the environment's stood aside (else 4 events, or a crash)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ("[1]", "NANGUARD_ARGS must be a JSON object"),
+        ("{bad json", "NANGUARD_ARGS must be a JSON object of NanGuard arguments:"),
+        ('{"action": "skp"}', "NANGUARD_ARGS: NanGuard: `action` must be one of"),
+        ('{"no_such": 1}', "NANGUARD_ARGS: "),
+    ],
+)
+def test_nanguard_args_are_validated_like_the_constructor(
+    monkeypatch: pytest.MonkeyPatch, args: str, message: str
+) -> None:
+    from lightning_nanguard.entry_points import nanguard_from_environment
+
+    monkeypatch.setenv("NANGUARD", "1")
+    monkeypatch.setenv("NANGUARD_ARGS", args)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("`", "`")):
+        nanguard_from_environment()

@@ -1,0 +1,52 @@
+"""The guard switched on from the environment, for Fabric loops that build ``Fabric()`` themselves (LitGPT).
+
+Lightning Fabric adds to every ``Fabric()`` the callbacks that installed packages return from the
+entry-point group ``lightning.fabric.callbacks_factory``. This package registers
+:func:`nanguard_from_environment` there: with ``NANGUARD=1`` it returns one ``NanGuard()`` (its
+arguments from ``NANGUARD_ARGS``, a JSON object validated like the constructor's), otherwise
+nothing. A guard made so stands aside when the user passes a ``NanGuard`` of their own.
+
+Example:
+    >>> import os
+    >>> os.environ.pop("NANGUARD", None) and None
+    >>> nanguard_from_environment()
+    []
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from lightning_nanguard.trainer.callback import NanGuard
+
+__all__ = ["NANGUARD", "NANGUARD_ARGS", "nanguard_from_environment"]
+
+NANGUARD = "NANGUARD"  # "1" (or "true", "yes", "on"): add a guard to every Fabric()
+NANGUARD_ARGS = "NANGUARD_ARGS"  # a JSON object of NanGuard arguments, e.g. {"action": "rollback"}
+_ON = {"1", "true", "yes", "on"}
+
+
+def nanguard_from_environment() -> list[Any]:
+    """``[NanGuard(**$NANGUARD_ARGS)]`` when ``$NANGUARD`` is on, else ``[]``.
+
+    Raises:
+        ValueError: ``NANGUARD_ARGS`` is not a JSON object, or names an argument or value
+            ``NanGuard`` refuses (the constructor's own message, prefixed with the variable's name).
+    """
+    if os.environ.get(NANGUARD, "").strip().lower() not in _ON:
+        return []
+    text = os.environ.get(NANGUARD_ARGS, "").strip()
+    try:
+        arguments = json.loads(text) if text else {}
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{NANGUARD_ARGS} must be a JSON object of NanGuard arguments: {error}") from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"{NANGUARD_ARGS} must be a JSON object of NanGuard arguments, got {text!r}")
+    try:
+        guard = NanGuard(**arguments)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{NANGUARD_ARGS}: {error}") from None
+    guard.from_environment = True
+    return [guard]
