@@ -181,3 +181,16 @@ def test_nanguard_args_are_validated_like_the_constructor(
     monkeypatch.setenv("NANGUARD_ARGS", args)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("`", "`")):
         nanguard_from_environment()
+
+
+def test_the_guards_state_goes_through_fabric_save_and_load(tmp_path: Path) -> None:
+    """``fabric.save(path, {..., "guard": guard})``: the guard is a Stateful object (state_dict/load_state_dict)."""
+    guard = NanGuard(verbose=False, bisect=False, localize=False, save_repro=False)
+    module, _ = _loop(guard)
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    fabric.save(tmp_path / "run.ckpt", {"model": module, "guard": guard})
+    resumed = NanGuard(verbose=False)
+    fabric.load(tmp_path / "run.ckpt", {"model": Normalised(), "guard": resumed})
+    assert resumed.counters == guard.counters and resumed.counters.skipped_total == 2
+    assert [e.to_dict() for e in resumed.events] == [e.to_dict() for e in guard.events]
+    assert torch.load(tmp_path / "run.ckpt", weights_only=True)["guard"]["skipped_total"] == 2  # primitives only
