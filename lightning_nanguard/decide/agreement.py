@@ -29,10 +29,11 @@ _T = TypeVar("_T")
 
 
 class RankAgreement:
-    """Collectives over the Trainer's strategy (see module docs).
+    """Collectives over a Lightning strategy, the Trainer's or Fabric's (see module docs).
 
     Args:
-        strategy: the Trainer's strategy (its ``reduce`` sums a tensor over ranks).
+        strategy: the strategy: the Trainer's sums a tensor over ranks with ``reduce``, Fabric's
+            with ``all_reduce``.
         world_size: number of processes; 1 makes every call local.
     """
 
@@ -49,7 +50,8 @@ class RankAgreement:
         """``flags`` summed over ranks, on the device (no host read)."""
         if not self.distributed:
             return flags
-        return self.strategy.reduce(flags.clone(), reduce_op="sum")
+        reduce = getattr(self.strategy, "reduce", None) or self.strategy.all_reduce  # Trainer's, else Fabric's
+        return reduce(flags.clone(), reduce_op="sum")
 
     def gather(self, item: _T) -> list[_T]:
         """Every rank's ``item`` (a small picklable object), in rank order."""
