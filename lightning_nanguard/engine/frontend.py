@@ -14,7 +14,8 @@ the model and its step ``module`` (the model), ``device`` (where it computes),
                        ``automatic_optimization`` (the guard may skip the
                        update), ``optimizers``, ``strategy`` (a Lightning strategy, the Trainer's
                        or Fabric's: collectives, device, mesh), ``grad_scaler``, ``lr_schedulers``
-re-running a step      ``step_fn()``, ``step_context()``, ``as_training_batch(...)``
+re-running a step      ``step_fn()``, ``step_context()``, ``as_training_batch(...)``,
+                       ``cannot_rerun()``
 around the step        ``keep_logged()``, ``drop_logged()``, ``suspend_clipping()``,
                        ``resume_clipping()`` (no-ops where the loop has no such thing)
 where to log           ``log_dir()``, ``loggers``, ``tensorboard_writers()``, ``logging_due()``,
@@ -41,6 +42,7 @@ Example:
     ...         self.module, self.optimizers, self.lr_schedulers = module, [optimizer], []
     ...     def step_fn(self): return lambda batch, batch_idx: self.module(batch).sum()
     ...     def step_context(self): return contextlib.nullcontext()
+    ...     def cannot_rerun(self): return None
     ...     def as_training_batch(self, record, layout=None, part=0, batch=None): return record
     ...     def keep_logged(self): return None
     ...     def drop_logged(self): pass
@@ -135,6 +137,9 @@ class FrontEnd(Protocol):
 
     def step_context(self) -> AbstractContextManager[Any]:
         """The context a training step runs in (autocast of the precision setting)."""
+
+    def cannot_rerun(self) -> str | None:
+        """Why this loop's steps cannot be re-run (no samples are named, the event says why), else ``None``."""
 
     def as_training_batch(
         self, record: Any, layout: CombinedLayout | None = None, part: int = 0, batch: Any = None

@@ -107,6 +107,11 @@ class FabricFrontEnd:
         module, to_device = self.module, self.fabric.to_device
         return lambda batch, batch_idx: loss_fn(module, to_device(batch))  # batches are kept as the loader gave them
 
+    def cannot_rerun(self) -> str | None:
+        if self.loss_fn is None:
+            return "naming the offending samples needs NanGuard(loss_fn=...), with loss_fn(model, batch) -> loss"
+        return None
+
     def step_context(self) -> AbstractContextManager[Any]:
         return self.fabric.autocast()  # what the Fabric module's forward applies in the loop
 

@@ -109,6 +109,9 @@ class TrainerFrontEnd:
     def step_context(self) -> AbstractContextManager[Any]:
         return self.trainer.precision_plugin.train_step_context()
 
+    def cannot_rerun(self) -> str | None:
+        return None  # training_step is always there to re-run
+
     def as_training_batch(
         self, record: Any, layout: CombinedLayout | None = None, part: int = 0, batch: Any = None
     ) -> Any:

@@ -69,6 +69,9 @@ class PlainFront:
     def step_context(self) -> AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
+    def cannot_rerun(self) -> str | None:
+        return None
+
     def as_training_batch(self, record: Any, layout: Any = None, part: int = 0, batch: Any = None) -> Any:
         combined = record if layout is None else layout.with_parts(batch, {part: record})
         return combined if layout is None else layout.part(combined, part)

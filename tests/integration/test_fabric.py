@@ -84,6 +84,9 @@ def test_the_bad_steps_are_dropped_and_clip_gradients_does_not_raise(tmp_path: P
     assert _unchanged(states[1], states[2]) and not _unchanged(states[2], states[3])  # step 2 dropped, 3 applied
     assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
     assert guard.counters.skipped_total == 2 and guard.active
+    assert {e.details.get("samples_not_named") for e in guard.events} == {
+        "naming the offending samples needs NanGuard(loss_fn=...), with loss_fn(model, batch) -> loss"
+    }
     lines = (tmp_path / "nanguard" / "events.jsonl").read_text(encoding="utf-8").splitlines()
     assert [json.loads(line)["global_step"] for line in lines] == [0, 2]
 
@@ -100,6 +103,7 @@ def test_with_loss_fn_the_records_the_module_and_the_line_are_named(tmp_path: Pa
             "x = x / x.norm(dim=-1, keepdim=True)  # FORWARD ORIGIN",
         )
         assert event.repro_path is not None and Path(event.repro_path, "batch.pt").exists()
+        assert "samples_not_named" not in event.details
 
 
 def test_without_clipping_the_weights_stay_finite_too() -> None:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IncidentInspector",
+    "with_rerun_note",
     "event_cause",
     "loss_scale_event",
     "quarantine_items_of",
@@ -103,6 +104,22 @@ def quarantine_refusal(event: NanEvent | None) -> str | None:
     if event.blame_verified is not True:
         return f"{what}: the blame is not verified ({event.details.get('blame_unverified', 'not checked')})"
     return None
+
+
+def with_rerun_note(front: Any, event: NanEvent | None) -> NanEvent | None:
+    """``event`` saying why no samples are named, when the front-end cannot re-run a step (``samples_not_named``).
+
+    Example:
+        >>> class NoRerun:
+        ...     def cannot_rerun(self): return "naming samples needs NanGuard(loss_fn=...)"
+        >>> event = NanEvent(3, 0, 3, 0, ("loss",), "skipped")
+        >>> with_rerun_note(NoRerun(), event).details
+        {'samples_not_named': 'naming samples needs NanGuard(loss_fn=...)'}
+    """
+    note = front.cannot_rerun() if event is not None else None
+    if event is None or note is None or event.offending_samples is not None:
+        return event
+    return event.replace(details={**event.details, "samples_not_named": note})
 
 
 def loss_scale_event(
@@ -182,6 +199,7 @@ class IncidentInspector:
             event, reproduced = self._diagnose(front, event, loss_threshold=threshold, scaled=scaled)
             if scaled and not reproduced:  # NaN-only gradients the unscaled re-run does not give
                 event, overflow = None, True
+        event = with_rerun_note(front, event)
         report = RankVote(
             rank,
             incident=event is not None and not spiked,

@@ -52,6 +52,7 @@ from lightning_nanguard.engine.incident.inspector import (
     event_cause,
     quarantine_items_of,
     quarantine_of,
+    with_rerun_note,
 )
 from lightning_nanguard.engine.sharding import ShardingLayout
 
@@ -94,12 +95,15 @@ class ShardedIncidentInspector(IncidentInspector):
             log.warning("NanGuard: the check of a bad step failed on rank %d: %r", rank, error, exc_info=True)
             failed = True
         if not together:
-            return self._report(rank, event, spiked, failed), event
+            event = with_rerun_note(front, event)
+            event = with_rerun_note(front, event)
+        return self._report(rank, event, spiked, failed), event
         finding = self._finding(rank, health, event, spiked)
         findings = self.agreement.gather(finding)
         plan = plan_search(findings) if self._may_diagnose(front) else {}
         if plan:
             event, spiked = self._diagnose_together(front, plan, findings, event, spiked, grad_norm)
+        event = with_rerun_note(front, event)
         return self._report(rank, event, spiked, failed), event
 
     # ------------------------------------------------------------------ before the search
