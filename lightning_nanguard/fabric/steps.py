@@ -90,8 +90,11 @@ class FabricSteps:
         key = id(optimizer)
         if key in self._checked:
             return self._checked[key]
+        first = not self.front.optimizers
         self.front.saw_optimizer(optimizer)
         controller = self.controller
+        if first and controller.policy.action == "rollback":  # the first snapshot, once the optimizer is known
+            controller.after_step.initial_snapshot(self.front)
         controller.window.close()
         if controller.checking(self.front, self.every_n_steps):
             controller.check_step(self.front, optimizer)

@@ -127,6 +127,17 @@ def test_gradient_accumulation_checks_the_whole_step() -> None:
     assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
 
 
+def test_rollback_restores_the_last_good_snapshot() -> None:
+    guard = NanGuard(
+        verbose=False, action="rollback", rollback_after_consecutive=1, snapshot_every_n_steps=1, save_repro=False
+    )
+    module, states = _loop(guard)
+    assert [(e.global_step, e.action) for e in guard.events] == [(0, "rolled_back"), (2, "rolled_back")]
+    assert guard.controller.recovery.rollbacks_total == 2
+    assert _unchanged(states[1], states[2])  # back to the snapshot of step 1, bitwise
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
 def test_raise_stops_the_loop_with_the_event() -> None:
     from lightning_nanguard import NonFiniteTrainingError
 
