@@ -209,3 +209,24 @@ def test_the_guards_state_goes_through_fabric_save_and_load(tmp_path: Path) -> N
     assert resumed.counters == guard.counters and resumed.counters.skipped_total == 2
     assert [e.to_dict() for e in resumed.events] == [e.to_dict() for e in guard.events]
     assert torch.load(tmp_path / "run.ckpt", weights_only=True)["guard"]["skipped_total"] == 2  # primitives only
+
+
+def test_the_standalone_lightning_fabric_package_too() -> None:
+    """``pytorch_lightning`` users have ``lightning_fabric.Fabric``: the same guard holds its strategy."""
+    import lightning_fabric
+
+    guard = NanGuard(verbose=False, loss_fn=loss_fn, save_repro=False)
+    fabric = lightning_fabric.Fabric(accelerator="cpu", devices=1, callbacks=[guard])
+    module = Normalised()
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    x = torch.ones(4, 4)
+    x[2] = 0.0  # record 2: 0/0
+    loader = fabric.setup_dataloaders(DataLoader(TensorDataset(x, torch.zeros(4)), batch_size=4))
+    for batch in loader:
+        fabric.backward(loss_fn(model, batch))
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        optimizer.step()
+    assert type(fabric.strategy).__module__ == "lightning_nanguard.fabric.strategy"
+    (event,) = guard.events
+    assert (event.action, event.offending_samples, event.dataset_indices) == ("skipped", (2,), (2,))
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
