@@ -1,10 +1,12 @@
-"""A Fabric DDP loop on 2 CPU processes (gloo) under ``NanGuard``: run by ``integration/test_fabric_ddp.py``.
+"""A Fabric loop on 2 CPU processes (gloo) under ``NanGuard``: run by ``integration/test_fabric_ddp.py``.
 
-Usage: ``launcher.launch("fabric_ddp_script.py", OUT_DIR, nprocs=2, ...)``. Each rank trains the
-normalising MLP of ``test_fabric.py`` on its half of 32 records (Fabric's ``DistributedSampler``, no
-shuffling: rank r gets records r, r + 2, ...); record 10 is all zeros, so rank 0's step 1 is NaN
-(its batch 1 holds records 8..14 of the even ones). Each rank writes ``rank<N>.json``: its events,
-the steps whose update was dropped, whether its weights are finite, and a hash of them.
+Usage: ``launcher.launch("fabric_ddp_script.py", OUT_DIR, STRATEGY, nprocs=2, ...)``, ``STRATEGY``
+``ddp`` or ``fsdp2`` (``ModelParallelStrategy``, every linear layer and the model
+``fully_shard``ed). Each rank trains the normalising MLP of ``test_fabric.py`` on its half of 32
+records (Fabric's ``DistributedSampler``, no shuffling: rank r gets records r, r + 2, ...); record
+10 is all zeros, so rank 0's step 1 is NaN (its batch 1 holds records 8..14 of the even ones). Each
+rank writes ``rank<N>.json``: its events, the steps whose update was dropped, whether its weights
+are finite, and a hash of them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import json
 import os
 import sys
+from typing import Any
 
 import lightning as L
 import torch
@@ -37,32 +40,58 @@ class Normalised(nn.Module):
         return self.l2(torch.relu(self.l1(x))).squeeze(-1)
 
 
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a DTensor's shards gathered; every rank takes part)."""
+    full = getattr(param, "full_tensor", None)
+    return (full() if full is not None else param).detach()
+
+
 def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     return nn.functional.mse_loss(model(x), y)
 
 
-def main(out_dir: str) -> None:
+def _fsdp2(model: nn.Module, mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in (model.l1, model.l2):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _strategy(name: str) -> Any:
+    if name == "fsdp2":
+        from lightning.fabric.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(parallelize_fn=_fsdp2, data_parallel_size=2, tensor_parallel_size=1)
+    return "ddp"
+
+
+def main(out_dir: str, strategy: str) -> None:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(32, 4, generator=g), torch.randn(32, generator=g)
     x[BAD_RECORD] = 0.0
     guard = NanGuard(verbose=False, loss_fn=loss_fn)
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp", callbacks=[guard])
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=_strategy(strategy), callbacks=[guard])
     fabric.launch()
     module = Normalised()
-    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    if strategy == "fsdp2":  # sharded first: the optimizer is built over the sharded parameters
+        model = fabric.setup(module)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(module.parameters(), lr=0.1))
+    else:
+        model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
     loader = fabric.setup_dataloaders(DataLoader(TensorDataset(x, y), batch_size=4))
     dropped = []
     for step, batch in enumerate(loader):
-        before = [p.detach().clone() for p in module.parameters()]
+        before = [_full(p).clone() for p in module.parameters()]
         fabric.backward(loss_fn(model, batch))
         fabric.clip_gradients(model, optimizer, max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
-        if all(torch.equal(a, p) for a, p in zip(before, module.parameters(), strict=True)):
+        if all(torch.equal(a, _full(p)) for a, p in zip(before, module.parameters(), strict=True)):
             dropped.append(step)
-    weights = torch.cat([p.detach().flatten() for p in module.parameters()])
+    weights = torch.cat([_full(p).flatten() for p in module.parameters()])
     result = {
         "rank": fabric.global_rank,
         "events": [event.to_dict() for event in guard.events],
@@ -76,4 +105,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "ddp")

@@ -96,8 +96,7 @@ class ShardedIncidentInspector(IncidentInspector):
             failed = True
         if not together:
             event = with_rerun_note(front, event)
-            event = with_rerun_note(front, event)
-        return self._report(rank, event, spiked, failed), event
+            return self._report(rank, event, spiked, failed), event
         finding = self._finding(rank, health, event, spiked)
         findings = self.agreement.gather(finding)
         plan = plan_search(findings) if self._may_diagnose(front) else {}
