@@ -62,11 +62,10 @@ class FabricSteps:
         """Make a training loader record its dataset indices and hand each batch here as it leaves."""
         sampler = record_batch_indices(loader) if self.keep_batches else None
         reader = RecordReader.of(loader) if sampler is not None else None
-        steps = self
 
         def note(batch: Any) -> None:
             indices = next_recorded_indices([sampler]) if sampler is not None else None
-            steps._pending.append((batch, indices, (reader,) if reader is not None else ()))
+            self._pending.append((batch, indices, (reader,) if reader is not None else ()))
 
         _note_batches(loader, note if self.keep_batches else None, sampler)
         return loader

@@ -15,8 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_nanguard.engine.step.window import module_device
-
 
 class PlainFront:
     """A :class:`~lightning_nanguard.engine.frontend.FrontEnd` of a plain loop (attributes settable by tests)."""
@@ -56,7 +54,9 @@ class PlainFront:
 
     @property
     def device(self) -> torch.device:
-        return module_device(self.module)
+        """The first parameter's device (CPU without parameters)."""
+        first = next(self.module.parameters(), None)
+        return first.device if first is not None else torch.device("cpu")
 
     @property
     def is_global_zero(self) -> bool:

@@ -47,24 +47,10 @@ from lightning_nanguard.recover.metrics import MetricStates
 if TYPE_CHECKING:
     from lightning_nanguard.engine.frontend import FrontEnd
 
-__all__ = ["MicroBatch", "StepWindow", "module_device"]
+__all__ = ["MicroBatch", "StepWindow"]
 
 Slicer = Callable[[Any, Sequence[int]], Any]
 REFERENCE_SIZE = 2  # BatchNorm in train mode refuses a single sample
-
-
-def module_device(module: nn.Module) -> torch.device:
-    """Where ``module`` computes: its own ``device`` (a LightningModule's), else its first parameter's, else CPU.
-
-    Example:
-        >>> module_device(nn.Linear(2, 1))
-        device(type='cpu')
-    """
-    device = getattr(module, "device", None)
-    if isinstance(device, torch.device):
-        return device
-    first = next(module.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")
 
 
 @dataclass
