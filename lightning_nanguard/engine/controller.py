@@ -135,6 +135,13 @@ class StepController:
                     self.recorder.notices.warn("sync_free", f"NanGuard(sync_free=True): {reason}")
         self.recorder.rank = front.global_rank
 
+    def optimizer_added(self, front: FrontEnd, optimizer: Optimizer) -> None:
+        """An optimizer the front-end learned of after ``attach`` (a Fabric loop's, as it first steps)."""
+        if self.sync_free:
+            reason = self.sync.unsupported(optimizer, front.grad_scaler)
+            if reason is not None:
+                self.recorder.notices.warn("sync_free", f"NanGuard(sync_free=True): {reason}")
+
     # ------------------------------------------------------------------ tensors other code replaces
 
     def follow(self) -> None:

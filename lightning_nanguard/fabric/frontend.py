@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -50,8 +51,8 @@ class FabricFrontEnd:
 
     def __init__(self, fabric: Any, module: nn.Module, loss_fn: LossFn | None = None) -> None:
         self.fabric = fabric
-        self.wrapped = module
-        self.module: nn.Module = getattr(module, "module", module)  # the user's module behind _FabricModule
+        self.models: list[nn.Module] = [_unwrapped(module)]  # the user's modules, behind Fabric's wrappers
+        self.module: nn.Module = self.models[0]
         self.loss_fn = loss_fn
         self.global_step = 0
         self.current_epoch = 0
@@ -91,6 +92,18 @@ class FabricFrontEnd:
     def grad_scaler(self) -> Any:
         return getattr(getattr(self.fabric, "_precision", None), "scaler", None)
 
+    def add_model(self, module: nn.Module) -> None:
+        """Guard another model set up in the same loop: ``module`` becomes a container of all of them.
+
+        Parameter names then start with the model's class name in snake case (``generator.fc.weight``);
+        ``loss_fn`` still receives the first model.
+        """
+        model = _unwrapped(module)
+        if any(known is model for known in self.models):
+            return
+        self.models.append(model)
+        self.module = SetUpModels(self.models)
+
     def saw_optimizer(self, optimizer: Any) -> None:
         """Note an optimizer the loop steps (the ones a rollback snapshots)."""
         if all(known is not optimizer for known in self.optimizers):
@@ -104,7 +117,7 @@ class FabricFrontEnd:
             raise RuntimeError("re-running a Fabric step needs NanGuard(loss_fn=...): loss_fn(model, batch) -> loss")
         # the module the user gave fabric.setup (sharded in place under FSDP2), under the precision's autocast
         # (step_context): Fabric's wrapper would insist on fabric.backward for the re-run's own backward
-        module, to_device = self.module, self.fabric.to_device
+        module, to_device = self.models[0], self.fabric.to_device
         return lambda batch, batch_idx: loss_fn(module, to_device(batch))  # batches are kept as the loader gave them
 
     def cannot_rerun(self) -> str | None:
@@ -158,3 +171,33 @@ class FabricFrontEnd:
 
     def show_in_progress_bar(self, key: str, value: int) -> None:
         pass  # a Fabric loop has no progress bar of Lightning's
+
+
+class SetUpModels(nn.Module):
+    """The models set up in one Fabric loop, as one module the engine checks (named by class, snake case).
+
+    Example:
+        >>> class Generator(nn.Linear): ...
+        >>> [name for name, _ in SetUpModels([Generator(1, 1), nn.Linear(1, 1)]).named_children()]
+        ['generator', 'linear']
+    """
+
+    def __init__(self, models: Sequence[nn.Module]) -> None:
+        super().__init__()
+        for model in models:
+            base = _snake_case(type(model).__name__)
+            name, n = base, 1
+            while hasattr(self, name):
+                name, n = f"{base}_{n}", n + 1
+            self.add_module(name, model)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("SetUpModels only groups the models a Fabric loop set up; call the models themselves")
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    return getattr(module, "module", module)  # the user's module behind _FabricModule (uncompiled)
+
+
+def _snake_case(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()

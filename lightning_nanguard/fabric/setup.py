@@ -18,7 +18,9 @@ from torch import nn
 from lightning_nanguard.engine.controller import StepController
 from lightning_nanguard.engine.settings import GuardSettings, warn_what_cannot_be_skipped
 from lightning_nanguard.engine.sharding import strategy_kind
+from lightning_nanguard.fabric.fabric_class import early_loaders
 from lightning_nanguard.fabric.frontend import FabricFrontEnd, LossFn
+from lightning_nanguard.fabric.litgpt_loops import litgpt_loss_fn
 from lightning_nanguard.fabric.steps import FabricSteps
 from lightning_nanguard.fabric.strategy import hold_fabric_strategy
 
@@ -35,7 +37,10 @@ def take_hold_of_fabric(
     """Configure the engine for this loop, attach it to the model, and hold the strategy; the loop's steps.
 
     Every rank calls it (``fabric.setup`` runs on every rank): the log directory is agreed here.
+    Without a ``loss_fn``, a LitGPT model's recipe loss stands in (:mod:`.litgpt_loops`). Loaders set
+    up before the model are watched from here on.
     """
+    loss_fn = loss_fn or litgpt_loss_fn(getattr(module, "module", module))
     kind = strategy_kind(fabric.strategy)
     controller.configure(GuardSettings.from_arguments(arguments, strategy_kind=kind))
     front = FabricFrontEnd(fabric, module, loss_fn)
@@ -54,4 +59,6 @@ def take_hold_of_fabric(
         )
     steps = FabricSteps(controller, front, int(arguments["check_every_n_steps"]), keep_batches=keep)
     hold_fabric_strategy(fabric.strategy, steps)
+    for loader in early_loaders(fabric):
+        steps.watch_loader(loader)
     return steps

@@ -4,8 +4,9 @@ Fabric calls no hook before the update, and ``fabric.backward`` and ``fabric.cli
 none at all; the guard's strategy wrapper (:mod:`.strategy`) sees all three moments instead and
 hands them here:
 
-- a batch leaves a training loader that ``fabric.setup_dataloaders`` set up after ``fabric.setup``
-  (its dataset indices recorded): kept until the backward that uses it;
+- a batch leaves a loader that ``fabric.setup_dataloaders`` set up (its dataset indices recorded)
+  while autograd is on (a validation loop under ``torch.no_grad()`` is not training): kept until
+  the backward that uses it;
 - ``fabric.backward(loss)``: the first backward after an update opens the step's window (the
   pending batches go into it), every backward adds its loss;
 - ``fabric.clip_gradients(...)`` or ``optimizer.step()``, whichever comes first: the step is
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_nanguard.core.events import NonFiniteTrainingError
+from lightning_nanguard.core.swapped import swapped_subclass
 from lightning_nanguard.engine.controller import StepController
 from lightning_nanguard.engine.data.indices import RecordingBatchSampler, next_recorded_indices, record_batch_indices
 from lightning_nanguard.engine.data.readers import RecordReader
@@ -65,7 +67,8 @@ class FabricSteps:
 
         def note(batch: Any) -> None:
             indices = next_recorded_indices([sampler]) if sampler is not None else None
-            self._pending.append((batch, indices, (reader,) if reader is not None else ()))
+            if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():  # not a validation loop's
+                self._pending.append((batch, indices, (reader,) if reader is not None else ()))
 
         _note_batches(loader, note if self.keep_batches else None, sampler)
         return loader
@@ -90,7 +93,9 @@ class FabricSteps:
         if key in self._checked:
             return self._checked[key]
         first = not self.front.optimizers
-        self.front.saw_optimizer(optimizer)
+        if all(known is not optimizer for known in self.front.optimizers):
+            self.front.saw_optimizer(optimizer)
+            self.controller.optimizer_added(self.front, optimizer)
         controller = self.controller
         if first and controller.policy.action == "rollback":  # the first snapshot, once the optimizer is known
             controller.after_step.initial_snapshot(self.front)
@@ -100,6 +105,13 @@ class FabricSteps:
         dropped = all(p.grad is None for group in optimizer.param_groups for p in group["params"])
         self._checked[key] = dropped
         return dropped
+
+    def add_model(self, module: Any) -> None:
+        """Guard another model set up in this loop too (checked, snapshotted and rolled back with the first)."""
+        before = self.front.module
+        self.front.add_model(module)
+        if self.front.module is not before:
+            self.controller.attach(self.front)
 
     def after_update(self, optimizer: Any) -> None:
         """The after-step work, then the next step's number."""
@@ -123,7 +135,7 @@ def _note_batches(loader: Any, note: Callable[[Any], None] | None, sampler: Reco
                     hand(batch)
                 yield batch
 
-        noting = type(f"NanGuard{cls.__name__}", (cls,), {"__iter__": __iter__})
+        noting = swapped_subclass(cls, f"NanGuard{cls.__name__}", {"__iter__": __iter__}, module=__name__)
         _NOTING_CLASSES[cls] = noting
     object.__setattr__(loader, "_nanguard_note", note)  # DataLoader refuses some attributes after init
     loader.__class__ = noting

@@ -31,6 +31,7 @@ from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.settings import GuardSettings, validate_arguments, warn_what_cannot_be_skipped
 from lightning_nanguard.engine.sharding import own_rank_state
 from lightning_nanguard.engine.state import CounterView
+from lightning_nanguard.fabric.fabric_class import hold_fabric_class
 from lightning_nanguard.fabric.setup import take_hold_of_fabric
 from lightning_nanguard.fabric.steps import FabricSteps
 from lightning_nanguard.recover.recovery import Recovery, apply_module_eps
@@ -149,6 +150,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         ValueError: NanGuard: `action` must be one of ['skip', 'raise', 'warn', 'rollback'], got 'skp'.
     """
 
+    nanguard_takes_setup_module = True  # fabric.setup_module reaches on_after_setup too (fabric_class.py)
+
     def __init__(
         self,
         action: Action = default_of(Policy, "action"),
@@ -232,6 +235,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self._forward_only = ForwardOnlyEpoch()
         self._fabric_steps: FabricSteps | None = None  # a Fabric loop's steps (lightning_nanguard.fabric)
         self.from_environment = False  # made by NANGUARD=1 (lightning_nanguard.entry_points): stands aside for yours
+        hold_fabric_class()  # fabric.setup_module and loaders set up before the model reach the guard too
 
     # ------------------------------------------------------------------ state, read-only
 
@@ -441,18 +445,29 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
 
     @failsafe
     def on_after_setup(self, fabric: Any, module: nn.Module) -> None:
-        """Fabric's ``fabric.setup(model, ...)``: take hold of the loop's strategy (every rank)."""
+        """Fabric's ``fabric.setup(model, ...)`` (or ``setup_module``): take hold of the loop's strategy (every rank).
+
+        Each further model set up in the same loop is guarded with the first.
+        """
         guards = [cb for cb in getattr(fabric, "_callbacks", []) if isinstance(cb, NanGuard)]
         if self.from_environment and any(not guard.from_environment for guard in guards):
             self.active = False  # the user's own NanGuard guards this loop: never two
             return
         if self._fabric_steps is not None:
-            self.recorder.notices.warn(
-                "fabric-models",
-                "NanGuard: fabric.setup was called again; the guard keeps guarding the first model set up.",
-            )
+            if self._fabric_steps.front.fabric is not fabric:
+                self.recorder.notices.warn(
+                    "fabric-fabrics",
+                    "NanGuard: one guard guards one Fabric; this one keeps guarding the first. Give each Fabric "
+                    "its own NanGuard().",
+                )
+                return
+            self._fabric_steps.add_model(module)  # a second model in the same loop (e.g. a GAN's two)
             return
         self._fabric_steps = take_hold_of_fabric(self.controller, self._arguments(), fabric, module, self.loss_fn)
+
+    def holds_fabric(self, fabric: Any) -> bool:
+        """Whether this guard already holds ``fabric``'s loop."""
+        return self._fabric_steps is not None and self._fabric_steps.front.fabric is fabric
 
     @failsafe
     def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:

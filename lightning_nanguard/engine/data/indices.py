@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_nanguard.core.swapped import swapped_subclass
 from lightning_nanguard.core.timing import GuardClock
 
 __all__ = [
@@ -88,14 +89,11 @@ def _recording_iter(self: Any) -> Iterator[list[int]]:
 def _recording_class(cls: type) -> type:
     """A direct subclass of ``cls`` (same layout, so ``__class__`` can be swapped) that records."""
     if cls not in _RECORDING_CLASSES:
-        _RECORDING_CLASSES[cls] = type(
+        _RECORDING_CLASSES[cls] = swapped_subclass(  # pickles as the original, without the FIFO
+            cls,
             f"NanGuardRecording{cls.__name__}",
-            (cls,),
-            {
-                "__iter__": _recording_iter,
-                "_nanguard_base_iter": cls.__iter__,  # type: ignore[attr-defined]
-                "__module__": __name__,
-            },
+            {"__iter__": _recording_iter, "_nanguard_base_iter": cls.__iter__},  # type: ignore[attr-defined]
+            module=__name__,
         )
     return _RECORDING_CLASSES[cls]
 
