@@ -7,11 +7,16 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 STAMP=.venv/.nanguard-installed
-if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ requirements/dev-constraints.txt -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ requirements/dev-constraints.txt -nt "$STAMP" ] \
+    || [ requirements/litgpt.txt -nt "$STAMP" ]; then
     # torch first, pinned, so no resolver ever reaches for a CUDA build.
     .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
     .venv/bin/python -m pip install --quiet --disable-pip-version-check \
         -c requirements/dev-constraints.txt -e ".[dev]"
+    # LitGPT for its recipe tests, without its pins (see requirements/litgpt.txt)
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+        -c requirements/dev-constraints.txt -r requirements/litgpt.txt
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "litgpt==0.5.13"
     touch "$STAMP"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"
