@@ -4,6 +4,7 @@ Run from the repository root::
 
     python benchmarks/fabric_cost.py               # 1,000 steps of a Linear(2, 1), 5 alternating repetitions
     python benchmarks/fabric_cost.py --steps 500 --repeat 3
+    python benchmarks/fabric_cost.py --accelerator cuda   # on a GPU
 
 The loop is Fabric's plain one (``fabric.backward``, ``fabric.clip_gradients``, ``optimizer.step()``)
 on batches of 4, where a step costs little besides Python: what the guard adds there is its own
@@ -29,12 +30,12 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_nanguard import NanGuard
 
 
-def _loop(steps: int, make_guard: Callable[[], NanGuard] | None, fused: bool) -> float:
+def _loop(steps: int, make_guard: Callable[[], NanGuard] | None, fused: bool, accelerator: str = "cpu") -> float:
     """Seconds per step of one Fabric loop of ``steps`` steps (after 20 warm-up steps)."""
     torch.manual_seed(0)
     x = torch.randn((steps + 20) * 4, 2)
     callbacks = [make_guard()] if make_guard is not None else []
-    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=callbacks)
+    fabric = L.Fabric(accelerator=accelerator, devices=1, callbacks=callbacks)
     module = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-3, fused=fused or None)
     model, optimizer = fabric.setup(module, optimizer)
@@ -48,6 +49,8 @@ def _loop(steps: int, make_guard: Callable[[], NanGuard] | None, fused: bool) ->
         fabric.clip_gradients(model, optimizer, max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
+    if accelerator == "cuda":
+        torch.cuda.synchronize()
     return (time.perf_counter() - begin) / steps
 
 
@@ -55,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--accelerator", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args()
     torch.set_num_threads(1)
     variants: dict[str, tuple[Callable[[], NanGuard] | None, bool]] = {
@@ -66,14 +70,15 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.repeat):
         for name, (make_guard, fused) in variants.items():
-            times[name].append(_loop(args.steps, make_guard, fused) * 1e6)
+            times[name].append(_loop(args.steps, make_guard, fused, args.accelerator) * 1e6)
     median = {name: statistics.median(values) for name, values in times.items()}
     for name, value in median.items():
         print(f"{name:26s} {value:8.1f} us per step (min {min(times[name]):.1f}, max {max(times[name]):.1f})")
     print(f"added by NanGuard():               {median['NanGuard()'] - median['no guard']:7.1f} us per step")
     added = median["NanGuard(sync_free=True)"] - median["no guard, fused SGD"]
     print(f"added by NanGuard(sync_free=True): {added:7.1f} us per step")
-    print(f"({args.repeat} alternating repetitions of {args.steps} steps, one CPU thread)")
+    device = torch.cuda.get_device_name() if args.accelerator == "cuda" else "CPU"
+    print(f"({args.repeat} alternating repetitions of {args.steps} steps, one CPU thread, {device})")
 
 
 if __name__ == "__main__":
