@@ -1,7 +1,7 @@
 """LitGPT's own recipes, run by its own CLI with ``NANGUARD=1`` and no code change (issue 24).
 
 Each recipe runs in a subprocess, exactly as a user types it (``litgpt finetune_full ...``), on a
-tiny local model, tokenizer and data (``tests/helpers/litgpt_setup.py``: no downloads). The model's
+tiny local model, tokenizer and data (``examples/litgpt_nanguard.py``: no downloads). The model's
 vocabulary has a new word whose embedding row is zero and its RMSNorm has ``norm_eps=0`` (fine-tuning:
 the record holding the word has a NaN loss) or ``1e-30`` (pre-training: a finite loss and a NaN
 gradient). Record / chunk 5 holds it. Without the guard the fine-tuned checkpoint is entirely NaN and
@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 pytest.importorskip("litgpt")
 
-import litgpt_setup
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+import litgpt_nanguard  # noqa: E402  # examples/litgpt_nanguard.py: the tiny model, data and CLI arguments
 
-BAD = 5  # the record (fine-tuning) and the chunk (pre-training) holding the new word
-HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+BAD = litgpt_nanguard.BAD  # the record (fine-tuning) and the chunk (pre-training) holding the new word
 TIMEOUT = 300
 
 pytestmark = pytest.mark.slow
@@ -43,56 +43,26 @@ class Run:
     events: list[dict[str, Any]]
 
 
-def _litgpt(args: list[str], out_dir: Path, guard: bool, env: dict[str, str] | None = None) -> Run:
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")])}
-    environment.pop("NANGUARD_DIR", None)
-    environment.pop("NANGUARD_ARGS", None)
-    if guard:
-        environment["NANGUARD"] = "1"
-    else:
-        environment.pop("NANGUARD", None)
-    environment.update(env or {})
+def _litgpt(recipe: str, folder: Path, guard: bool, env: dict[str, str] | None = None) -> Run:
+    """Run ``litgpt <recipe>`` as a user types it (``examples/litgpt_nanguard.py``'s arguments)."""
+    arguments = litgpt_nanguard.recipe_arguments(recipe, folder)
+    environment = litgpt_nanguard.recipe_environment(guard, env)
     done = subprocess.run(
-        [sys.executable, "-m", "litgpt", *args, "--out_dir", str(out_dir)],
+        [sys.executable, "-m", "litgpt", *arguments],
         env=environment,
-        cwd=out_dir.parent,
+        cwd=folder,
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
     )
+    out_dir = folder / "out"
     found = sorted(Path(environment.get("NANGUARD_DIR", out_dir)).rglob("events.jsonl"))
     events = [json.loads(line) for path in found for line in path.read_text().splitlines()]
     return Run(done.returncode, done.stdout + done.stderr, out_dir, events)
 
 
-def _finetune_args(recipe: str, folder: Path) -> list[str]:
-    checkpoint = litgpt_setup.write_checkpoint(folder / "checkpoint", norm_eps=0.0)
-    data = litgpt_setup.write_sft_data(folder / "data", litgpt_setup.sft_records(bad=BAD))
-    args = [recipe, str(checkpoint), "--precision", "32-true", "--data", "JSON", "--data.json_path", str(data)]
-    args += ["--data.num_workers", "0", "--train.global_batch_size", "4", "--train.micro_batch_size", "2"]
-    args += ["--train.epochs", "1", "--train.lr_warmup_steps", "1", "--train.save_interval", "null"]
-    args += ["--eval.interval", "1000", "--eval.max_new_tokens", "4", "--eval.max_iters", "1"]
-    args += ["--eval.initial_validation", "false", "--eval.final_validation", "false", "--logger_name", "csv"]
-    if recipe == "finetune_lora":
-        args += ["--lora_r", "4", "--lora_alpha", "8", "--lora_query", "true", "--lora_value", "true"]
-    return args
-
-
-def _pretrain_args(folder: Path) -> list[str]:
-    checkpoint = litgpt_setup.write_checkpoint(folder / "checkpoint", norm_eps=1e-30, block_size=16)
-    args = ["pretrain", "nanguard-tiny", "--model_config", str(checkpoint / "model_config.yaml")]
-    args += ["--initial_checkpoint_dir", str(checkpoint), "--precision", "bf16-mixed", "--devices", "1"]
-    args += ["--data", "litgpt_setup.TokenChunks", "--data.bad", str(BAD), "--train.global_batch_size", "4"]
-    args += ["--train.micro_batch_size", "2", "--train.max_tokens", "384", "--train.lr_warmup_steps", "1"]
-    args += ["--train.save_interval", "null", "--train.max_norm", "1.0", "--eval.interval", "1000"]
-    args += ["--eval.max_iters", "1", "--eval.final_validation", "false", "--logger_name", "tensorboard"]
-    return args
-
-
-def _all_finite(path: Path, weights_only: bool = True) -> bool:
-    state = torch.load(path, map_location="cpu", weights_only=weights_only)
-    state = state.get("model", state)
-    return all(torch.isfinite(t).all() for t in state.values() if torch.is_tensor(t) and t.is_floating_point())
+def _all_finite(path: Path) -> bool:
+    return litgpt_nanguard.all_finite(path)
 
 
 def _named_the_record(event: dict[str, Any], kinds: list[str]) -> None:
@@ -106,27 +76,22 @@ def _named_the_record(event: dict[str, Any], kinds: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    folder = tmp_path_factory.mktemp("full")
-    return _litgpt(_finetune_args("finetune_full", folder), folder / "out", guard=True)
+    return _litgpt("finetune_full", tmp_path_factory.mktemp("full"), guard=True)
 
 
 @pytest.fixture(scope="module")
 def lora(tmp_path_factory: pytest.TempPathFactory) -> Run:
     folder = tmp_path_factory.mktemp("lora")
-    nanguard_dir = folder / "elsewhere"
-    return _litgpt(
-        _finetune_args("finetune_lora", folder), folder / "out", guard=True, env={"NANGUARD_DIR": str(nanguard_dir)}
-    )
+    return _litgpt("finetune_lora", folder, guard=True, env={"NANGUARD_DIR": str(folder / "elsewhere")})
 
 
 @pytest.fixture(scope="module")
 def pretrain(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    folder = tmp_path_factory.mktemp("pretrain")
-    return _litgpt(_pretrain_args(folder), folder / "out", guard=True)
+    return _litgpt("pretrain", tmp_path_factory.mktemp("pretrain"), guard=True)
 
 
 def test_full_finetuning_without_the_guard_ends_with_a_nan_checkpoint(tmp_path: Path) -> None:
-    run = _litgpt(_finetune_args("finetune_full", tmp_path), tmp_path / "out", guard=False)
+    run = _litgpt("finetune_full", tmp_path, guard=False)
     assert run.returncode == 0, run.output[-3000:]
     assert run.events == []
     assert not _all_finite(run.out_dir / "final" / "lit_model.pth")  # the fault is real
@@ -162,7 +127,7 @@ def test_nanguard_dir_takes_the_events(lora: Run) -> None:
 
 
 def test_pretraining_without_the_guard_dies_in_clip_gradients(tmp_path: Path) -> None:
-    run = _litgpt(_pretrain_args(tmp_path), tmp_path / "out", guard=False)
+    run = _litgpt("pretrain", tmp_path, guard=False)
     assert run.returncode != 0
     assert "is non-finite, so it cannot be clipped" in run.output
     assert not (run.out_dir / "final" / "lit_model.pth").exists()
@@ -182,7 +147,7 @@ def test_pretraining_under_compile_and_bf16_skips_the_nan_gradient(pretrain: Run
     with zipfile.ZipFile(final) as archive:
         pickled = b"".join(archive.read(name) for name in archive.namelist() if name.endswith(".pkl"))
     assert b"torch.utils.data.dataloader" in pickled and b"lightning_nanguard" not in pickled
-    assert _all_finite(final, weights_only=False)  # our own file (it holds the loader)
+    assert _all_finite(final)
 
 
 def test_pretraining_writes_the_nanguard_scalars_to_its_tensorboard(pretrain: Run) -> None:
