@@ -11,6 +11,8 @@ wrapper does), holding a :class:`~lightning_nanguard.fabric.steps.FabricSteps`.
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from lightning_nanguard.fabric.steps import FabricSteps, guarded, zero_norm
@@ -30,12 +32,14 @@ class NanGuardFabricMixin(abc.ABC):  # ABC: the metaclass and instance layout of
     def clip_gradients_norm(self, module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         if guarded(self.__dict__.get("_nanguard_steps"), _before_update, self, optimizer):
             return zero_norm(self.root_device)  # type: ignore[attr-defined]  # dropped: nothing to clip
-        return super().clip_gradients_norm(module, optimizer, *args, **kwargs)  # type: ignore[misc]
+        with _unscaled_once(self, optimizer):
+            return super().clip_gradients_norm(module, optimizer, *args, **kwargs)  # type: ignore[misc]
 
     def clip_gradients_value(self, module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         if guarded(self.__dict__.get("_nanguard_steps"), _before_update, self, optimizer):
             return None
-        return super().clip_gradients_value(module, optimizer, *args, **kwargs)  # type: ignore[misc]
+        with _unscaled_once(self, optimizer):
+            return super().clip_gradients_value(module, optimizer, *args, **kwargs)  # type: ignore[misc]
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         guarded(self.__dict__.get("_nanguard_steps"), _before_update, self, optimizer)
@@ -53,7 +57,49 @@ def _before_backward(strategy: Any, loss: Any) -> None:
 
 
 def _before_update(strategy: Any, optimizer: Any) -> bool:
-    return bool(strategy._nanguard_steps.before_update(getattr(optimizer, "optimizer", optimizer)))
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    _unscale(strategy, optimizer)
+    return bool(strategy._nanguard_steps.before_update(optimizer))
+
+
+def _scaler_stage(strategy: Any, optimizer: Any) -> tuple[Any, str | None]:
+    """The precision's enabled ``GradScaler`` and its stage for ``optimizer`` (``READY``, ``UNSCALED``, ...)."""
+    scaler = getattr(getattr(strategy, "precision", None), "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None, None
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    stage = getattr(state.get("stage") if state else None, "name", "READY")
+    return scaler, stage
+
+
+def _unscale(strategy: Any, optimizer: Any) -> None:
+    """Unscale a GradScaler's gradients before the check, as the Trainer's precision plugin does before its hook.
+
+    The check then sees true gradients (an overflow stays the scaler's to skip), and a dropped step's
+    ``scaler.step`` still finds the inf checks this unscale recorded (with no gradients left it would
+    find none, and raise).
+    """
+    scaler, stage = _scaler_stage(strategy, optimizer)
+    if scaler is not None and stage == "READY":
+        scaler.unscale_(optimizer)
+
+
+@contextmanager
+def _unscaled_once(strategy: Any, optimizer: Any) -> Iterator[None]:
+    """Within: the precision's ``unscale_gradients`` does nothing once the guard has unscaled.
+
+    Fabric's ``clip_gradients`` unscales too, and a second ``unscale_`` in one step raises.
+    """
+    _, stage = _scaler_stage(strategy, optimizer)
+    precision = getattr(strategy, "precision", None)
+    if stage != "UNSCALED" or precision is None:
+        yield
+        return
+    precision.unscale_gradients = lambda _optimizer: None
+    try:
+        yield
+    finally:
+        del precision.unscale_gradients
 
 
 _WRAPPED: dict[type, type] = {}

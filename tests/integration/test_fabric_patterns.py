@@ -234,24 +234,13 @@ def _fp16_dataset() -> TensorDataset:
     return TensorDataset(x, y, torch.arange(64))
 
 
-FP16_BUG = (
-    "package bug: in a Fabric loop with a GradScaler the guard drops a bad step's gradients before "
-    "scaler.step(optimizer), which then finds no inf checks for the optimizer and raises"
-)
-
-
 def _fp16_run(fabric: L.Fabric, guard: NanGuard) -> tuple[Run, nn.Module]:
     module = Normalised()
     model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-3))
     loader = fabric.setup_dataloaders(DataLoader(_fp16_dataset(), batch_size=BATCH))
-    try:
-        return _train(fabric, model, optimizer, loader, module, clip=False), module
-    except AssertionError as error:
-        if "No inf checks were recorded for this optimizer" not in str(error):
-            raise
-        # the guard's own decisions were right up to the crash: the NaN step is an event, the overflows are not
-        assert _named(guard.events) == [(5, (5,), (FP16_BAD_RECORD,))] and guard.amp_overflow_total == 3
-        pytest.xfail(FP16_BUG)
+    # the guard unscales before its check, as the Trainer's precision plugin does: a dropped step's
+    # scaler.step still finds the inf checks (it raised "No inf checks were recorded" before that)
+    return _train(fabric, model, optimizer, loader, module, clip=False), module
 
 
 def _assert_fp16(run: Run, module: nn.Module, guard: NanGuard, scaler: torch.amp.GradScaler) -> None:
@@ -397,3 +386,23 @@ def test_sync_free_with_setup_optimizers_warns_about_an_optimizer_it_cannot_skip
     assert [(e.global_step, e.action) for e in guard.events] == [(0, "skipped"), (2, "skipped")]
     assert run.skipped() == [0, 2] and _finite(module)
     assert int(optimizer.state_dict()["state"][0]["step"]) == 2  # Adam counted the two applied steps only
+
+
+def test_fp16_clip_gradients_after_the_guard_unscaled_does_not_unscale_twice() -> None:
+    """``fabric.clip_gradients`` unscales too: after the guard's own unscale it must not raise, and clips."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)  # no overflow: only the data's NaN
+    guard = NanGuard(verbose=False, loss_fn=loss_fn, save_repro=False)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin], callbacks=[guard])
+    module = Normalised()
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-3))
+    loader = fabric.setup_dataloaders(DataLoader(_fp16_dataset(), batch_size=BATCH))
+    norms: list[float] = []
+    for batch in loader:
+        fabric.backward(loss_fn(model, batch))
+        norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=1.0)))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert _named(guard.events) == [(5, (5,), (FP16_BAD_RECORD,))]
+    assert norms[5] == 0.0 and all(math.isfinite(n) and n > 0 for i, n in enumerate(norms) if i != 5)
+    assert guard.amp_overflow_total == 0 and _finite(module)
