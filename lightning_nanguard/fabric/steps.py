@@ -11,7 +11,8 @@ hands them here:
   pending batches go into it), every backward adds its loss;
 - ``fabric.clip_gradients(...)`` or ``optimizer.step()``, whichever comes first: the step is
   checked once per optimizer, and a bad one dropped (its gradients set to ``None``); clipping a
-  dropped step does nothing (no ``RuntimeError`` for a non-finite norm);
+  dropped step does nothing (no ``RuntimeError`` for a non-finite norm); ``optimizer.step(closure)``
+  (LBFGS): checked once the closure has computed the gradients, reported but not skipped;
 - after ``optimizer.step()`` (Fabric's ``on_after_optimizer_step``): the after-step work (rollback,
   weight check, snapshot), and the step count moves on.
 
@@ -32,6 +33,7 @@ from lightning_nanguard.core.swapped import swapped_subclass
 from lightning_nanguard.engine.controller import StepController
 from lightning_nanguard.engine.data.indices import RecordingBatchSampler, next_recorded_indices, record_batch_indices
 from lightning_nanguard.engine.data.readers import RecordReader
+from lightning_nanguard.engine.settings import warn_what_cannot_be_skipped
 from lightning_nanguard.fabric.frontend import FabricFrontEnd
 
 __all__ = ["FabricSteps"]
@@ -96,6 +98,7 @@ class FabricSteps:
         if all(known is not optimizer for known in self.front.optimizers):
             self.front.saw_optimizer(optimizer)
             self.controller.optimizer_added(self.front, optimizer)
+            warn_what_cannot_be_skipped(self.front, self.controller.policy.action, self.controller.recorder.notices)
         controller = self.controller
         if first and controller.policy.action == "rollback":  # the first snapshot, once the optimizer is known
             controller.after_step.initial_snapshot(self.front)

@@ -42,7 +42,18 @@ class NanGuardFabricMixin(abc.ABC):  # ABC: the metaclass and instance layout of
             return super().clip_gradients_value(module, optimizer, *args, **kwargs)  # type: ignore[misc]
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        guarded(self.__dict__.get("_nanguard_steps"), _before_update, self, optimizer)
+        steps = self.__dict__.get("_nanguard_steps")
+        closure = kwargs.get("closure")
+        if steps is not None and callable(closure):  # LBFGS & co: the gradients exist only once the closure ran
+
+            def checked_closure() -> Any:
+                loss = closure()
+                guarded(steps, _before_update, self, optimizer)  # reported, not skipped (see the engine's policy)
+                return loss
+
+            kwargs["closure"] = checked_closure
+        else:
+            guarded(steps, _before_update, self, optimizer)
         return super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
 
     def process_dataloader(self, dataloader: Any) -> Any:

@@ -406,3 +406,31 @@ def test_fp16_clip_gradients_after_the_guard_unscaled_does_not_unscale_twice() -
     assert _named(guard.events) == [(5, (5,), (FP16_BAD_RECORD,))]
     assert norms[5] == 0.0 and all(math.isfinite(n) and n > 0 for i, n in enumerate(norms) if i != 5)
     assert guard.amp_overflow_total == 0 and _finite(module)
+
+
+def test_lbfgs_with_a_closure_is_checked_after_the_closure_and_reported_at_the_right_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``optimizer.step(closure)``: the gradients exist only once the closure ran; LBFGS cannot skip, it warns."""
+    torch.manual_seed(0)
+    guard = NanGuard(verbose=False, save_repro=False)
+    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[guard])
+    module = Normalised()
+    model = fabric.setup_module(module)
+    optimizer = fabric.setup_optimizers(torch.optim.LBFGS(module.parameters(), lr=0.1, max_iter=3))
+    loader = fabric.setup_dataloaders(DataLoader(_dataset(), batch_size=BATCH))
+    with caplog.at_level(logging.WARNING, logger="lightning_nanguard"):
+        for batch in loader:
+
+            def closure(batch: Any = batch) -> torch.Tensor:
+                optimizer.zero_grad()
+                loss = loss_fn(model, batch)
+                fabric.backward(loss)
+                return loss
+
+            optimizer.step(closure)
+    # step 0 holds record 5 and is reported at step 0 (it was one step late when checked before the closure);
+    # LBFGS cannot drop it, so the weights are NaN from then on and every later step is reported too
+    assert [(e.global_step, e.action) for e in guard.events] == [(s, "warned") for s in range(4)]
+    assert guard.events[0].kinds[:1] == ("loss",)
+    assert "LBFGS evaluates its closure many times per step" in caplog.text
