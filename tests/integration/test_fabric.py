@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -230,3 +231,38 @@ def test_the_standalone_lightning_fabric_package_too() -> None:
     (event,) = guard.events
     assert (event.action, event.offending_samples, event.dataset_indices) == ("skipped", (2,), (2,))
     assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+def test_events_scalars_and_the_dashboard_through_the_fabric_tensorboard_logger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``NANGUARD_DIR``: events sit with the Fabric logger's run; the NanGuard tab serves them."""
+    from lightning.fabric.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from werkzeug.test import Client
+
+    from lightning_nanguard_tensorboard.plugin import NanGuardPlugin
+
+    monkeypatch.delenv("NANGUARD_DIR")
+    logger = TensorBoardLogger(str(tmp_path), name="fabric")
+    guard = NanGuard(verbose=False, loss_fn=loss_fn)
+    _loop(guard, loggers=[logger])
+    logger.finalize("success")
+    run_dir = Path(logger.log_dir)
+    assert run_dir == tmp_path / "fabric" / "version_0"
+    lines = (run_dir / "nanguard" / "events.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["dataset_indices"] for line in lines] == [[5], [21]]
+
+    accumulator = EventAccumulator(str(run_dir))
+    accumulator.Reload()
+    skipped = {s.step: s.value for s in accumulator.Scalars("nanguard/skipped_total")}
+    assert skipped[0] == 1.0 and skipped[2] == 2.0  # written at each incident (and at logging steps)
+
+    context = SimpleNamespace(logdir=str(tmp_path), flags=SimpleNamespace(logdir=str(tmp_path)), data_provider=None)
+    apps = NanGuardPlugin(context).get_plugin_apps()  # type: ignore[arg-type]
+    client = Client(lambda environ, start: apps[environ["PATH_INFO"]](environ, start))
+    incidents = json.loads(client.get("/incidents?run=fabric/version_0").get_data())
+    assert [(e["global_step"], e["dataset_indices"]) for e in incidents] == [(0, [5]), (2, [21])]
+    assert all(e["_dashboard"]["context"] for e in incidents)  # the incident view's source and thumbnails
+    timeline = json.loads(client.get("/timeline?run=fabric/version_0").get_data())
+    assert [m["step"] for m in timeline["markers"]] == [0, 2]
