@@ -434,3 +434,33 @@ def test_lbfgs_with_a_closure_is_checked_after_the_closure_and_reported_at_the_r
     assert [(e.global_step, e.action) for e in guard.events] == [(s, "warned") for s in range(4)]
     assert guard.events[0].kinds[:1] == ("loss",)
     assert "LBFGS evaluates its closure many times per step" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sync_free_fabric_steps_never_synchronise_on_a_healthy_step(caplog: pytest.LogCaptureFixture) -> None:
+    """``sync_free=True`` in a Fabric loop: backward and optimizer step under ``set_sync_debug_mode("error")``.
+
+    The batches sit on the GPU already (no host copy in the loop), the optimizer is fused SGD and the
+    loop does not clip (``clip_grad_norm_`` reads its norm to the host). A synchronising call inside the
+    guard would disable it ("internal error"); one in the loop would raise here. The first two steps
+    are left out: they allocate the pinned host buffer and take the reference sample.
+    """
+    torch.manual_seed(0)
+    guard = NanGuard(verbose=False, sync_free=True, check_params_every_n_steps=0, save_repro=False)
+    fabric = L.Fabric(accelerator="cuda", devices=1, callbacks=[guard])
+    module = Normalised()
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.01, fused=True))
+    x, y = torch.randn(12, BATCH, 4, device=fabric.device), torch.randn(12, BATCH, device=fabric.device)
+    with caplog.at_level(logging.WARNING, logger="lightning_nanguard"):
+        for step in range(12):
+            torch.cuda.set_sync_debug_mode("error" if step >= 2 else "default")
+            try:
+                fabric.backward(nn.functional.mse_loss(model(x[step]), y[step]))
+                optimizer.step()
+                optimizer.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert guard.active and guard.events == [], caplog.text
+    assert "internal error" not in caplog.text
