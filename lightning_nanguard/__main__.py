@@ -3,9 +3,14 @@
 Rebuilds the module saved in a repro bundle, re-runs the saved samples and prints the same
 diagnosis the guard printed during training (offending samples, module, op, source line).
 
+A bundle may come from someone else: by default replay runs none of its code (its ``.pt`` files are
+read as tensors and plain data, the model class is imported from the installed environment only)
+and refuses a bundle that needs more; ``--trust`` loads it in full (see ``docs/security.md``).
+
 Example:
     python -m lightning_nanguard replay lightning_logs/version_0/nanguard/step-812
     python -m lightning_nanguard replay BUNDLE --module my_project.models:Classifier
+    python -m lightning_nanguard replay BUNDLE --trust  # runs code from the bundle: only one you trust
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from lightning_nanguard.diagnose.combined import CombinedLayout
 from lightning_nanguard.diagnose.diagnosis import diagnose
 from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
 from lightning_nanguard.reporting import TerminalReporter
-from lightning_nanguard.reporting.repro import BundleMissingError, load_bundle
+from lightning_nanguard.reporting.repro import BundleMissingError, UntrustedBundleError, load_bundle
 
 __all__ = ["main"]
 
@@ -52,9 +57,12 @@ _DIAGNOSIS_DETAILS = (
 
 def _replay(args: argparse.Namespace) -> int:
     try:
-        bundle = load_bundle(args.bundle, module_class=args.module)
+        bundle = load_bundle(args.bundle, module_class=args.module, trust=args.trust)
     except BundleMissingError as error:
         print(f"replay failed: {error}", file=sys.stderr)
+        return 2
+    except UntrustedBundleError as error:
+        print(f"replay refused: {error}", file=sys.stderr)
         return 2
     except Exception as error:  # unimportable class, changed signature
         print(
@@ -127,6 +135,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-passes", type=int, default=default_of(diagnose, "max_passes"), help="cap on forward/backward passes"
     )
     replay.add_argument("--json", action="store_true", help="also print the event as one JSON line")
+    replay.add_argument(
+        "--trust",
+        action="store_true",
+        help="load a bundle that needs more than tensors and an installed class: unpickle its .pt files in full "
+        "and import the module file it names, running their code (only for bundles from someone you trust)",
+    )
     args = parser.parse_args(argv)
     if args.command == "replay":
         return _replay(args)

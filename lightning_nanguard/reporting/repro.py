@@ -25,6 +25,13 @@ A bundle is a directory ``<log_dir>/nanguard/step-<N>/`` holding:
   it again.
 
 ``python -m lightning_nanguard replay <bundle>`` loads it with :func:`load_bundle`.
+
+A bundle is made to be shared, so loading one runs none of its code by default: its ``.pt`` files
+are read with ``torch.load(..., weights_only=True)`` (tensors and plain data: dicts, lists, tuples,
+numbers, strings, ``None``), and the model class is imported by its module name from the installed
+environment, never from the ``module_file`` the bundle names nor from inside the bundle. A bundle that
+needs more (a custom batch class, pickled hyperparameters, a class defined in a script) is refused with
+:class:`UntrustedBundleError` unless loaded with ``trust=True`` (``replay --trust``).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import importlib.util
 import inspect
 import json
 import os
+import pickle
 import shutil
 import sys
 from collections.abc import Mapping
@@ -51,6 +59,7 @@ from lightning_nanguard.diagnose.combined import CombinedLayout
 __all__ = [
     "BundleMissingError",
     "ReproBundle",
+    "UntrustedBundleError",
     "import_class",
     "load_bundle",
     "prune_bundles",
@@ -65,6 +74,17 @@ STATE_SAVED, STATE_GATHERED = "saved", "gathered"
 
 class BundleMissingError(FileNotFoundError):
     """The bundle directory does not exist (pruned by ``max_repro_bundles``, or moved), or lacks its files."""
+
+
+class UntrustedBundleError(RuntimeError):
+    """Loading the bundle would run code from it (its pickles, its module file): refused unless trusted."""
+
+
+TRUST_HINT = (
+    "Loading it as it is would run code from the bundle. If you trust whoever made it, replay it with --trust "
+    "(trust=True in the Python API): that unpickles its .pt files in full and imports the module file it names, "
+    "running their code."
+)
 
 
 def _to_cpu(batch: Any) -> Any:
@@ -195,8 +215,14 @@ def prune_bundles(directory: str | os.PathLike[str], keep: int) -> list[Path]:
     return doomed
 
 
-def import_class(class_path: str, module_file: str | None = None) -> type:
-    """Import ``"package.module:Class"``; fall back to loading ``module_file`` (e.g. a script).
+def import_class(class_path: str, module_file: str | None = None, *, trust: bool = False) -> type:
+    """Import ``"package.module:Class"`` from the installed environment; with ``trust``, fall back to ``module_file``.
+
+    A module named ``__main__`` (a script) or not installed is not imported by name; executing its
+    ``module_file`` instead (e.g. a training script) runs that file, so it needs ``trust=True``.
+
+    Raises:
+        UntrustedBundleError: only ``module_file`` defines the class, and ``trust`` is false.
 
     Example:
         >>> import_class("torch.nn:Linear").__name__
@@ -206,12 +232,17 @@ def import_class(class_path: str, module_file: str | None = None) -> type:
     if not qualname:
         module_name, _, qualname = class_path.rpartition(".")
     try:
-        if module_name == "__main__":
+        if "__main__" in module_name.split("."):  # a script (or a package's program): never run by name
             raise ImportError("defined in a script")
         module: Any = importlib.import_module(module_name)
     except ImportError:
         if not module_file or not os.path.exists(module_file):
             raise
+        if not trust:
+            raise UntrustedBundleError(
+                f"the model class {class_path} is not importable from the installed environment, only from the "
+                f"module file the bundle names ({module_file})"
+            ) from None
         spec = importlib.util.spec_from_file_location("nanguard_replay_user_module", module_file)
         if spec is None or spec.loader is None:
             raise
@@ -224,6 +255,41 @@ def import_class(class_path: str, module_file: str | None = None) -> type:
     if not isinstance(obj, type):
         raise TypeError(f"{class_path} is not a class")
     return obj
+
+
+def _found_inside(root: Path, class_path: str) -> bool:
+    """Whether the top-level package of ``class_path`` would be imported from inside the bundle ``root``.
+
+    ``python -m`` puts the working directory on ``sys.path``: replaying from inside a bundle would
+    import a module file planted in it. Finding a top-level module runs none of its code.
+    """
+    top = class_path.partition(":")[0].partition(".")[0]
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    places = [*(spec.submodule_search_locations or []), *([spec.origin] if spec.has_location and spec.origin else [])]
+    inside = root.resolve()
+    return any(Path(place).resolve().is_relative_to(inside) for place in places)
+
+
+def _load(path: Path, trust: bool, refusals: list[str]) -> Any:
+    """``torch.load`` of a bundle file: plain data only unless ``trust``; what more it needs goes to ``refusals``."""
+    if trust:
+        return torch.load(path, weights_only=False)
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        finder = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)  # torch >= 2.5; no code run
+        try:
+            needed = sorted(finder(path)) if finder is not None else []
+        except (ValueError, RuntimeError):  # not a zip checkpoint (the legacy format)
+            needed = []
+        what = ", ".join(needed) or "objects other than tensors and plain data"
+        refusals.append(f"{path.name} holds {what}, which only a full unpickling rebuilds")
+        return None
 
 
 def _init_kwargs(cls: type, hparams: dict[str, Any]) -> dict[str, Any]:
@@ -261,12 +327,20 @@ class ReproBundle:
     reference_batch: Any = None
 
 
-def load_bundle(path: str | os.PathLike[str], module_class: str | None = None) -> ReproBundle:
+def load_bundle(path: str | os.PathLike[str], module_class: str | None = None, *, trust: bool = False) -> ReproBundle:
     """Rebuild the module of a bundle and load its samples.
 
     Args:
         path: bundle directory.
         module_class: ``"pkg.mod:Class"`` to use instead of the recorded class.
+        trust: load the bundle even if that runs code from it: unpickle its ``.pt`` files in full
+            (``weights_only=False``) and import the ``module_file`` it names. Only for bundles from
+            someone you trust; by default nothing of the bundle is executed.
+
+    Raises:
+        BundleMissingError: the bundle is gone or incomplete.
+        UntrustedBundleError: the bundle needs more than tensors, plain data and an installed class,
+            and ``trust`` is false (the message says what it needs).
     """
     root = Path(path)
     if not root.is_dir():
@@ -286,11 +360,30 @@ def load_bundle(path: str | os.PathLike[str], module_class: str | None = None) -
         raise BundleMissingError(f"{root} is not a complete repro bundle: {', '.join(missing)} missing")
     meta = json.loads((root / "module.json").read_text(encoding="utf-8"))
     event = NanEvent.from_dict(json.loads((root / "event.json").read_text(encoding="utf-8")))
-    cls = import_class(module_class or meta["class_path"], None if module_class else meta.get("module_file"))
-    hparams = torch.load(root / "hparams.pt", weights_only=False) if (root / "hparams.pt").exists() else {}
+    refusals: list[str] = []
+    hparams = _load(root / "hparams.pt", trust, refusals) if (root / "hparams.pt").exists() else {}
+    state = _load(root / "module_state.pt", trust, refusals)
+    batch = _load(root / "batch.pt", trust, refusals)
+    reference = _load(root / "reference.pt", trust, refusals) if (root / "reference.pt").exists() else None
+    class_path = module_class or meta["class_path"]
+    cls: type | None = None
+    if not trust and module_class is None and _found_inside(root, class_path):
+        refusals.append(f"the model class {class_path} would be imported from a file inside the bundle")
+    else:
+        try:
+            cls = import_class(class_path, None if module_class else meta.get("module_file"), trust=trust)
+        except UntrustedBundleError as refused:
+            refusals.append(str(refused))
+    if refusals:
+        instead = (
+            " Or rebuild the model from a class of your environment: --module pkg.mod:Class (module_class=...)."
+            if cls is None
+            else ""
+        )
+        raise UntrustedBundleError(f"{root} needs trust: {'; '.join(refusals)}. {TRUST_HINT}{instead}")
+    if cls is None or not issubclass(cls, nn.Module):  # never call an arbitrary class with the bundle's arguments
+        raise TypeError(f"{class_path} is not a torch.nn.Module")
     module = cls(**_init_kwargs(cls, hparams))
-    module.load_state_dict(torch.load(root / "module_state.pt", weights_only=True))
+    module.load_state_dict(state)
     module.train()
-    batch = torch.load(root / "batch.pt", weights_only=False)
-    reference = torch.load(root / "reference.pt", weights_only=False) if (root / "reference.pt").exists() else None
     return ReproBundle(root, module, batch, int(meta.get("batch_idx", 0)), event, meta, reference)
