@@ -1,0 +1,266 @@
+"""Attention logits measured on the side of a forward pass, per attention module, without changing it.
+
+:class:`AttentionProbe` watches one forward pass (a sampled training step) and, for every attention
+it sees, measures on a few batch rows and under ``no_grad``:
+
+- ``max_logit``: the largest pre-softmax attention logit (masked positions left out);
+- ``entropy``: the mean entropy of the attention rows, in nats;
+- ``min_entropy``: the mean of ``logsumexp - max`` over rows, a lower bound of the entropy that
+  reaches zero when one key takes all the attention.
+
+What counts as attention:
+
+- ``torch.nn.functional.scaled_dot_product_attention``, called from any module (the fused kernels
+  never materialise the logits: the probe computes ``q @ k^T * scale`` for its few rows itself,
+  honouring ``attn_mask``, ``is_causal``, ``scale`` and grouped-query heads);
+- a softmax over the last dimension of a tensor of 3 or more dimensions (hand-written
+  ``softmax(q @ k.T / sqrt(d))``, Hugging Face's eager attention);
+- ``nn.MultiheadAttention`` (its functional form hides its inner calls): the logits from its
+  projection weights and inputs, honouring ``attn_mask``, ``key_padding_mask`` and ``is_causal``.
+
+Each is attributed to the innermost module of the watched model whose ``forward`` is running
+(``blocks.1.attn``). The measurement costs one ``q @ k^T`` of ``rows`` batch rows per attention call
+on the sampled step only; the values stay on the device until :meth:`AttentionProbe.take`.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> class Attention(nn.Module):
+    ...     def forward(self, q):
+    ...         return torch.softmax(q @ q.transpose(-2, -1), dim=-1)
+    >>> model = nn.Sequential(Attention())
+    >>> probe = AttentionProbe(model)
+    >>> with probe.measuring():
+    ...     _ = model(torch.tensor([[[10.0, 0.0], [0.0, 1.0]]]))
+    >>> {name: float(stats.max_logit) for name, stats in probe.take().items()}
+    {'0': 100.0}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["AttentionProbe", "AttentionStats", "attention_stats"]
+
+_SDPA = (F.scaled_dot_product_attention,)
+_SOFTMAX = (torch.softmax, F.softmax, Tensor.softmax)
+
+
+@dataclass
+class AttentionStats:
+    """One attention module's measurements on one step (0-d tensors on the model's device)."""
+
+    max_logit: Tensor
+    entropy: Tensor
+    min_entropy: Tensor
+    calls: int = 1
+
+    def merge(self, other: AttentionStats) -> AttentionStats:
+        """Both calls of one module in one step: the larger max, the mean entropies."""
+        n = self.calls + other.calls
+        return AttentionStats(
+            torch.maximum(self.max_logit, other.max_logit),
+            (self.entropy * self.calls + other.entropy * other.calls) / n,
+            (self.min_entropy * self.calls + other.min_entropy * other.calls) / n,
+            n,
+        )
+
+
+def attention_stats(logits: Tensor) -> AttentionStats:
+    """The stats of attention logits ``(..., queries, keys)``; ``-inf`` marks masked keys.
+
+    Example:
+        >>> s = attention_stats(torch.tensor([[0.0, 0.0], [50.0, float("-inf")]]))
+        >>> float(s.max_logit), round(float(s.entropy), 3), round(float(s.min_entropy), 3)
+        (50.0, 0.347, 0.347)
+    """
+    logits = logits.detach().float()
+    finite = torch.isfinite(logits)
+    masked = logits.masked_fill(~finite, -math.inf)
+    max_logit = masked.amax()
+    rows = masked.amax(dim=-1)
+    lse = torch.logsumexp(masked, dim=-1)
+    log_p = masked - lse.unsqueeze(-1)
+    entropy = -(log_p.exp() * log_p.masked_fill(~finite, 0.0)).sum(dim=-1)
+    live = torch.isfinite(rows)  # rows with at least one key
+    return AttentionStats(max_logit, entropy[live].mean(), (lse - rows)[live].mean())
+
+
+class AttentionProbe:
+    """Measure every attention of ``model`` during :meth:`measuring` (see module docs).
+
+    Args:
+        model: the model whose modules calls are attributed to.
+        rows: how many batch rows (the first dimension) of each attention call are measured.
+    """
+
+    def __init__(self, model: nn.Module, rows: int = 2) -> None:
+        self.rows = rows
+        self.names = {id(module): name for name, module in model.named_modules()}
+        self.multihead = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
+        self._stack: list[str] = []
+        self._stats: dict[str, AttentionStats] = {}
+
+    @contextmanager
+    def measuring(self) -> Iterator[None]:
+        """Within: attention calls under the watched modules are measured (only while autograd is on)."""
+        self._stack = []
+        handles = self._hooks()
+        for module in self.multihead:
+            handles.append(module.register_forward_pre_hook(self._multihead, with_kwargs=True))
+        try:
+            with _Intercept(self):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._stack = []
+
+    def take(self) -> dict[str, AttentionStats]:
+        """The measurements since the last ``take``, per module name (device tensors)."""
+        stats, self._stats = self._stats, {}
+        return stats
+
+    # ------------------------------------------------------------------ internals
+
+    def _hooks(self) -> list[RemovableHandle]:
+        names, stack = self.names, self._stack
+
+        def enter(module: nn.Module, args: Any) -> None:
+            name = names.get(id(module))
+            if name is not None:
+                stack.append(name)
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            if id(module) in names and stack:
+                stack.pop()
+
+        return [
+            nn.modules.module.register_module_forward_pre_hook(enter),
+            nn.modules.module.register_module_forward_hook(leave, always_call=True),
+        ]
+
+    def _record(self, logits: Tensor, name: str | None = None) -> None:
+        name = name or (self._stack[-1] if self._stack else None)
+        if name is None:
+            return  # outside the watched model
+        with torch.no_grad():
+            stats = attention_stats(logits)
+        known = self._stats.get(name)
+        self._stats[name] = stats if known is None else known.merge(stats)
+
+    def _measuring(self) -> bool:
+        return bool(self._stack) and torch.is_grad_enabled()  # not a no-grad pass (validation)
+
+    def _softmax(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        x = args[0] if args else kwargs.get("input")
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if not isinstance(x, Tensor) or not x.is_floating_point() or x.ndim < 3 or dim is None:
+            return
+        if dim % x.ndim != x.ndim - 1 or not self._measuring():
+            return
+        self._record(x[: self.rows])
+
+    def _sdpa(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        given = {**dict(zip(names, args, strict=False)), **kwargs}
+        q, k = given["query"], given["key"]
+        if not isinstance(q, Tensor) or q.ndim < 3 or not self._measuring():
+            return
+        with torch.no_grad():
+            self._record(_sdpa_logits(q, k, given, self.rows))
+
+    def _multihead(self, module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """``nn.MultiheadAttention``: its functional form hides the inner calls; its logits from its weights."""
+        name = self.names.get(id(module))
+        if name is None or not torch.is_grad_enabled():
+            return
+        with torch.no_grad():
+            self._record(_multihead_logits(module, args, kwargs, self.rows), name)
+
+
+def _sdpa_logits(q: Tensor, k: Tensor, given: dict[str, Any], rows: int) -> Tensor:
+    """``q @ k^T * scale`` for the first ``rows`` batch rows, masked as ``scaled_dot_product_attention`` masks."""
+    q, k = q[:rows].float(), k[:rows].float()
+    if given.get("enable_gqa") and q.ndim >= 3 and k.size(-3) != q.size(-3):
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
+    scale = given.get("scale") or 1.0 / math.sqrt(q.size(-1))
+    logits = (q @ k.transpose(-2, -1)) * scale
+    mask = given.get("attn_mask")
+    if isinstance(mask, Tensor):
+        if mask.ndim == logits.ndim and mask.size(0) not in (1, logits.size(0)):
+            mask = mask[:rows]
+        elif mask.ndim == logits.ndim:
+            mask = mask[: logits.size(0)]
+        logits = logits.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else logits + mask.float()
+    if given.get("is_causal"):
+        length, keys = logits.shape[-2:]
+        causal = torch.ones(length, keys, dtype=torch.bool, device=logits.device).tril()
+        logits = logits.masked_fill(~causal, -math.inf)
+    return logits
+
+
+def _multihead_logits(
+    module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int
+) -> Tensor:
+    """The attention logits ``nn.MultiheadAttention`` computes, for ``rows`` batch rows: ``(rows, heads, L, S)``."""
+    names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights")
+    given = {**dict(zip(names, args, strict=False)), **kwargs}
+    query, key = given["query"], given["key"]
+    if not module.batch_first and query.ndim == 3:
+        query, key = query.transpose(0, 1), key.transpose(0, 1)
+    if query.ndim == 2:
+        query, key = query.unsqueeze(0), key.unsqueeze(0)
+    query, key = query[:rows].float(), key[:rows].float()
+    dim, heads = module.embed_dim, module.num_heads
+    if module.in_proj_weight is not None:
+        w_q, w_k = module.in_proj_weight[:dim].float(), module.in_proj_weight[dim : 2 * dim].float()
+    else:
+        w_q, w_k = module.q_proj_weight.float(), module.k_proj_weight.float()
+    b_q = b_k = None
+    if module.in_proj_bias is not None:
+        b_q, b_k = module.in_proj_bias[:dim].float(), module.in_proj_bias[dim : 2 * dim].float()
+    q, k = F.linear(query, w_q, b_q), F.linear(key, w_k, b_k)
+    n, length, source = q.size(0), q.size(1), k.size(1)
+    q = q.view(n, length, heads, dim // heads).transpose(1, 2)
+    k = k.view(n, source, heads, dim // heads).transpose(1, 2)
+    logits = (q @ k.transpose(-2, -1)) / math.sqrt(dim // heads)
+    mask = given.get("attn_mask")
+    if isinstance(mask, Tensor):
+        mask = mask.view(-1, heads, length, source)[:n] if mask.ndim == 3 else mask
+        logits = logits.masked_fill(mask, -math.inf) if mask.dtype == torch.bool else logits + mask.float()
+    padding = given.get("key_padding_mask")
+    if isinstance(padding, Tensor):
+        padding = padding[:n].view(n, 1, 1, source)
+        logits = logits.masked_fill(padding, -math.inf) if padding.dtype == torch.bool else logits + padding.float()
+    if given.get("is_causal") and mask is None:
+        causal = torch.ones(length, source, dtype=torch.bool, device=logits.device).tril()
+        logits = logits.masked_fill(~causal, -math.inf)
+    return logits
+
+
+class _Intercept(TorchFunctionMode):
+    """Sees softmax and scaled-dot-product attention calls; hands their inputs to the probe after the call."""
+
+    def __init__(self, probe: AttentionProbe) -> None:
+        super().__init__()
+        self.probe = probe
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in _SDPA:
+            self.probe._sdpa(args, kwargs)
+        elif func in _SOFTMAX:
+            self.probe._softmax(args, kwargs)
+        return result
