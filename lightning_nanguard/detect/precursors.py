@@ -1,0 +1,81 @@
+"""Early warning of attention collapse: a module's max attention logit growing fast past a level.
+
+A run whose learning rate is too high can fail without any NaN or loss spike: in one layer the
+largest pre-softmax attention logit grows from about 1 to hundreds or thousands, that layer's
+attention turns one-hot (entropy near zero) and the loss stalls. :class:`LogitGrowthRule` watches
+each attention module's max logit, sampled every few steps (:mod:`.attention` measures it), and
+fires when it is above ``min_logit`` **and** at least ``growth`` times what it was ``window`` steps
+before (or less, when sampling leaves no older value). A level alone does not separate the classes
+(healthy runs peak anywhere from about 20 to 600); growth alone fires on tiny logits early in
+training. The defaults and the evidence for them are in the user guide (``docs/guide/precursors.md``)
+and ``benchmarks/attention_collapse.py``.
+
+Example:
+    >>> rule = LogitGrowthRule(min_logit=50.0, growth=3.0, window=20, cooldown=100)
+    >>> [rule.observe("attn", step, value) for step, value in [(0, 2.0), (10, 12.0), (20, 60.0)]]
+    [None, None, Finding(module='attn', step=20, value=60.0, earlier=2.0, earlier_step=0, ratio=30.0)]
+    >>> rule.observe("attn", 30, 200.0) is None  # at most one warning per module per 100 steps
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+__all__ = ["Finding", "LogitGrowthRule"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One module whose max attention logit crossed the rule at ``step``."""
+
+    module: str
+    step: int
+    value: float
+    earlier: float
+    earlier_step: int
+    ratio: float
+
+
+class LogitGrowthRule:
+    """Fire when a module's max logit is above ``min_logit`` and ``growth`` times its value ``window`` steps ago.
+
+    Args:
+        min_logit: the level the max logit must exceed.
+        growth: how many times larger than ``window`` steps before it must be.
+        window: how far back the comparison reaches, in steps (the oldest value kept within it).
+        cooldown: at most one finding per module in this many steps.
+    """
+
+    def __init__(self, min_logit: float, growth: float, window: int, cooldown: int) -> None:
+        self.min_logit, self.growth, self.window, self.cooldown = min_logit, growth, window, cooldown
+        self._history: dict[str, deque[tuple[int, float]]] = {}
+        self._last: dict[str, int] = {}
+
+    def observe(self, module: str, step: int, value: float) -> Finding | None:
+        """Take one sampled value; the finding when the rule fires for ``module`` now."""
+        history = self._history.setdefault(module, deque())
+        while history and history[0][0] < step - self.window:
+            history.popleft()
+        earlier = history[0] if history else None
+        history.append((step, value))
+        if earlier is None or math.isnan(value) or value <= self.min_logit:  # NaN: the guard's other checks
+            return None
+        earlier_step, earlier_value = earlier
+        ratio = value / max(earlier_value, 1e-6)
+        if ratio < self.growth:
+            return None
+        last = self._last.get(module)
+        if last is not None and step - last < self.cooldown:
+            return None
+        self._last[module] = step
+        return Finding(module, step, value, earlier_value, earlier_step, ratio)
+
+    def state_dict(self) -> dict[str, dict[str, int]]:
+        """The last warning step per module (primitives: ``weights_only``-safe)."""
+        return {"last_warning": dict(self._last)}
+
+    def load_state_dict(self, state: dict[str, dict[str, int]]) -> None:
+        self._last = dict(state.get("last_warning", {}))

@@ -1,0 +1,173 @@
+"""The attention precursor watch of a run: sample the attention logits, warn of a collapse ahead.
+
+Every ``every_n_steps`` optimizer steps the :class:`~lightning_nanguard.detect.attention.AttentionProbe`
+watches the step's forward passes (armed when the step begins, taken when it is checked). The values
+stay on the device and are copied to the host without waiting; they are read at a later check once
+the copy has landed (no host synchronisation, also under ``sync_free``). Each sampled value goes to
+the :class:`~lightning_nanguard.detect.precursors.LogitGrowthRule`; a finding becomes a ``precursor``
+event (the step is applied) and the per-module values ``nanguard/`` scalars.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> watch = PrecursorWatch(PrecursorSettings(every_n_steps=1))
+    >>> class Attention(nn.Module):
+    ...     def forward(self, q):
+    ...         return torch.softmax(q @ q.transpose(-2, -1), dim=-1)
+    >>> model = nn.Sequential(Attention())
+    >>> watch.attach(model)
+    >>> watch.arm(0)
+    >>> _ = model(torch.ones(1, 2, 2, requires_grad=True))
+    >>> watch.finish(0)
+    >>> [(s.module, round(s.max_logit, 1)) for s in watch.ready(front_step=1)]
+    [('0', 2.0)]
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_nanguard.core.events import NanEvent
+from lightning_nanguard.detect.attention import AttentionProbe
+from lightning_nanguard.detect.precursors import Finding, LogitGrowthRule
+
+__all__ = ["PrecursorSettings", "PrecursorWatch", "Sample", "precursor_event"]
+
+FIXES = (
+    "QK-layernorm (normalise queries and keys per head)",
+    "a lower learning rate or a longer warm-up",
+    "QK-clip (rescale the query and key projections when the max logit passes a cap)",
+    "logit soft-capping (cap * tanh(logits / cap))",
+)
+
+
+@dataclass(frozen=True)
+class PrecursorSettings:
+    """How the watch samples and when it warns (``NanGuard``'s ``precursor_*`` arguments)."""
+
+    every_n_steps: int = 10
+    min_logit: float = 50.0
+    growth: float = 3.0
+    window: int = 20
+    cooldown: int = 100
+    rows: int = 2
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One module's values at one sampled step, read to the host."""
+
+    step: int
+    module: str
+    max_logit: float
+    entropy: float
+    min_entropy: float
+
+
+class PrecursorWatch:
+    """Arm, take, read and judge the attention samples of a run (see module docs)."""
+
+    def __init__(self, settings: PrecursorSettings) -> None:
+        self.settings = settings
+        self.rule = LogitGrowthRule(settings.min_logit, settings.growth, settings.window, settings.cooldown)
+        self.probe: AttentionProbe | None = None
+        self._armed: ExitStack | None = None
+        self._armed_step = -1
+        self._pending: list[tuple[int, list[str], Tensor, Any]] = []  # (step, modules, host copy, copy event)
+
+    def attach(self, module: nn.Module) -> None:
+        """Watch ``module``'s attention (its module names are the ones reported)."""
+        self.disarm()
+        self.probe = AttentionProbe(module, rows=self.settings.rows)
+
+    def arm(self, step: int) -> None:
+        """Step ``step`` begins: measure its forward passes when it is a sampled step (idempotent)."""
+        if self.probe is None or step % self.settings.every_n_steps or self._armed is not None:
+            return
+        stack = ExitStack()
+        stack.enter_context(self.probe.measuring())
+        self._armed, self._armed_step = stack, step
+
+    def disarm(self) -> None:
+        if self._armed is not None:
+            self._armed.close()
+            self._armed = None
+
+    def finish(self, step: int) -> None:
+        """Step ``step`` is checked: stop measuring; start the values' copy to the host (no wait)."""
+        if self._armed is None:
+            return
+        self.disarm()
+        assert self.probe is not None
+        stats = self.probe.take()
+        if not stats or self._armed_step != step:
+            return
+        modules = sorted(stats)
+        values = torch.stack([v for m in modules for v in (stats[m].max_logit, stats[m].entropy, stats[m].min_entropy)])
+        event = None
+        if values.is_cuda:
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = values
+        self._pending.append((step, modules, host, event))
+
+    def ready(self, front_step: int) -> list[Sample]:
+        """The samples whose copy has landed (earlier steps first); nothing waits for the device."""
+        out: list[Sample] = []
+        while self._pending:
+            step, modules, host, event = self._pending[0]
+            if event is not None and not event.query():
+                break
+            self._pending.pop(0)
+            flat = host.tolist()
+            for i, module in enumerate(modules):
+                out.append(Sample(step, module, *flat[3 * i : 3 * i + 3]))
+        return out
+
+    def judge(self, samples: list[Sample]) -> list[tuple[Finding, Sample]]:
+        """The findings among ``samples`` (at most one per module per ``cooldown`` steps)."""
+        found = []
+        for sample in samples:
+            finding = self.rule.observe(sample.module, sample.step, sample.max_logit)
+            if finding is not None:
+                found.append((finding, sample))
+        return found
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.rule.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rule.load_state_dict(state)
+
+
+def precursor_event(finding: Finding, sample: Sample, settings: PrecursorSettings, epoch: int, rank: int) -> NanEvent:
+    """The ``precursor`` event of one finding: the step was applied; module, signal, value, trend, fixes."""
+    return NanEvent(
+        global_step=finding.step,
+        epoch=epoch,
+        batch_idx=finding.step,
+        rank=rank,
+        kinds=("precursor",),
+        action="warned",
+        culprit_module=finding.module,
+        details={
+            "signal": "attention_max_logit",
+            "value": finding.value,
+            "threshold": settings.min_logit,
+            "growth": finding.ratio,
+            "growth_threshold": settings.growth,
+            "earlier_value": finding.earlier,
+            "earlier_step": finding.earlier_step,
+            "entropy": sample.entropy,
+            "min_entropy": sample.min_entropy,
+            "fixes": list(FIXES),
+        },
+    )
