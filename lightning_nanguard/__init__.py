@@ -29,6 +29,6 @@ __all__ = [
     "read_events",
 ]
 
-__version__ = "0.3.0.dev0"
+__version__ = "0.4.0"
 
 _moved.install()  # the module paths of 0.2.0 keep working, with a DeprecationWarning
