@@ -1,4 +1,4 @@
-"""The README's compatibility table, generated from the tests that prove each row.
+"""The docs' compatibility table (``docs/guide/compatibility.md``), generated from the tests proving each row.
 
 Every test marked ``@pytest.mark.compat(feature=..., kind=..., status=..., note=...)`` is a row:
 ``kind`` is ``"callback"`` (a Lightning callback), ``"flag"`` (a Trainer flag or call) or ``"strategy"``;
@@ -7,8 +7,8 @@ setup with a message that says why and what to do); ``note`` says what the test 
 of one feature make one row (their notes joined). A row exists only while its test exists, and CI runs
 the test, so the table cannot claim what no passing test shows.
 
-    python scripts/compat_table.py           # rewrite the table in README.md between its markers
-    python scripts/compat_table.py --check   # exit 1 when README.md's table is not what the tests say
+    python scripts/compat_table.py           # rewrite the table in docs/guide/compatibility.md between its markers
+    python scripts/compat_table.py --check   # exit 1 when that table is not what the tests say
 
 The rows are read by collecting the tests (``pytest --collect-only``): nothing runs here.
 """
@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "guide" / "compatibility.md"
 START, END = "<!-- compat-table:start -->", "<!-- compat-table:end -->"
 KINDS = {"callback": "Lightning callbacks", "flag": "Trainer flags and calls", "strategy": "Strategies"}
 STATUS = {"works": "works", "refused": "refused at setup"}
@@ -70,25 +70,26 @@ def render(rows: Iterable[Mapping[str, str]]) -> str:
 def replace_table(text: str, table: str) -> str:
     """``text`` with the part between the markers replaced by ``table``."""
     if START not in text or END not in text:
-        raise SystemExit(f"README.md has no {START} ... {END} markers")
+        raise SystemExit(f"{PAGE.relative_to(ROOT)} has no {START} ... {END} markers")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     return head + table + tail
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Rewrite (or with ``--check`` compare) the README's table; 0 on success."""
+    """Rewrite (or with ``--check`` compare) the page's table; 0 on success."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail when README.md's table is out of date")
+    parser.add_argument("--check", action="store_true", help="fail when the page's table is out of date")
     args = parser.parse_args(argv)
-    text = README.read_text(encoding="utf-8")
+    text = PAGE.read_text(encoding="utf-8")
     wanted = replace_table(text, render(collect_rows()))
     if args.check:
         if wanted != text:
-            print("README.md's compatibility table is out of date: run python scripts/compat_table.py", file=sys.stderr)
+            stale = f"{PAGE.relative_to(ROOT)}: the compatibility table is out of date: run python scripts/compat_table.py"
+            print(stale, file=sys.stderr)
             return 1
         return 0
-    README.write_text(wanted, encoding="utf-8")
+    PAGE.write_text(wanted, encoding="utf-8")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Regenerate the README's screenshots of the NanGuard tab (``docs/dashboard-*.png``).
+"""Regenerate the screenshots of the NanGuard tab (``docs/dashboard-*.png``: the docs' TensorBoard page, the README).
 
 Runs both demos into a fresh log directory, starts TensorBoard on it (127.0.0.1, a free port),
 and photographs the tab's three views in Debian's headless chromium through selenium (the same

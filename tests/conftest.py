@@ -87,7 +87,7 @@ def tb_reader() -> Callable[[str | Path], TensorBoardRun]:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """With ``NANGUARD_COMPAT_ROWS`` set, write the ``compat`` markers of the collected tests.
 
-    Read by ``scripts/compat_table.py``, which renders the README's compatibility table.
+    Read by ``scripts/compat_table.py``, which renders the compatibility table of docs/guide/compatibility.md.
     """
     import json
     import os

@@ -1,4 +1,7 @@
-"""The README's compatibility table is exactly what the ``compat``-marked tests say (scripts/compat_table.py)."""
+"""The compatibility table (docs/guide/compatibility.md) is exactly what the ``compat``-marked tests say.
+
+The table is rendered by scripts/compat_table.py between its markers in that page.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +19,19 @@ def _script() -> object:
     return module
 
 
-def test_the_readme_table_is_generated_from_the_tests() -> None:
-    assert _script().main(["--check"]) == 0  # type: ignore[attr-defined]
+def test_the_docs_table_is_generated_from_the_tests() -> None:
+    script = _script()
+    assert script.PAGE == ROOT / "docs" / "guide" / "compatibility.md"  # type: ignore[attr-defined]
+    text = script.PAGE.read_text(encoding="utf-8")  # type: ignore[attr-defined]
+    assert text.count(script.START) == 1 and text.count(script.END) == 1  # type: ignore[attr-defined]
+    assert script.main(["--check"]) == 0  # type: ignore[attr-defined]
+
+
+def test_the_readme_holds_no_copy_of_the_table() -> None:
+    script = _script()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert script.START not in readme and script.END not in readme  # type: ignore[attr-defined]
+    assert "docs/guide/compatibility.md" in readme
 
 
 def test_one_row_per_feature_with_its_notes_and_refusals_winning() -> None:

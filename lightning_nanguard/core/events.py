@@ -119,7 +119,7 @@ class NanEvent:
 
     Quarantine acts only on records whose index and blame are both verified.
 
-    Example:
+    Examples:
         >>> event = NanEvent(global_step=3, epoch=0, batch_idx=3, rank=0, kinds=("loss",),
         ...                  loss=float("nan"), action="skipped")
         >>> event.to_dict()["loss"]
@@ -158,7 +158,7 @@ class NanEvent:
     def at_step(cls, trainer: Any, batch_idx: int, kinds: Sequence[EventKind], **fields: Any) -> NanEvent:
         """An event of the step ``trainer`` is at (its global step, epoch and rank; 0 without a Trainer).
 
-        Example:
+        Examples:
             >>> from types import SimpleNamespace
             >>> trainer = SimpleNamespace(global_step=7, current_epoch=1, global_rank=0)
             >>> NanEvent.at_step(trainer, 3, ("loss",), loss=float("nan")).headline()[:40]
@@ -177,7 +177,7 @@ class NanEvent:
     def replace(self, **changes: Any) -> NanEvent:
         """A copy with some fields changed (events are immutable).
 
-        Example:
+        Examples:
             >>> NanEvent(1, 0, 1, 0, ("grad",), "warned").replace(action="raised").action
             'raised'
         """
@@ -188,7 +188,7 @@ class NanEvent:
 
         ``sample_loaders`` is left out when ``None`` (one training loader).
 
-        Example:
+        Examples:
             >>> two = NanEvent(3, 0, 3, 0, ("loss",), "skipped", offending_samples=(1,), sample_loaders=("b",))
             >>> two.to_dict()["sample_loaders"]
             ['b']
@@ -224,7 +224,7 @@ class NanEvent:
     def headline(self) -> str:
         """One line: when, what, and what was done.
 
-        Example:
+        Examples:
             >>> NanEvent(12, 1, 4, 0, ("loss", "grad"), "skipped",
             ...          nonfinite_grads=("fc.weight",)).headline()
             'step 12 (epoch 1, batch 4): non-finite loss, grad (1 parameter grads) -> step skipped'
@@ -275,7 +275,7 @@ class NonFiniteTrainingError(RuntimeError):
         message: what happened and what to do next.
         events: the event(s) that led here, most recent last.
 
-    Example:
+    Examples:
         >>> err = NonFiniteTrainingError("stop", [NanEvent(1, 0, 1, 0, ("loss",), "raised")])
         >>> err.event.global_step
         1

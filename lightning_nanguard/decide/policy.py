@@ -11,7 +11,7 @@ Every path of the guard goes through the same three steps, on every rank:
    :class:`StepDecision`. Its inputs are identical on every rank, so is its output: every rank
    skips, raises, rolls back and applies remedies at the same step, for the same reason.
 
-Example:
+Examples:
     >>> policy = Policy(action="skip", max_consecutive_bad_steps=2)
     >>> bad = [RankVote(rank=0, incident=True, cause="data", quarantine=(7,))]
     >>> first, counters = decide(bad, Counters(), policy)
@@ -79,7 +79,7 @@ def local_vector(
         failed: this rank's guard failed internally and cannot check (the vector then says so).
         loss: the step's loss, read with the flags for the spike statistic (``None``: NaN).
 
-    Example:
+    Examples:
         >>> local_vector(torch.tensor([0.0, 2.5, 0.0]), loss=torch.tensor(0.75)).tolist()
         [0.0, 2.5, 0.0, 0.0, 0.0, 0.75]
     """
@@ -103,7 +103,7 @@ def _flag(value: float, device: torch.device) -> Tensor:
 def shared_part(vector: Tensor) -> Tensor:
     """The entries of a :func:`local_vector` that are summed over ranks (views, no index tensor).
 
-    Example:
+    Examples:
         >>> shared_part(torch.tensor([1.0, 9.0, 0.0, 1.0, 0.0])).tolist()
         [1.0, 0.0, 1.0, 0.0]
     """
@@ -140,7 +140,7 @@ class StepHealth:
     def from_values(cls, values: Sequence[float]) -> StepHealth:
         """From ``local + shared`` values read to the host (``shared`` absent without DDP).
 
-        Example:
+        Examples:
             >>> StepHealth.from_values([0.0, 1.5, 0.0, 0.0, 0.0, 0.7]).healthy
             True
             >>> health = StepHealth.from_values([0.0, 1.5, 0.0, 0.0, 0.0, 0.7, 1.0, 1.0, 0.0, 0.0])
@@ -312,7 +312,7 @@ def decide(
         policy: the configuration.
         next_loss_scale: the loss scale the GradScaler will use after an overflow (``None``: no scaler).
 
-    Example:
+    Examples:
         >>> overflow = [RankVote(rank=0, overflow=True)]
         >>> decision, counters = decide(overflow, Counters(), Policy(), next_loss_scale=2.0**15)
         >>> decision.outcome, decision.discard, counters.amp_overflow_total
@@ -361,7 +361,7 @@ def decide_weights(counters: Counters, action: str, snapshot_available: bool) ->
     Returns ``"rollback"`` (with ``action="rollback"`` and a snapshot), ``"warn"`` (``action="warn"``)
     or ``"raise"``, and the counters after it (one more bad step).
 
-    Example:
+    Examples:
         >>> decide_weights(Counters(), "rollback", snapshot_available=True)[0]
         'rollback'
         >>> decide_weights(Counters(), "skip", snapshot_available=True)[0]

@@ -66,7 +66,7 @@ def grouped_norms(tensors: Sequence[Tensor], device: torch.device | None = None)
         tensors: floating-point (or complex) tensors on any devices and dtypes.
         device: where to gather the result; defaults to the device of the first tensor.
 
-    Example:
+    Examples:
         >>> grouped_norms([torch.tensor([3.0, 4.0]), torch.tensor([1.0], dtype=torch.float64)]).sort().values
         tensor([1., 5.])
     """
@@ -207,7 +207,7 @@ def nonfinite_candidate(tensors: Sequence[Tensor], device: torch.device | None =
         device: where the result lives; defaults to the device of the first tensor.
         sqrt: also flag negative values (as ``sqrt`` would make them NaN); for ``running_var``.
 
-    Example:
+    Examples:
         >>> nonfinite_candidate([torch.ones(3), torch.tensor([1.0, float("-inf")])]).tolist()
         [1.0]
         >>> nonfinite_candidate([torch.tensor([4.0, -1.0])], sqrt=True).tolist()
@@ -283,7 +283,7 @@ def fused_health_check(
         ``others`` and ``nonnegative`` alone.
         ``grad_norm`` is NaN when a gradient holds a NaN, +Inf when one holds +/-Inf (and no NaN).
 
-    Example:
+    Examples:
         >>> fused_health_check([torch.ones(4)], others=[torch.tensor(0.5)]).tolist()
         [0.0, 2.0, 0.0]
         >>> fused_health_check([torch.tensor([1.0, float("nan")])]).tolist()[:2]

@@ -23,7 +23,7 @@ __all__ = ["all_finite", "bad_batchnorm_names", "negative_names", "nonfinite_nam
 def nonfinite_names(named_tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
     """Names of the tensors holding at least one NaN or +/-Inf element (one host read in all).
 
-    Example:
+    Examples:
         >>> nonfinite_names([("a", torch.ones(2)), ("b", torch.tensor([float("-inf")]))])
         ['b']
     """
@@ -37,7 +37,7 @@ def nonfinite_names(named_tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
 def negative_names(named_tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
     """Names of the tensors holding at least one negative element (e.g. a corrupted ``running_var``).
 
-    Example:
+    Examples:
         >>> negative_names([("var", torch.tensor([1.0, -2.0])), ("ok", torch.ones(1))])
         ['var']
     """
@@ -51,7 +51,7 @@ def negative_names(named_tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
 def bad_batchnorm_names(named_buffers: Iterable[tuple[str, Tensor]]) -> list[str]:
     """BatchNorm buffers holding NaN/Inf, then ``running_var`` buffers holding a negative value.
 
-    Example:
+    Examples:
         >>> bad_batchnorm_names([("bn.running_mean", torch.tensor([float("nan")])),
         ...                      ("bn.running_var", torch.tensor([-1.0]))])
         ['bn.running_mean', 'bn.running_var']
@@ -68,7 +68,7 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
     One fused norm pass and one host read; only when a norm is non-finite (which a finite tensor
     can also cause, by overflowing its norm) are the tensors checked element by element.
 
-    Example:
+    Examples:
         >>> all_finite([torch.ones(2), torch.full((4,), 1e30)])  # the float32 norm overflows
         True
         >>> all_finite([torch.tensor([1.0, float("nan")]), torch.arange(3)])

@@ -1,40 +1,11 @@
 """Loss-spike detection: a finite value far above the recent healthy values, flagged on the device.
 
-:class:`SpikeDetector` keeps the last ``window`` *accepted* (healthy) values of a per-step
-scalar, the training loss or the gradient norm, and flags a new value that is both
-
-- ``sigmas`` robust standard deviations above the recent level, and
-- ``min_ratio`` times the recent level,
-
-with a single comparison on the value's device: :meth:`~SpikeDetector.check` returns a 1-element
-float32 flag tensor that the caller folds into its own single read of the step, and reads nothing.
-
-The statistic lives on the host, in plain floats: the caller already reads each step's value to
-the host with its other results (the guard puts the loss in the step's one read) and hands it to
-:meth:`~SpikeDetector.accept`; every ``refresh_every`` accepted values the threshold is recomputed
-in Python and written to a 1-element device tensor with ``fill_`` (no synchronisation). So a healthy
-step costs the device one comparison, and the statistic costs no kernel at all. (A first version
-kept the window on the device: about ten small kernels a step, 80-370 us on this 2-core CPU.)
-
-For positive values (the usual case) the statistic works on ``log(value)``, so a spike is a
-*factor* above the recent level whatever the units of the loss:
-
-- ``baseline``: the median of the last ``recent`` (16) accepted values;
-- ``spread``: a robust standard deviation of the step-to-step change of ``log(value)`` over the
-  window: the 90% quantile of ``|log(v[i]) - log(v[i-1])|`` divided by 2.326 (its value for
-  Gaussian noise). Changes from one step to the next do not see a trend: a loss that falls a
-  thousandfold within the window keeps the spread of its noise, not of its fall.
-- ``threshold = baseline * max(min_ratio, exp(sigmas * spread))``.
-
-When the baseline is not positive (losses that can be negative, e.g. a Gaussian negative
-log-likelihood) the same rule runs on the values themselves:
-``threshold = baseline + max(sigmas * spread, (min_ratio - 1) * |baseline|)``.
-
-NaN/Inf values are never spikes (they are the NaN/Inf check's business) and never enter the
-history. The detector is inactive (never flags) until ``warmup`` values have been accepted, and
-again for ``warmup`` values after a re-baseline.
-
-The threshold a value meets is at most ``refresh_every`` accepted values old.
+:class:`SpikeDetector` flags a value that is both ``sigmas`` robust standard deviations of the
+step-to-step change of ``log(value)`` above the median of the recent *accepted* (healthy) values and
+``min_ratio`` times that median (on a linear scale when the median is not positive). NaN/Inf is never
+a spike. :meth:`~SpikeDetector.check` is one comparison on the value's device and reads nothing; the
+statistic lives on the host, fed by :meth:`~SpikeDetector.accept` with the value the caller reads
+anyway. The rule, why it was chosen and what it costs: ``docs/guide/spikes.md``.
 
 The caller's protocol, once per step::
 
@@ -93,7 +64,7 @@ class SpikeStats:
     def details(self) -> dict[str, Any]:
         """The event's ``details``: ``threshold``, ``baseline``, ``spread``, ``spread_scale``, ``ratio``, ``history``.
 
-        Example:
+        Examples:
             >>> SpikeStats(50.0, 3.0, 1.0, 0.1, "log", 32, 50.0).details()["threshold"]
             3.0
         """
@@ -129,7 +100,7 @@ class SpikeDetector:
         refresh_every: recompute the statistic every this many accepted values (1: every step).
         name: what is watched, for messages.
 
-    Example:
+    Examples:
         >>> detector = SpikeDetector(warmup=4)
         >>> for loss in [1.0, 0.9, 1.1, 1.0]:
         ...     _ = detector.check(torch.tensor(loss))

@@ -21,7 +21,7 @@ class BatchNormSnapshot:
 
     The copy lives on the buffers' own device and is allocated once, then refreshed in place.
 
-    Example:
+    Examples:
         >>> net = nn.Sequential(nn.BatchNorm1d(2))
         >>> snapshot = BatchNormSnapshot(net)
         >>> snapshot.capture()
@@ -52,7 +52,7 @@ class BatchNormSnapshot:
     def stale(self) -> bool:
         """Whether some code assigned new tensors to the buffers (``bn.running_var = ...``): identity only, no read.
 
-        Example:
+        Examples:
             >>> net = nn.BatchNorm1d(2)
             >>> snapshot = BatchNormSnapshot(net)
             >>> snapshot.stale()

@@ -19,7 +19,7 @@ class JsonlEventLog:
     Each line is written with a single ``write`` on a file opened for appending, so lines from
     several processes sharing the file do not interleave.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> log = JsonlEventLog(Path(tempfile.mkdtemp()) / "events.jsonl")
         >>> log.append(NanEvent(5, 0, 5, 0, ("loss",), "skipped", loss=float("inf")))

@@ -4,7 +4,7 @@ What happens at a step is decided in :mod:`~lightning_nanguard.decide.policy` (T
 carried out by :class:`~lightning_nanguard.engine.controller.StepController`; this module only maps
 Lightning's hooks onto them.
 
-Example:
+Examples:
     >>> from lightning.pytorch import Trainer
     >>> trainer = Trainer(callbacks=[NanGuard()], logger=False, enable_checkpointing=False)
 """
@@ -112,7 +112,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         snapshot_every_n_steps: with ``action="rollback"``, refresh the last good snapshot every ``n`` steps.
         rollback_after_consecutive: with ``action="rollback"``, roll back after this many bad steps in a row.
         remedies: remedies to apply after incidents: ``"clip_grad"``, ``"raise_eps"``, ``"lr_backoff"``,
-            ``"quarantine"`` (see the README's decision guide).
+            ``"quarantine"`` (see the decision guide in docs/guide/recovery.md).
         max_remedy_applications: cap per remedy.
         lr_backoff_factor: learning-rate multiplier of one ``lr_backoff`` (between 0 and 1).
         eps_factor: multiplier of one ``raise_eps`` (above 1).
@@ -140,7 +140,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             the training loader gave it, moved to the device). Without it a bad step is still skipped
             and reported. Ignored by the Trainer, which re-runs ``training_step``.
 
-    Example:
+    Examples:
         >>> guard = NanGuard(action="skip", max_consecutive_bad_steps=5)
         >>> guard.events
         []
@@ -483,7 +483,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         For manual optimisation and custom loops: call it after ``manual_backward`` and before
         ``optimizer.step()``; skip the step yourself when it returns an event.
 
-        Example:
+        Examples:
             >>> import torch
             >>> net = nn.Linear(2, 1)
             >>> net(torch.tensor([[float("nan"), 1.0]])).sum().backward()

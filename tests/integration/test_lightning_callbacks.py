@@ -8,7 +8,7 @@ the BatchNorm buffers put back): the guarded run must match it bit for bit, whic
 the bad step left no trace and that every healthy step, before and after it, behaved exactly as
 without the guard. Loaders never shuffle: sample ``i`` sits in batch ``i // 8``.
 
-The ``compat`` marker of each test is a row of the README's compatibility table
+The ``compat`` marker of each test is a row of the compatibility table (docs/guide/compatibility.md)
 (``scripts/compat_table.py``).
 """
 

@@ -52,7 +52,7 @@ Loader = Callable[[tuple[int, ...]], DataLoader]
 
 
 def compat(feature: str, note: str) -> pytest.MarkDecorator:
-    """The README compatibility row of a Trainer flag or call that works with the guard."""
+    """The compatibility row (docs/guide/compatibility.md) of a Trainer flag or call that works with the guard."""
     return pytest.mark.compat(feature=feature, kind="flag", status="works", note=note)
 
 
