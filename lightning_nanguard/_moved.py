@@ -31,7 +31,7 @@ __all__ = ["MOVED", "REMOVED_IN", "install"]
 
 _P = "lightning_nanguard."
 
-REMOVED_IN = "0.4"
+REMOVED_IN = "0.5"
 """The version that removes the forwarding."""
 
 MOVED: dict[str, tuple[str, ...]] = {

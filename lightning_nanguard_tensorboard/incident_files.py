@@ -102,5 +102,21 @@ def bundle_info(run: RunLocation, event: dict[str, Any]) -> dict[str, Any]:
     if status == "present":
         shown = os.path.join(run.shown, "nanguard", name)
         info["path"] = shown
-        info["command"] = f"python -m lightning_nanguard replay {shlex.quote(shown)}"
+        trust = " --trust" if _needs_trust(run, name) else ""
+        info["command"] = f"python -m lightning_nanguard replay {shlex.quote(shown)}{trust}"
     return info
+
+
+def _needs_trust(run: RunLocation, name: str) -> bool:
+    """What the bundle's ``module.json`` says: its replay needs ``--trust`` (the run's own model class in a script)."""
+    path = run.path(name, "module.json")  # <run>/nanguard/<bundle>/module.json; links out of the run refused
+    if path is None:
+        return False
+    try:
+        if os.path.getsize(path) > MAX_CONTEXT_BYTES:
+            return False
+        with open(path, encoding="utf-8") as handle:
+            meta = json.load(handle)
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and bool(meta.get("replay_needs_trust"))

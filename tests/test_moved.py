@@ -89,7 +89,7 @@ def test_an_old_path_imports_with_one_deprecation_warning_naming_the_new_path(ol
     message = str(warning.message)
     assert message.startswith(f"`{old}` moved to `{targets[0]}`")
     assert all(f"`{target}`" in message for target in targets)
-    assert "removed in lightning_nanguard 0.4" in message
+    assert "removed in lightning_nanguard 0.5" in message
     assert _import_warning(old) == []  # imported once: no second warning
 
 
@@ -172,6 +172,6 @@ def test_only_the_documented_path_is_forwarded_until_the_removal_version() -> No
     """0.2.0's README documented ``lightning_nanguard.spikes`` only; other old paths are gone."""
     from lightning_nanguard._moved import REMOVED_IN
 
-    assert set(MOVED) == {"lightning_nanguard.spikes"} and REMOVED_IN == "0.4"
+    assert set(MOVED) == {"lightning_nanguard.spikes"} and REMOVED_IN == "0.5"
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("lightning_nanguard.forensics")

@@ -42,6 +42,7 @@ import inspect
 import json
 import os
 import pickle
+import shlex
 import shutil
 import sys
 from collections.abc import Mapping
@@ -174,12 +175,49 @@ def save_bundle(
     if layout is not None:  # several training loaders (a bundle of one loader is unchanged)
         meta["loaders"] = layout.to_json()
         meta["sample_loaders"] = sample_loaders
+    meta["replay_needs_trust"] = _needs_trust(path, cls)  # the replay command shown then says --trust
     (path / "module.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
     saved = event.replace(repro_path=str(path)).to_dict()
     (path / "event.json").write_text(json.dumps(saved, indent=2), encoding="utf-8")
     full = {**saved["details"], **dict(full_details or {})}
     (path / "details_full.json").write_text(json.dumps(full, indent=2, default=str), encoding="utf-8")
     return path
+
+
+def _needs_trust(path: Path, cls: type) -> bool:
+    """Whether replaying this (own) bundle will need ``--trust``.
+
+    It will when its class lives in the script that ran (``__main__``) or outside the installed
+    environment, or when a file holds more than plain data.
+    """
+    top = cls.__module__.split(".")[0]
+    if top == "__main__" or importlib.util.find_spec(top) is None:
+        return True
+    for name in ("batch.pt", "hparams.pt", "reference.pt"):
+        if (path / name).exists():
+            try:
+                torch.load(path / name, weights_only=True)
+            except pickle.UnpicklingError:
+                return True
+    return False
+
+
+def replay_command(bundle: str | os.PathLike[str]) -> str:
+    """The command that replays ``bundle``, with ``--trust`` where its ``module.json`` says it needs it.
+
+    For the run's own bundles: a bundle you did not make should be replayed without ``--trust`` first
+    (it then says what it needs).
+
+    Example:
+        >>> replay_command("/nonexistent/step-3")
+        'python -m lightning_nanguard replay /nonexistent/step-3'
+    """
+    try:
+        meta = json.loads((Path(bundle) / "module.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        meta = {}
+    trust = " --trust" if meta.get("replay_needs_trust") else ""
+    return f"python -m lightning_nanguard replay {shlex.quote(str(bundle))}{trust}"
 
 
 def update_bundle_event(event: NanEvent) -> bool:

@@ -14,6 +14,7 @@ from lightning_nanguard.reporting.explain import (
     records_text,
     stack_text,
 )
+from lightning_nanguard.reporting.repro import replay_command
 
 __all__ = ["event_lines", "event_markdown", "event_text", "loader_samples_text", "samples_text"]
 
@@ -152,7 +153,7 @@ def event_lines(event: NanEvent, code: str = "") -> list[tuple[str, str]]:
     if event.remedies:
         rows.append(("remedies", "; ".join(event.remedies)))
     if event.repro_path:
-        rows.append(("repro bundle", f"{event.repro_path}  (python -m lightning_nanguard replay {event.repro_path})"))
+        rows.append(("repro bundle", f"{event.repro_path}  ({replay_command(event.repro_path)})"))
     return rows
 
 

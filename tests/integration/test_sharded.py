@@ -294,6 +294,7 @@ def test_the_fsdp2_bundle_holds_the_gathered_state_and_replays(run: Any) -> None
     bundle = Path(event["repro_path"])
     meta = json.loads((bundle / "module.json").read_text(encoding="utf-8"))
     assert meta["module_state"] == "gathered"
+    assert meta["replay_needs_trust"] is True  # so the panel and the dashboard show the command with --trust
     # --trust: the model class is defined in sharded_script.py, run as __main__; only that module file
     # (named by the bundle) defines it, and replay imports a file from a bundle only when trusted
     proc = subprocess.run(

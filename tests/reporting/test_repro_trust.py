@@ -224,3 +224,13 @@ def test_import_class_runs_a_module_file_only_with_trust(tmp_path: Path) -> None
         import_class("__main__.sub:LogModel", str(script))  # no module named __main__ is run by name either
     assert not marker.exists()
     assert import_class("__main__:LogModel", str(script), trust=True).__name__ == "LogModel" and marker.exists()
+
+
+def test_the_replay_command_shown_for_an_own_bundle_says_trust_only_when_it_is_needed(tmp_path: Path) -> None:
+    """The panel and the dashboard show ``--trust`` for the run's own bundle whose class is in its script."""
+    from lightning_nanguard.reporting.repro import replay_command
+
+    for needs, folder in ((True, tmp_path / "a"), (False, tmp_path / "b")):
+        folder.mkdir()
+        (folder / "module.json").write_text(json.dumps({"replay_needs_trust": needs}))
+        assert replay_command(folder).endswith(" --trust") is needs
