@@ -38,7 +38,7 @@ __all__ = [
     "NonFiniteTrainingError",
 ]
 
-EventKind = Literal["loss", "grad", "bn_stats", "param", "loss_scale", "loss_spike", "grad_spike"]
+EventKind = Literal["loss", "grad", "bn_stats", "param", "loss_scale", "loss_spike", "grad_spike", "precursor"]
 EventAction = Literal["skipped", "raised", "warned", "rolled_back"]
 EventCause = Literal["data", "input", "state", "interaction", "batch"]
 EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
@@ -70,9 +70,10 @@ class NanEvent:
         batch_idx: index of the batch within the epoch (the last micro-batch under accumulation).
         rank: global rank of the process that saw the non-finite value.
         kinds: what was wrong, a subset of ``("loss", "grad", "bn_stats", "param", "loss_scale",
-            "loss_spike", "grad_spike")`` (``"loss_scale"``: a GradScaler's scale collapsed under
-            repeated overflow; ``"loss_spike"``/``"grad_spike"``: a finite loss or gradient norm far
-            above its recent healthy values).
+            "loss_spike", "grad_spike", "precursor")`` (``"loss_scale"``: a GradScaler's scale collapsed
+            under repeated overflow; ``"loss_spike"``/``"grad_spike"``: a finite loss or gradient norm
+            far above its recent healthy values; ``"precursor"``: an early warning, e.g. an attention
+            module's max logit growing towards collapse, with ``action="warned"``: the step was applied).
         nonfinite_grads: qualified names of parameters whose gradient holds NaN/Inf.
         nonfinite_buffers: qualified names of BatchNorm buffers holding NaN/Inf (or a negative
             ``running_var``), e.g. ``"net.1.running_var"``.
@@ -233,6 +234,8 @@ class NanEvent:
             'loss spike (loss 5e+04, 4.98e+04x the recent level, threshold 3.1) -> step skipped'
         """
         when = f"step {self.global_step} (epoch {self.epoch}, batch {self.batch_idx})"
+        if self.kinds == ("precursor",):
+            return f"{when}: {self._precursor_words()} -> step applied"
         if all(kind in SPIKE_KINDS for kind in self.kinds):
             return f"{when}: {self._spike_words()} -> {self._done()}"
         what = ", ".join(self.kinds)
@@ -254,6 +257,22 @@ class NanEvent:
             "warned": "step applied (action='warn')" if self.kinds[0] not in SPIKE_KINDS else "step applied",
             "rolled_back": "rolled back to the last good state",
         }[self.action]
+
+    def _precursor_words(self) -> str:
+        d = self.details
+        signal = str(d.get("signal", "precursor")).replace("_", " ")
+        facts = []
+        value, growth, threshold = d.get("value"), d.get("growth"), d.get("threshold")
+        if isinstance(value, int | float):
+            facts.append(f"{value:.3g}")
+        if isinstance(growth, int | float) and isinstance(d.get("earlier_step"), int):
+            facts.append(f"{growth:.3g}x since step {d['earlier_step']}")
+        if isinstance(threshold, int | float):
+            facts.append(f"threshold {threshold:.3g}")
+        where = f" in {self.culprit_module}" if self.culprit_module else ""
+        return f"early warning{where}: {signal}" + (f" {facts[0]}" if facts else "") + (
+            f" ({', '.join(facts[1:])})" if len(facts) > 1 else ""
+        )
 
     def _spike_words(self) -> str:
         words = " and ".join("loss spike" if kind == "loss_spike" else "gradient-norm spike" for kind in self.kinds)
