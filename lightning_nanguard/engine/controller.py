@@ -46,6 +46,7 @@ from lightning_nanguard.engine.settings import GuardSettings
 from lightning_nanguard.engine.sharding import ShardingLayout, announce_sharding, sharding_notice
 from lightning_nanguard.engine.state import GuardState
 from lightning_nanguard.engine.step.check import check_module, next_loss_scale, step_flags
+from lightning_nanguard.engine.step.precursors import PrecursorWatch, precursor_event
 from lightning_nanguard.engine.step.spikes import SpikeWatch
 from lightning_nanguard.engine.step.syncfree import DeferredStep, SyncFreeSteps
 from lightning_nanguard.engine.step.window import StepWindow
@@ -80,6 +81,7 @@ class StepController:
         self.window = StepWindow()
         self.state = GuardState()
         self.spikes: SpikeWatch | None = None
+        self.precursors: PrecursorWatch | None = None  # attention collapse ahead (engine/step/precursors.py)
         self.sync = SyncFreeSteps()
         self._resolving: DeferredStep | None = None
         self.spike_state: dict[str, Any] = {}  # loaded before the detectors exist
@@ -105,6 +107,12 @@ class StepController:
             settings.with_norm,
             settings.sync_free,
         )
+        if settings.precursors is None:
+            if self.precursors is not None:
+                self.precursors.disarm()
+            self.precursors = None
+        elif self.precursors is None or self.precursors.settings != settings.precursors:
+            self.precursors = PrecursorWatch(settings.precursors)
         current = self.spikes
         unchanged = current is not None and current.settings == settings.spikes
         if settings.spikes is None:
@@ -121,6 +129,8 @@ class StepController:
         self.params = [p for _, p in self.named_params]
         self._step_params = {}
         self.window.attach(front.module, self.track_batchnorm)
+        if self.precursors is not None:
+            self.precursors.attach(front.module)
         unsupported = self.window.metrics.describe_unsupported() if self.window.metrics is not None else None
         if unsupported is not None:
             self.recorder.notices.warn("metrics", f"NanGuard: {unsupported}.")
@@ -216,6 +226,31 @@ class StepController:
             )
         if checking and self.sync_free:
             self.sync.capture()
+        self.arm_precursors(front)
+
+    def arm_precursors(self, front: FrontEnd) -> None:
+        """The step about to run: measure its attention when it is a sampled step (before its forward)."""
+        if self.precursors is not None:
+            self.precursors.arm(front.global_step)
+
+    def _precursor_check(self, front: FrontEnd) -> None:
+        """The step is checked: stop measuring; judge the samples already on the host (no wait)."""
+        watch = self.precursors
+        if watch is None:
+            return
+        watch.finish(front.global_step)
+        samples = watch.ready(front.global_step)
+        if not samples or not front.is_global_zero:  # one rank warns (each rank measures its own rows)
+            return
+        for step in sorted({sample.step for sample in samples}):
+            values = {}
+            for sample in (s for s in samples if s.step == step):
+                values[f"nanguard/attention_max_logit/{sample.module}"] = sample.max_logit
+                values[f"nanguard/attention_entropy/{sample.module}"] = sample.entropy
+            self.recorder.sinks.write_scalars(front, values, step)
+        for finding, sample in watch.judge(samples):
+            event = precursor_event(finding, sample, watch.settings, front.current_epoch, front.global_rank)
+            self.recorder.record(front, event)
 
     def checking(self, front: FrontEnd, every_n_steps: int) -> bool:
         """Whether the optimizer step about to run is checked (the same answer on every rank)."""
@@ -228,6 +263,7 @@ class StepController:
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
         if isinstance(inner, torch.optim.LBFGS) and self.state.reported_step == front.global_step:
             return  # LBFGS evaluates its closure (and this hook) many times per step: one event per step
+        self._precursor_check(front)
         # manual optimisation steps optimizers one by one: the gradients this step applies are its own
         self.follow()  # BatchNorm buffers replaced during the step are checked as they are
         params = self.step_params(front.module, inner)  # the tensors this step really updates

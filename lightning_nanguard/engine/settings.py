@@ -30,6 +30,7 @@ from lightning_nanguard.decide.policy import Policy, SpikeAction, StepAction
 from lightning_nanguard.engine.after_step import ParamCheckSettings
 from lightning_nanguard.engine.incident.diagnosis import DiagnosisSettings
 from lightning_nanguard.engine.rows.records import RecordSettings
+from lightning_nanguard.engine.step.precursors import PrecursorSettings
 from lightning_nanguard.engine.step.spikes import SpikeSettings
 from lightning_nanguard.recover.recovery import RecoverySettings
 from lightning_nanguard.recover.remedies import REMEDIES
@@ -131,6 +132,11 @@ RULES: dict[str, Rule] = {
     "spike_warmup_steps": integer(2),
     "spike_rebaseline_after": integer(1),
     "sync_free": boolean(),
+    "precursors": boolean(),
+    "precursor_every_n_steps": integer(1),
+    "precursor_min_logit": number(0.0),
+    "precursor_growth": Rule(lambda v: _is_number(v) and 1.0 < float(v) < float("inf"), "a number > 1"),
+    "precursor_window": integer(1),
     "loss_fn": Rule(lambda v: v is None or callable(v), "None or a callable(model, batch) returning the loss"),
 }
 
@@ -174,6 +180,7 @@ class GuardSettings:
         track_batchnorm: check BatchNorm statistics.
         with_norm: compute the gradient norm every step (``clip_grad`` needs it).
         sync_free: skip on the device and read the flags one step later.
+        precursors: the attention precursor watch's parameters (``None``: ``precursors=False``).
     """
 
     policy: Policy
@@ -184,6 +191,7 @@ class GuardSettings:
     track_batchnorm: bool
     with_norm: bool
     sync_free: bool
+    precursors: PrecursorSettings | None = None
 
     @classmethod
     def from_arguments(cls, a: Mapping[str, Any], strategy_kind: str = "single") -> GuardSettings:
@@ -240,6 +248,14 @@ class GuardSettings:
             track_batchnorm=a["check_bn_stats"],
             with_norm="clip_grad" in (a["remedies"] or ()),
             sync_free=a["sync_free"],
+            precursors=PrecursorSettings(
+                every_n_steps=a["precursor_every_n_steps"],
+                min_logit=a["precursor_min_logit"],
+                growth=a["precursor_growth"],
+                window=a["precursor_window"],
+            )
+            if a.get("precursors", False)
+            else None,
         )
 
 

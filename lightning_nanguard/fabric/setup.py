@@ -61,4 +61,5 @@ def take_hold_of_fabric(
     hold_fabric_strategy(fabric.strategy, steps)
     for loader in early_loaders(fabric):
         steps.watch_loader(loader)
+    controller.arm_precursors(front)  # the first step's forward comes next
     return steps

@@ -121,6 +121,7 @@ class FabricSteps:
         self.controller.after_optimizer_step(self.front)
         self.front.global_step += 1
         self._checked = {}
+        self.controller.arm_precursors(self.front)  # before the next step's forward (Fabric has no hook there)
 
 
 def _note_batches(loader: Any, note: Callable[[Any], None] | None, sampler: RecordingBatchSampler | None) -> None:

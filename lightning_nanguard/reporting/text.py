@@ -98,6 +98,36 @@ def samples_text(event: NanEvent) -> str | None:
     return text
 
 
+def _precursor_lines(event: NanEvent, code: str) -> list[tuple[str, str]]:
+    """An early warning's rows: where, what was measured, how fast it grows, what usually fixes it.
+
+    Example:
+        >>> e = NanEvent(40, 0, 40, 0, ("precursor",), "warned", culprit_module="blocks.1.attn",
+        ...              details={"signal": "attention_max_logit", "value": 312.4, "threshold": 50.0,
+        ...                       "growth": 6.1, "earlier_value": 51.2, "earlier_step": 20, "entropy": 0.4})
+        >>> [label for label, _ in _precursor_lines(e, "")]
+        ['early warning', 'module', 'signal', 'growth', 'attention entropy']
+    """
+    d = event.details
+    rows = [("early warning", "attention collapse ahead: no NaN yet, the step was applied")]
+    if event.culprit_module:
+        rows.append(("module", f"{code}{event.culprit_module}{code}"))
+    value, threshold = d.get("value"), d.get("threshold")
+    if isinstance(value, int | float):
+        signal = str(d.get("signal", "")).replace("_", " ")
+        rows.append(
+            ("signal", f"{signal} {value:.4g}" + (f" (level {threshold:.3g})" if threshold is not None else ""))
+        )
+    growth, earlier, earlier_step = d.get("growth"), d.get("earlier_value"), d.get("earlier_step")
+    if isinstance(growth, int | float) and isinstance(earlier, int | float):
+        rows.append(("growth", f"{growth:.3g}x since step {earlier_step} ({earlier:.4g})"))
+    if isinstance(d.get("entropy"), int | float):
+        rows.append(("attention entropy", f"{d['entropy']:.3g} nats (min-entropy bound {d.get('min_entropy', 0):.3g})"))
+    if d.get("fixes"):
+        rows.append(("usual fixes", "; ".join(str(fix) for fix in d["fixes"])))
+    return rows
+
+
 def event_lines(event: NanEvent, code: str = "") -> list[tuple[str, str]]:
     """The ``(label, value)`` rows shared by the terminal and markdown reports.
 
@@ -113,6 +143,8 @@ def event_lines(event: NanEvent, code: str = "") -> list[tuple[str, str]]:
         ('parameter grads (1)', 'fc.bias')
     """
     d = event.details
+    if event.kinds == ("precursor",):
+        return _precursor_lines(event, code)
     rows: list[tuple[str, str]] = [("non-finite", ", ".join(event.kinds))]
     cause = cause_text(event)
     if cause:

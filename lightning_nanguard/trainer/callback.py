@@ -31,6 +31,7 @@ from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.settings import GuardSettings, validate_arguments, warn_what_cannot_be_skipped
 from lightning_nanguard.engine.sharding import own_rank_state
 from lightning_nanguard.engine.state import CounterView
+from lightning_nanguard.engine.step.precursors import PrecursorSettings
 from lightning_nanguard.fabric.fabric_class import hold_fabric_class
 from lightning_nanguard.fabric.setup import take_hold_of_fabric
 from lightning_nanguard.fabric.steps import FabricSteps
@@ -134,6 +135,16 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             Adam/AdamW/SGD/Adagrad (``found_inf``) and its BatchNorm statistics restored by a
             device-side select; the flags are read one step later, before the next forward, and
             the incident handled then. Other optimizers keep the one host read per step (one warning).
+        precursors: warn of attention collapse before it happens (``kinds=("precursor",)``; the step
+            is applied): every ``precursor_every_n_steps`` steps the max pre-softmax logit and the
+            entropy of each attention module are measured on the side of the forward, and a module
+            whose max logit is above ``precursor_min_logit`` and ``precursor_growth`` times what it
+            was ``precursor_window`` steps before is named, at most once per 100 steps. ``False``:
+            off. The evidence for the defaults: the user guide's precursor page.
+        precursor_every_n_steps: how often the attention logits are sampled.
+        precursor_min_logit: the level a module's max attention logit must exceed.
+        precursor_growth: how many times its value ``precursor_window`` steps earlier it must be.
+        precursor_window: how far back the growth is measured, in steps.
         loss_fn: in a Lightning Fabric loop, ``loss_fn(model, batch) -> loss`` (a tensor, or a dict with
             ``"loss"``): the guard re-runs it on sub-batches of a bad step to name the offending samples
             (``model``: the module you gave ``fabric.setup``, run under Fabric's precision; ``batch``: as
@@ -186,6 +197,11 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         spike_warmup_steps: int = default_of(SpikeDetector, "warmup"),
         spike_rebaseline_after: int = default_of(SpikeDetector, "rebaseline_after"),
         sync_free: bool = False,
+        precursors: bool = True,
+        precursor_every_n_steps: int = default_of(PrecursorSettings, "every_n_steps"),
+        precursor_min_logit: float = default_of(PrecursorSettings, "min_logit"),
+        precursor_growth: float = default_of(PrecursorSettings, "growth"),
+        precursor_window: int = default_of(PrecursorSettings, "window"),
         loss_fn: Callable[[Any, Any], Any] | None = None,
     ) -> None:
         arguments = dict(locals())
@@ -223,6 +239,11 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.spike_warmup_steps = spike_warmup_steps
         self.spike_rebaseline_after = spike_rebaseline_after
         self.sync_free = sync_free
+        self.precursors = precursors
+        self.precursor_every_n_steps = precursor_every_n_steps
+        self.precursor_min_logit = precursor_min_logit
+        self.precursor_growth = precursor_growth
+        self.precursor_window = precursor_window
         self.loss_fn = loss_fn
 
         self.clock = GuardClock()  # `guard.clock.enabled = True` measures the time spent in the guard

@@ -47,6 +47,11 @@ BAD: dict[str, list[Any]] = {
     "spike_warmup_steps": [1, 0, 16.5],
     "spike_rebaseline_after": [0, 2.5, None],
     "sync_free": ["true", 1, None],
+    "precursors": ["true", 1, None],
+    "precursor_every_n_steps": [0, 2.5, None],
+    "precursor_min_logit": [0.0, -1.0, float("nan"), "50"],
+    "precursor_growth": [1.0, 0.5, float("inf"), "3"],
+    "precursor_window": [0, 1.5, None],
     "loss_fn": ["my_pkg.loss", 3],
 }
 
@@ -83,6 +88,11 @@ GOOD: dict[str, list[Any]] = {
     "spike_warmup_steps": [2, 16, 128],
     "spike_rebaseline_after": [1, 5],
     "sync_free": [True, False],
+    "precursors": [True, False],
+    "precursor_every_n_steps": [1, 10, 100],
+    "precursor_min_logit": [0.5, 50.0, 100],
+    "precursor_growth": [1.5, 3.0, 10],
+    "precursor_window": [1, 20, 100],
     "loss_fn": [None, lambda model, batch: model(batch).sum()],
 }
 

@@ -1,0 +1,136 @@
+"""Attention precursors through a real ``Trainer``: the warning's contract, the rate limit, the off switch.
+
+The logits here are made to grow on purpose (a callback scales one layer's query projection after
+every step from step 30 on), so the plumbing is tested apart from the rule's calibration; runs that
+collapse by themselves at a too-high learning rate are in ``test_precursor_runs.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from fitting import build_trainer
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_nanguard import NanGuard
+
+STEPS = 120
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, sdpa: bool) -> None:
+        super().__init__()
+        self.sdpa = sdpa
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.sdpa:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        logits = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+        causal = torch.ones(x.size(1), x.size(1), dtype=torch.bool).tril()
+        return torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1) @ v
+
+
+class TinyTransformer(pl.LightningModule):
+    def __init__(self, sdpa: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 16)
+        self.blocks = nn.ModuleList([nn.ModuleDict({"attn": Attention(16, sdpa)}) for _ in range(2)])
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block["attn"](x)
+        return self.head(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        (ids,) = batch
+        logits = self(ids[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, 16), ids[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class GrowQueries(pl.Callback):
+    """From step ``start`` on, scale ``blocks.1.attn.q`` by ``factor`` after every step: its logits grow."""
+
+    def __init__(self, start: int = 30, factor: float = 1.08) -> None:
+        self.start, self.factor = start, factor
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step >= self.start:
+            with torch.no_grad():
+                module.blocks[1]["attn"].q.weight.mul_(self.factor)
+                module.blocks[1]["attn"].q.bias.mul_(self.factor)
+
+
+def _data() -> DataLoader:
+    ids = torch.randint(16, (STEPS * 4, 9), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(ids), batch_size=4)
+
+
+def _fit(tmp_path: Path, guard: NanGuard, grow: bool, sdpa: bool = False, **trainer: Any) -> pl.Trainer:
+    callbacks: list[Any] = [guard, *([GrowQueries()] if grow else [])]
+    fitter = build_trainer("lightning", tmp_path, callbacks=callbacks, **trainer)
+    fitter.fit(TinyTransformer(sdpa), _data())
+    return fitter
+
+
+@pytest.mark.parametrize("sdpa", [False, True], ids=["manual", "sdpa"])
+def test_growing_logits_are_named_once_per_100_steps_and_the_step_is_applied(tmp_path: Path, sdpa: bool) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    guard = NanGuard(verbose=False)
+    logger = TensorBoardLogger(str(tmp_path), name="run")
+    _fit(tmp_path, guard, grow=True, sdpa=sdpa, logger=logger)
+    warnings = [e for e in guard.events if e.kinds == ("precursor",)]
+    assert [e.culprit_module for e in warnings] == ["blocks.1.attn"]  # 120 steps: the cooldown holds it to one
+    (event,) = warnings
+    assert event.action == "warned" and guard.counters.skipped_total == 0 and guard.counters.bad_steps_total == 0
+    assert event.global_step % 10 == 0 and 30 < event.global_step < 100
+    d = event.details
+    assert d["signal"] == "attention_max_logit" and d["value"] > d["threshold"] == 50.0
+    assert d["growth"] >= d["growth_threshold"] == 3.0 and d["earlier_step"] < event.global_step
+    assert "QK-layernorm" in " ".join(d["fixes"])
+    assert event.headline().endswith("-> step applied")
+    line = json.loads((Path(logger.log_dir) / "nanguard" / "events.jsonl").read_text().splitlines()[0])
+    assert line["kinds"] == ["precursor"] and line["culprit_module"] == "blocks.1.attn"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(logger.log_dir)
+    accumulator.Reload()
+    series = accumulator.Scalars("nanguard/attention_max_logit/blocks.1.attn")
+    assert [s.step for s in series][:3] == [0, 10, 20]  # sampled every 10 steps
+    assert series[-1].value > 10 * series[0].value
+    assert "nanguard/attention_entropy/blocks.0.attn" in accumulator.Tags()["scalars"]
+
+
+def test_a_healthy_run_gets_no_warning_and_the_switch_turns_it_off(tmp_path: Path) -> None:
+    healthy = NanGuard(verbose=False)
+    _fit(tmp_path, healthy, grow=False)
+    assert healthy.events == []
+    off = NanGuard(verbose=False, precursors=False)
+    _fit(tmp_path, off, grow=True)
+    assert off.events == [] and off.controller.precursors is None
+
+
+def test_the_warning_repeats_after_100_steps_if_the_growth_goes_on(tmp_path: Path) -> None:
+    guard = NanGuard(verbose=False, precursor_growth=1.5)
+    fitter = build_trainer("lightning", tmp_path, callbacks=[guard, GrowQueries(factor=1.03)], max_epochs=3)
+    fitter.fit(TinyTransformer(), _data())
+    steps = [e.global_step for e in guard.events if e.kinds == ("precursor",)]
+    assert len(steps) >= 2 and all(b - a >= 100 for a, b in itertools.pairwise(steps))
