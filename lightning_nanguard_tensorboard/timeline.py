@@ -103,4 +103,11 @@ def markers(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "grad_norm": _short_number(event.get("grad_norm")),
             }
         )
+        if "precursor" in out[-1]["kinds"]:  # an early warning's lane shows where and what
+            details = event.get("details") or {}
+            out[-1].update(
+                module=event.get("culprit_module"),
+                signal=details.get("signal"),
+                value=_short_number(details.get("value")),
+            )
     return out

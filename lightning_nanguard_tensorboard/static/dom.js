@@ -52,6 +52,7 @@ export const KIND_GROUPS = {
   nonfinite: {label: 'NaN/Inf', kinds: ['loss', 'grad', 'bn_stats', 'param']},
   loss_scale: {label: 'loss scale collapsed', kinds: ['loss_scale']},
   spike: {label: 'spike', kinds: ['loss_spike', 'grad_spike']},
+  precursor: {label: 'precursor', kinds: ['precursor']},
 };
 
 /** The group of an event's kinds that decides its colour: NaN/Inf first, then loss scale, then spikes. */

@@ -186,10 +186,26 @@ function reproSection(bundle) {
 }
 
 /** The incident panel for the `incident` route's answer. */
+function precursorSection(event) {
+  const d = event.details || {};
+  const rows = [
+    row('module', h('code', {}, event.culprit_module || '?')),
+    row('signal', `${(d.signal || '').replaceAll('_', ' ')} ${num(d.value)}`, d.threshold !== undefined ? ` (level ${num(d.threshold)})` : ''),
+  ];
+  if (d.growth !== undefined) rows.push(row('growth', `${num(d.growth)}x since step ${d.earlier_step} (${num(d.earlier_value)})`));
+  if (d.entropy !== undefined) rows.push(row('attention entropy', `${num(d.entropy)} nats (min-entropy bound ${num(d.min_entropy)})`));
+  const fixes = (d.fixes || []).map((fix) => h('li', {}, fix));
+  return section('Early warning: attention collapse ahead', ...rows,
+      h('p', {class: 'muted small'}, 'No NaN yet: the step was applied. The usual fixes:'), h('ul', {}, ...fixes));
+}
+
 export function incidentView(run, data) {
   const {event, context, bundle} = data;
   const index = event._dashboard.index;
   const details = event.details || {};
+  if ((event.kinds || []).includes('precursor')) {
+    return h('article', {class: 'incident', dataset: {run, index}}, header(event), precursorSection(event));
+  }
   return h('article', {class: 'incident', dataset: {run, index}},
       header(event),
       h('div', {class: 'incident-grid'},

@@ -109,7 +109,9 @@ export function timelineCard(data, {width, stepRange, onOpen, onLossTag}) {
   const hi = s1 > lo ? s1 : lo + 1;
   const pad = (hi - lo) * 0.012; // markers at the first and last steps stay clear of the frame
   const x = scaleLinear(lo - pad, hi + pad, LEFT, width - RIGHT);
-  const markers = data.markers || [];
+  const all = data.markers || [];
+  const markers = all.filter((m) => kindGroup(m.kinds) !== 'precursor');
+  const precursors = all.filter((m) => kindGroup(m.kinds) === 'precursor');
   const counters = data.counters || {};
   const overflow = counters.amp_overflow || [];
 
@@ -126,6 +128,11 @@ export function timelineCard(data, {width, stepRange, onOpen, onLossTag}) {
   const laneTop = top;
   const laneHeight = 46;
   top += laneHeight + GAP;
+  let precursorTop = null;
+  if (precursors.length) {
+    precursorTop = top;
+    top += 30 + GAP;
+  }
   let overflowTop = null;
   if (overflow.length) {
     overflowTop = top;
@@ -159,6 +166,23 @@ export function timelineCard(data, {width, stepRange, onOpen, onLossTag}) {
     }, s('title', {}, markerTitle(m)), markerShape(m.action, cx, cy, 5));
     if (m.remedies) marker.appendChild(s('circle', {class: 'remedy-ring', cx, cy, r: 9}));
     chart.appendChild(marker);
+  }
+
+  if (precursorTop !== null) {  // early warnings: the step was applied, so they stay out of the incident lane
+    chart.appendChild(s('rect', {class: 'panel-bg lane precursor-lane', x: LEFT, y: precursorTop, width: width - LEFT - RIGHT, height: 30}));
+    chart.appendChild(s('text', {class: 'panel-label', x: LEFT - 6, y: precursorTop + 19, 'text-anchor': 'end'}, 'precursors'));
+    for (const m of precursors) {
+      const cx = x(m.step);
+      const cy = precursorTop + 15;
+      const title = `step ${m.step} · early warning in ${m.module || '?'}: ${m.signal || 'precursor'} ${num(m.value)} · step applied (click to open)`;
+      chart.appendChild(s('g', {
+        class: 'marker g-precursor',
+        tabindex: 0,
+        dataset: {index: m.index, step: m.step},
+        onclick: () => onOpen(data.run, m.index),
+        onkeydown: (e) => (e.key === 'Enter' ? onOpen(data.run, m.index) : null),
+      }, s('title', {}, title), s('path', {d: `M${cx} ${cy - 6} L${cx + 6} ${cy + 5} L${cx - 6} ${cy + 5} Z`})));
+    }
   }
 
   if (overflowTop !== null) {

@@ -425,3 +425,28 @@ def test_verification_marks_records_and_the_batch_cause_reach_the_routes(tmp_pat
     assert summary["dataset_indices_total"] == 6
     markers = client.get(f"/timeline?run={VERIFIED_RUN}").json["markers"]
     assert [m["cause"] for m in markers] == ["data", "data", "data", "batch"]
+
+
+def test_a_precursor_marker_carries_its_module_signal_and_value(tmp_path: Path) -> None:
+    """The timeline's precursor lane shows where and what; the incident view gets the event's details."""
+    run_dir = tmp_path / "precursor" / "version_0"
+    warning = make_event(
+        bare=True,
+        global_step=40,
+        kinds=("precursor",),
+        action="warned",
+        culprit_module="blocks.1.attn",
+        details={"signal": "attention_max_logit", "value": 312.4, "threshold": 50.0, "growth": 6.1},
+    )
+    JsonlEventLog(str(run_dir / "nanguard" / WRITER_EVENTS_FILENAME)).append(warning)
+    client = plugin_client(tmp_path)
+    timeline = json.loads(client.get("/timeline?run=precursor/version_0").get_data())
+    (marker,) = timeline["markers"]
+    assert (marker["kinds"], marker["module"], marker["signal"], marker["value"]) == (
+        ["precursor"],
+        "blocks.1.attn",
+        "attention_max_logit",
+        312.4,
+    )
+    incident = json.loads(client.get("/incident?run=precursor/version_0&index=0").get_data())
+    assert incident["event"]["details"]["growth"] == 6.1
