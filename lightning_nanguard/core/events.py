@@ -270,8 +270,10 @@ class NanEvent:
         if isinstance(threshold, int | float):
             facts.append(f"threshold {threshold:.3g}")
         where = f" in {self.culprit_module}" if self.culprit_module else ""
-        return f"early warning{where}: {signal}" + (f" {facts[0]}" if facts else "") + (
-            f" ({', '.join(facts[1:])})" if len(facts) > 1 else ""
+        return (
+            f"early warning{where}: {signal}"
+            + (f" {facts[0]}" if facts else "")
+            + (f" ({', '.join(facts[1:])})" if len(facts) > 1 else "")
         )
 
     def _spike_words(self) -> str:
