@@ -106,10 +106,15 @@ class AttentionProbe:
         rows: how many batch rows (the first dimension) of each attention call are measured.
     """
 
-    def __init__(self, model: nn.Module, rows: int = 2) -> None:
+    def __init__(self, model: nn.Module, rows: int = 2, rediscover_every: int = 20) -> None:
         self.rows = rows
         self.names = {id(module): name for name, module in model.named_modules()}
+        self.modules = dict(model.named_modules())
         self.multihead = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
+        self.rediscover_every = rediscover_every
+        self.attention: set[str] | None = None  # the modules found calling attention (None: not looked yet)
+        self._passes = 0
+        self._discovering = True
         self._stack: list[str] = []
         self._stats: dict[str, AttentionStats] = {}
         self._mode = _Intercept(self)
@@ -123,7 +128,9 @@ class AttentionProbe:
         inside whatever modes the loop itself uses (this context may span several hooks of a loop).
         """
         self._stack = []
-        handles = self._hooks()
+        self._discovering = self.attention is None or self._passes % self.rediscover_every == 0
+        self._passes += 1
+        handles = self._hooks() if self._discovering else self._attention_hooks()
         for module in self.multihead:
             handles.append(module.register_forward_pre_hook(self._multihead, with_kwargs=True))
         try:
@@ -136,8 +143,15 @@ class AttentionProbe:
                 self._mode.__exit__(None, None, None)
 
     def take(self) -> dict[str, AttentionStats]:
-        """The measurements since the last ``take``, per module name (device tensors)."""
+        """The measurements since the last ``take``, per module name (device tensors).
+
+        After a pass that looked at every module (the first, then one in ``rediscover_every``), the
+        next passes watch only the modules found calling attention: the function mode is then
+        active only inside them, and the other modules run without any hook.
+        """
         stats, self._stats = self._stats, {}
+        if self._discovering:
+            self.attention = set(stats)
         return stats
 
     # ------------------------------------------------------------------ internals
@@ -162,6 +176,29 @@ class AttentionProbe:
             nn.modules.module.register_module_forward_pre_hook(enter),
             nn.modules.module.register_module_forward_hook(leave, always_call=True),
         ]
+
+    def _attention_hooks(self) -> list[RemovableHandle]:
+        """Hooks on the modules known to call attention only (see :meth:`take`)."""
+        stack, handles = self._stack, []
+        for name in sorted(self.attention or ()):
+            module = self.modules.get(name)
+            if module is None or isinstance(module, nn.MultiheadAttention):
+                continue
+
+            def enter(module: nn.Module, args: Any, name: str = name) -> None:
+                if not stack:
+                    self._mode.__enter__()
+                stack.append(name)
+
+            def leave(module: nn.Module, args: Any, output: Any) -> None:
+                if stack:
+                    stack.pop()
+                    if not stack:
+                        self._mode.__exit__(None, None, None)
+
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+        return handles
 
     def _record(self, logits: Tensor, name: str | None = None) -> None:
         name = name or (self._stack[-1] if self._stack else None)

@@ -167,6 +167,9 @@ def validate_arguments(arguments: Mapping[str, Any]) -> None:
         raise ValueError(f"NanGuard: `spike_warmup_steps` must be <= `spike_window` ({window}), got {warmup!r}.")
 
 
+SHARDED_KINDS = ("fsdp", "model_parallel", "deepspeed")  # the precursor watch stays out of sharded forwards
+
+
 @dataclass(frozen=True)
 class GuardSettings:
     """Everything the parts of the guard need to know about the configuration.
@@ -180,7 +183,9 @@ class GuardSettings:
         track_batchnorm: check BatchNorm statistics.
         with_norm: compute the gradient norm every step (``clip_grad`` needs it).
         sync_free: skip on the device and read the flags one step later.
-        precursors: the attention precursor watch's parameters (``None``: ``precursors=False``).
+        precursors: the attention precursor watch's parameters (``None``: ``precursors=False``, or a
+            sharded strategy: measuring inside FSDP's and ModelParallelStrategy's forwards is not
+            proven safe yet).
     """
 
     policy: Policy
@@ -254,7 +259,7 @@ class GuardSettings:
                 growth=a["precursor_growth"],
                 window=a["precursor_window"],
             )
-            if a.get("precursors", False)
+            if a.get("precursors", False) and strategy_kind not in SHARDED_KINDS
             else None,
         )
 

@@ -140,7 +140,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             entropy of each attention module are measured on the side of the forward, and a module
             whose max logit is above ``precursor_min_logit`` and ``precursor_growth`` times what it
             was ``precursor_window`` steps before is named, at most once per 100 steps. ``False``:
-            off. The evidence for the defaults: the user guide's precursor page.
+            off (it is also off under FSDP and ``ModelParallelStrategy``). The evidence for the
+            defaults: the user guide's precursor page.
         precursor_every_n_steps: how often the attention logits are sampled.
         precursor_min_logit: the level a module's max attention logit must exceed.
         precursor_growth: how many times its value ``precursor_window`` steps earlier it must be.

@@ -138,3 +138,24 @@ def test_one_hot_attention_has_zero_entropy_and_masked_rows_are_left_out() -> No
     assert float(stats.max_logit) == 1000.0
     assert float(stats.entropy) == pytest.approx(0.0, abs=1e-6)
     assert float(stats.min_entropy) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_after_the_first_pass_only_the_modules_found_calling_attention_are_watched() -> None:
+    net = Net(sdpa=True)
+    x = torch.randn(4, 5, 8)
+    probe = AttentionProbe(net, rediscover_every=3)
+    firsts = []
+    for _ in range(4):
+        with probe.measuring():
+            net(x).sum().backward()
+        firsts.append({name: float(s.max_logit) for name, s in probe.take().items()})
+    assert probe.attention == {"blocks.0.attn", "blocks.1.attn"}
+    assert firsts[0] == firsts[1] == firsts[2] == firsts[3]  # the watched-only passes measure the same
+    calls: list[str] = []
+    hook = nn.modules.module.register_module_forward_pre_hook(lambda m, a: calls.append(type(m).__name__))
+    try:
+        with probe.measuring():  # pass 5: watched-only (pass 4 was the rediscovery)
+            net.head(torch.randn(1, 8))
+    finally:
+        hook.remove()
+    assert probe.take() == {} and calls == ["Linear"]  # nothing of the guard's ran around the head

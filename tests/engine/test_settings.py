@@ -139,3 +139,13 @@ def test_the_allowed_values_are_spelled_out() -> None:
     assert "['clip_grad', 'raise_eps', 'lr_backoff', 'quarantine']" in str(info.value)
     with pytest.raises(ValueError, match=r"`eps_factor` must be a number > 1, got 0.5"):
         NanGuard(eps_factor=0.5)  # raise_eps would lower eps
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "model_parallel", "deepspeed"])
+def test_the_precursor_watch_stays_out_of_sharded_forwards(kind: str) -> None:
+    from lightning_nanguard.engine.settings import GuardSettings
+
+    guard = NanGuard(verbose=False)
+    arguments = {name: getattr(guard, name) for name in _arguments()}
+    assert GuardSettings.from_arguments(arguments, strategy_kind="ddp").precursors is not None
+    assert GuardSettings.from_arguments(arguments, strategy_kind=kind).precursors is None

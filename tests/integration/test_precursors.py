@@ -2,7 +2,8 @@
 
 The logits here are made to grow on purpose (a callback scales one layer's query projection after
 every step from step 30 on), so the plumbing is tested apart from the rule's calibration; runs that
-collapse by themselves at a too-high learning rate are in ``test_precursor_runs.py``.
+collapse by themselves at a too-high learning rate are in ``test_precursor_runs.py``. Under a
+sharded strategy the watch is off (``GuardSettings``).
 """
 
 from __future__ import annotations
@@ -100,10 +101,10 @@ def test_growing_logits_are_named_once_per_100_steps_and_the_step_is_applied(tmp
     assert [e.culprit_module for e in warnings] == ["blocks.1.attn"]  # 120 steps: the cooldown holds it to one
     (event,) = warnings
     assert event.action == "warned" and guard.counters.skipped_total == 0 and guard.counters.bad_steps_total == 0
-    assert event.global_step % 10 == 0 and 30 < event.global_step < 100
+    assert event.global_step % 10 == 0 and 30 < event.global_step < 100  # sampled every 10 steps
     d = event.details
-    assert d["signal"] == "attention_max_logit" and d["value"] > d["threshold"] == 50.0
-    assert d["growth"] >= d["growth_threshold"] == 3.0 and d["earlier_step"] < event.global_step
+    assert d["signal"] == "attention_max_logit" and d["value"] > d["threshold"] == 80.0
+    assert d["growth"] >= d["growth_threshold"] == 2.0 and d["earlier_step"] < event.global_step
     assert "QK-layernorm" in " ".join(d["fixes"])
     assert event.headline().endswith("-> step applied")
     line = json.loads((Path(logger.log_dir) / "nanguard" / "events.jsonl").read_text().splitlines()[0])

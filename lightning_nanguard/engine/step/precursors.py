@@ -51,11 +51,11 @@ class PrecursorSettings:
     """How the watch samples and when it warns (``NanGuard``'s ``precursor_*`` arguments)."""
 
     every_n_steps: int = 10
-    min_logit: float = 50.0
-    growth: float = 3.0
+    min_logit: float = 80.0
+    growth: float = 2.0
     window: int = 20
     cooldown: int = 100
-    rows: int = 2
+    rows: int = 1
 
 
 @dataclass(frozen=True)
