@@ -28,18 +28,23 @@ __all__ = ["bundle_info", "find_context", "thumbnail_path"]
 MAX_CONTEXT_BYTES = 1 << 20
 
 
-def _read_context(run: RunLocation, name: str) -> dict[str, Any] | None:
-    path = run.path(INCIDENTS_DIRNAME, name, CONTEXT_FILENAME)
+def _read_json(run: RunLocation, *parts: str) -> dict[str, Any] | None:
+    """The JSON object at ``<run>/nanguard/<parts...>`` (inside the run, at most 1 MiB), else ``None``."""
+    path = run.path(*parts)
     if path is None:
         return None
     try:
         if os.path.getsize(path) > MAX_CONTEXT_BYTES:
             return None
         with open(path, encoding="utf-8") as handle:
-            context = json.load(handle)
+            found = json.load(handle)
     except (OSError, ValueError):
         return None
-    return context if isinstance(context, dict) else None
+    return found if isinstance(found, dict) else None
+
+
+def _read_context(run: RunLocation, name: str) -> dict[str, Any] | None:
+    return _read_json(run, INCIDENTS_DIRNAME, name, CONTEXT_FILENAME)
 
 
 def _same_event(context: dict[str, Any], event: dict[str, Any]) -> bool:
@@ -109,14 +114,5 @@ def bundle_info(run: RunLocation, event: dict[str, Any]) -> dict[str, Any]:
 
 def _needs_trust(run: RunLocation, name: str) -> bool:
     """What the bundle's ``module.json`` says: its replay needs ``--trust`` (the run's own model class in a script)."""
-    path = run.path(name, "module.json")  # <run>/nanguard/<bundle>/module.json; links out of the run refused
-    if path is None:
-        return False
-    try:
-        if os.path.getsize(path) > MAX_CONTEXT_BYTES:
-            return False
-        with open(path, encoding="utf-8") as handle:
-            meta = json.load(handle)
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and bool(meta.get("replay_needs_trust"))
+    meta = _read_json(run, name, "module.json")  # <run>/nanguard/<bundle>/module.json
+    return meta is not None and bool(meta.get("replay_needs_trust"))
