@@ -156,21 +156,31 @@ class AttentionProbe:
 
     # ------------------------------------------------------------------ internals
 
+    def _enter(self, name: str) -> None:
+        """A watched module's forward begins: the outermost one enters the function mode."""
+        if not self._stack:
+            self._mode.__enter__()
+        self._stack.append(name)
+
+    def _leave(self) -> None:
+        """A watched module's forward returned: the outermost one leaves the function mode."""
+        if self._stack:
+            self._stack.pop()
+            if not self._stack:
+                self._mode.__exit__(None, None, None)
+
     def _hooks(self) -> list[RemovableHandle]:
-        names, stack = self.names, self._stack
+        """Global hooks: every module of the model is watched (the pass that finds the attention modules)."""
+        names = self.names
 
         def enter(module: nn.Module, args: Any) -> None:
             name = names.get(id(module))
             if name is not None:
-                if not stack:
-                    self._mode.__enter__()
-                stack.append(name)
+                self._enter(name)
 
         def leave(module: nn.Module, args: Any, output: Any) -> None:
-            if id(module) in names and stack:
-                stack.pop()
-                if not stack:
-                    self._mode.__exit__(None, None, None)
+            if id(module) in names:
+                self._leave()
 
         return [
             nn.modules.module.register_module_forward_pre_hook(enter),
@@ -179,25 +189,13 @@ class AttentionProbe:
 
     def _attention_hooks(self) -> list[RemovableHandle]:
         """Hooks on the modules known to call attention only (see :meth:`take`)."""
-        stack, handles = self._stack, []
+        handles = []
         for name in sorted(self.attention or ()):
             module = self.modules.get(name)
             if module is None or isinstance(module, nn.MultiheadAttention):
                 continue
-
-            def enter(module: nn.Module, args: Any, name: str = name) -> None:
-                if not stack:
-                    self._mode.__enter__()
-                stack.append(name)
-
-            def leave(module: nn.Module, args: Any, output: Any) -> None:
-                if stack:
-                    stack.pop()
-                    if not stack:
-                        self._mode.__exit__(None, None, None)
-
-            handles.append(module.register_forward_pre_hook(enter))
-            handles.append(module.register_forward_hook(leave, always_call=True))
+            handles.append(module.register_forward_pre_hook(lambda m, a, name=name: self._enter(name)))
+            handles.append(module.register_forward_hook(lambda m, a, o: self._leave(), always_call=True))
         return handles
 
     def _record(self, logits: Tensor, name: str | None = None) -> None:

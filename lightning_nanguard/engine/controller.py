@@ -239,7 +239,7 @@ class StepController:
         if watch is None:
             return
         watch.finish(front.global_step)
-        samples = watch.ready(front.global_step)
+        samples = watch.ready()
         if not samples or not front.is_global_zero:  # one rank warns (each rank measures its own rows)
             return
         for step in sorted({sample.step for sample in samples}):

@@ -104,10 +104,12 @@ class FabricFrontEnd:
         self.models.append(model)
         self.module = SetUpModels(self.models)
 
-    def saw_optimizer(self, optimizer: Any) -> None:
-        """Note an optimizer the loop steps (the ones a rollback snapshots)."""
-        if all(known is not optimizer for known in self.optimizers):
-            self.optimizers.append(optimizer)
+    def saw_optimizer(self, optimizer: Any) -> bool:
+        """Note an optimizer the loop steps (the ones a rollback snapshots); ``True`` when it is new."""
+        if any(known is optimizer for known in self.optimizers):
+            return False
+        self.optimizers.append(optimizer)
+        return True
 
     # ------------------------------------------------------------------ re-running a step
 

@@ -95,8 +95,7 @@ class FabricSteps:
         if key in self._checked:
             return self._checked[key]
         first = not self.front.optimizers
-        if all(known is not optimizer for known in self.front.optimizers):
-            self.front.saw_optimizer(optimizer)
+        if self.front.saw_optimizer(optimizer):
             self.controller.optimizer_added(self.front, optimizer)
             warn_what_cannot_be_skipped(self.front, self.controller.policy.action, self.controller.recorder.notices)
         controller = self.controller

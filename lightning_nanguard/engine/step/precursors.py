@@ -19,7 +19,7 @@ Example:
     >>> watch.arm(0)
     >>> _ = model(torch.ones(1, 2, 2, requires_grad=True))
     >>> watch.finish(0)
-    >>> [(s.module, round(s.max_logit, 1)) for s in watch.ready(front_step=1)]
+    >>> [(s.module, round(s.max_logit, 1)) for s in watch.ready()]
     [('0', 2.0)]
 """
 
@@ -119,7 +119,7 @@ class PrecursorWatch:
             host = values
         self._pending.append((step, modules, host, event))
 
-    def ready(self, front_step: int) -> list[Sample]:
+    def ready(self) -> list[Sample]:
         """The samples whose copy has landed (earlier steps first); nothing waits for the device."""
         out: list[Sample] = []
         while self._pending:
