@@ -220,6 +220,12 @@ class Attention(nn.Module):
         self.measure = True
         self.last: tuple[float, float, float] | None = None
 
+    def nanguard_qk_projections(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The query and key rows of the fused ``qkv`` projection (NanGuard's QK-clip rescales them)."""
+        width = self.n_heads * self.head_dim
+        weight, bias = self.qkv.weight, self.qkv.bias
+        return [weight[:width], bias[:width]], [weight[width : 2 * width], bias[width : 2 * width]]
+
     def forward(self, x: Tensor) -> Tensor:
         batch, length, width = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)

@@ -7,7 +7,8 @@ alone in a collective:
 - :meth:`RankAgreement.gather` on steps that were not healthy somewhere (one small object per
   rank: what it found);
 - :meth:`RankAgreement.any` where a rank-local fact must become a shared decision (the check of
-  the weights after the update).
+  the weights after the update);
+- :meth:`RankAgreement.max` after a sampled step's update when QK-clip is on (the max logits).
 
 Example:
     >>> agreement = RankAgreement(strategy=None, world_size=1)
@@ -52,6 +53,13 @@ class RankAgreement:
             return flags
         reduce = getattr(self.strategy, "reduce", None) or self.strategy.all_reduce  # Trainer's, else Fabric's
         return reduce(flags.clone(), reduce_op="sum")
+
+    def max(self, values: Tensor) -> Tensor:
+        """``values``' element-wise max over ranks, on the device (no host read)."""
+        if not self.distributed:
+            return values
+        reduce = getattr(self.strategy, "reduce", None) or self.strategy.all_reduce
+        return reduce(values.clone(), reduce_op="max")
 
     def gather(self, item: _T) -> list[_T]:
         """Every rank's ``item`` (a small picklable object), in rank order."""

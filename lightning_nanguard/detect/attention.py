@@ -38,6 +38,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,32 +54,46 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = ["AttentionProbe", "AttentionStats", "attention_stats"]
 
+log = logging.getLogger("lightning_nanguard")
+
 _SDPA = (F.scaled_dot_product_attention,)
 _SOFTMAX = (torch.softmax, F.softmax, Tensor.softmax)
 
 
 @dataclass
 class AttentionStats:
-    """One attention module's measurements on one step (0-d tensors on the model's device)."""
+    """One attention module's measurements on one step (0-d tensors on the model's device).
+
+    ``head_max`` is the max logit per head, ``(heads,)``, when the probe was asked for it and the
+    logits had a head dimension (``(batch, heads, queries, keys)``); ``None`` otherwise.
+    """
 
     max_logit: Tensor
     entropy: Tensor
     min_entropy: Tensor
     calls: int = 1
+    head_max: Tensor | None = None
 
     def merge(self, other: AttentionStats) -> AttentionStats:
         """Both calls of one module in one step: the larger max, the mean entropies."""
         n = self.calls + other.calls
+        head_max = None
+        if self.head_max is not None and other.head_max is not None and self.head_max.shape == other.head_max.shape:
+            head_max = torch.maximum(self.head_max, other.head_max)
         return AttentionStats(
             torch.maximum(self.max_logit, other.max_logit),
             (self.entropy * self.calls + other.entropy * other.calls) / n,
             (self.min_entropy * self.calls + other.min_entropy * other.calls) / n,
             n,
+            head_max,
         )
 
 
-def attention_stats(logits: Tensor) -> AttentionStats:
+def attention_stats(logits: Tensor, per_head: bool = False) -> AttentionStats:
     """The stats of attention logits ``(..., queries, keys)``; ``-inf`` marks masked keys.
+
+    Rows with every key masked are left out of the means. A handful of kernels whatever the shape
+    (the probe runs inside the user's forward: on a GPU each kernel launch is host time).
 
     Example:
         >>> s = attention_stats(torch.tensor([[0.0, 0.0], [50.0, float("-inf")]]))
@@ -85,17 +101,14 @@ def attention_stats(logits: Tensor) -> AttentionStats:
         (50.0, 0.347, 0.347)
     """
     logits = logits.detach().float()
-    finite = torch.isfinite(logits)
-    masked = logits.masked_fill(~finite, -math.inf)
-    max_logit = masked.amax()
-    rows = masked.amax(dim=-1)
-    lse = torch.logsumexp(masked, dim=-1)
-    log_p = masked - lse.unsqueeze(-1)
-    entropy = -(log_p.exp() * log_p.masked_fill(~finite, 0.0)).sum(dim=-1)
-    live = torch.isfinite(rows)  # rows with at least one key (a masked mean: boolean indexing would sync)
-    count = live.sum().clamp_min(1)
-    bound = (lse - rows).masked_fill(~live, 0.0)
-    return AttentionStats(max_logit, entropy.masked_fill(~live, 0.0).sum() / count, bound.sum() / count)
+    rows = logits.amax(dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    entropy = torch.special.entr(torch.softmax(logits, dim=-1)).sum(dim=-1)  # NaN in rows with no key
+    head_max = None
+    if per_head and logits.ndim >= 4:  # (..., heads, queries, keys): the max per head
+        head_max = rows.amax(dim=-1).flatten(0, -2).amax(dim=0)
+    means = torch.stack((entropy, lse - rows)).flatten(1).nanmean(dim=1)  # one mean for both
+    return AttentionStats(rows.amax(), means[0], means[1], head_max=head_max)
 
 
 class AttentionProbe:
@@ -104,10 +117,22 @@ class AttentionProbe:
     Args:
         model: the model whose modules calls are attributed to.
         rows: how many batch rows (the first dimension) of each attention call are measured.
+        rediscover_every: one pass in this many looks at every module again (attention modules
+            added or replaced since).
+        queries: at most this many query positions per call are measured, evenly strided (the
+            probe's memory is ``rows x heads x queries x keys`` floats whatever the sequence length).
+        per_head: also keep the max logit per head (``AttentionStats.head_max``; QK-clip needs it).
     """
 
-    def __init__(self, model: nn.Module, rows: int = 2, rediscover_every: int = 20) -> None:
-        self.rows = rows
+    def __init__(
+        self,
+        model: nn.Module,
+        rows: int = 2,
+        rediscover_every: int = 20,
+        queries: int = 64,
+        per_head: bool = False,
+    ) -> None:
+        self.rows, self.queries, self.per_head = rows, queries, per_head
         self.names = {id(module): name for name, module in model.named_modules()}
         self.modules = dict(model.named_modules())
         self.multihead = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
@@ -118,6 +143,7 @@ class AttentionProbe:
         self._stack: list[str] = []
         self._stats: dict[str, AttentionStats] = {}
         self._mode = _Intercept(self)
+        self.broken = False  # a measurement raised: the probe stops (the user's forward never fails for it)
 
     @contextmanager
     def measuring(self) -> Iterator[None]:
@@ -128,6 +154,9 @@ class AttentionProbe:
         inside whatever modes the loop itself uses (this context may span several hooks of a loop).
         """
         self._stack = []
+        if self.broken:
+            yield
+            return
         self._discovering = self.attention is None or self._passes % self.rediscover_every == 0
         self._passes += 1
         handles = self._hooks() if self._discovering else self._attention_hooks()
@@ -203,12 +232,23 @@ class AttentionProbe:
         if name is None:
             return  # outside the watched model
         with torch.no_grad():
-            stats = attention_stats(logits)
+            stats = attention_stats(logits, self.per_head)
         known = self._stats.get(name)
         self._stats[name] = stats if known is None else known.merge(stats)
 
     def _measuring(self) -> bool:
-        return bool(self._stack) and torch.is_grad_enabled()  # not a no-grad pass (validation)
+        return bool(self._stack) and torch.is_grad_enabled() and not self.broken  # not a no-grad pass (validation)
+
+    def _fail(self, error: Exception) -> None:
+        """A measurement raised (an attention call shaped as the probe never saw): stop measuring, say so once."""
+        if not self.broken:
+            log.warning(
+                "NanGuard: the attention precursor watch stops: measuring an attention call raised %s: %s",
+                type(error).__name__,
+                error,
+            )
+        self.broken = True
+        self._stats = {}
 
     def _softmax(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         x = args[0] if args else kwargs.get("input")
@@ -217,7 +257,7 @@ class AttentionProbe:
             return
         if dim % x.ndim != x.ndim - 1 or not self._measuring():
             return
-        self._record(x[: self.rows])
+        self._record(x[: self.rows][..., :: _stride(x.size(-2), self.queries), :])
 
     def _sdpa(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
@@ -226,20 +266,45 @@ class AttentionProbe:
         if not isinstance(q, Tensor) or q.ndim < 3 or not self._measuring():
             return
         with torch.no_grad():
-            self._record(_sdpa_logits(q, k, given, self.rows))
+            self._record(_sdpa_logits(q, k, given, self.rows, self.queries))
 
     def _multihead(self, module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """``nn.MultiheadAttention``: its functional form hides the inner calls; its logits from its weights."""
         name = self.names.get(id(module))
-        if name is None or not torch.is_grad_enabled():
+        if name is None or not torch.is_grad_enabled() or self.broken:
             return
-        with torch.no_grad():
-            self._record(_multihead_logits(module, args, kwargs, self.rows), name)
+        try:
+            with torch.no_grad():
+                self._record(_multihead_logits(module, args, kwargs, self.rows, self.queries), name)
+        except Exception as error:  # the module's own forward reports a bad call; the probe stays out of it
+            self._fail(error)
 
 
-def _sdpa_logits(q: Tensor, k: Tensor, given: dict[str, Any], rows: int) -> Tensor:
+def _stride(length: int, queries: int) -> int:
+    """The step between the measured query positions: at most ``queries`` of ``length``."""
+    return max(1, -(-length // max(1, queries)))
+
+
+@functools.lru_cache(maxsize=32)
+def _hidden(length: int, keys: int, stride: int, device: torch.device) -> Tensor:
+    """Which keys the query positions ``0, stride, 2 * stride, ...`` of causal attention do not see (top-left).
+
+    Cached: the same few shapes come back every sampled step (on a GPU each kernel is host time).
+    """
+    positions = torch.arange(0, length, stride, device=device)
+    return torch.arange(keys, device=device) > positions.unsqueeze(-1)
+
+
+def _strided_mask(mask: Tensor, stride: int) -> Tensor:
+    """An attention mask's query dimension (``-2``) at the measured positions; a broadcast one as it is."""
+    return mask[..., ::stride, :] if mask.ndim >= 2 and mask.size(-2) > 1 else mask
+
+
+def _sdpa_logits(q: Tensor, k: Tensor, given: dict[str, Any], rows: int, queries: int) -> Tensor:
     """``q @ k^T * scale`` for the first ``rows`` batch rows, masked as ``scaled_dot_product_attention`` masks."""
-    q, k = q[:rows].float(), k[:rows].float()
+    length = q.size(-2)
+    stride = _stride(length, queries)
+    q, k = q[:rows, ..., ::stride, :].float(), k[:rows].float()
     if given.get("enable_gqa") and q.ndim >= 3 and k.size(-3) != q.size(-3):
         k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
     scale = given.get("scale") or 1.0 / math.sqrt(q.size(-1))
@@ -250,16 +315,15 @@ def _sdpa_logits(q: Tensor, k: Tensor, given: dict[str, Any], rows: int) -> Tens
             mask = mask[:rows]
         elif mask.ndim == logits.ndim:
             mask = mask[: logits.size(0)]
+        mask = _strided_mask(mask, stride)
         logits = logits.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else logits + mask.float()
     if given.get("is_causal"):
-        length, keys = logits.shape[-2:]
-        causal = torch.ones(length, keys, dtype=torch.bool, device=logits.device).tril()
-        logits = logits.masked_fill(~causal, -math.inf)
+        logits = logits.masked_fill(_hidden(length, logits.size(-1), stride, logits.device), -math.inf)
     return logits
 
 
 def _multihead_logits(
-    module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int
+    module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int, queries: int
 ) -> Tensor:
     """The attention logits ``nn.MultiheadAttention`` computes, for ``rows`` batch rows: ``(rows, heads, L, S)``."""
     names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights")
@@ -269,7 +333,9 @@ def _multihead_logits(
         query, key = query.transpose(0, 1), key.transpose(0, 1)
     if query.ndim == 2:
         query, key = query.unsqueeze(0), key.unsqueeze(0)
-    query, key = query[:rows].float(), key[:rows].float()
+    full_length = query.size(1)
+    stride = _stride(full_length, queries)
+    query, key = query[:rows, ::stride].float(), key[:rows].float()
     dim, heads = module.embed_dim, module.num_heads
     if module.in_proj_weight is not None:
         w_q, w_k = module.in_proj_weight[:dim].float(), module.in_proj_weight[dim : 2 * dim].float()
@@ -285,15 +351,15 @@ def _multihead_logits(
     logits = (q @ k.transpose(-2, -1)) / math.sqrt(dim // heads)
     mask = given.get("attn_mask")
     if isinstance(mask, Tensor):
-        mask = mask.view(-1, heads, length, source)[:n] if mask.ndim == 3 else mask
+        mask = mask.view(-1, heads, full_length, source)[:n] if mask.ndim == 3 else mask
+        mask = _strided_mask(mask, stride)
         logits = logits.masked_fill(mask, -math.inf) if mask.dtype == torch.bool else logits + mask.float()
     padding = given.get("key_padding_mask")
     if isinstance(padding, Tensor):
         padding = padding[:n].view(n, 1, 1, source)
         logits = logits.masked_fill(padding, -math.inf) if padding.dtype == torch.bool else logits + padding.float()
     if given.get("is_causal") and mask is None:
-        causal = torch.ones(length, source, dtype=torch.bool, device=logits.device).tril()
-        logits = logits.masked_fill(~causal, -math.inf)
+        logits = logits.masked_fill(_hidden(full_length, source, stride, logits.device), -math.inf)
     return logits
 
 
@@ -307,8 +373,11 @@ class _Intercept(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        if func in _SDPA:
-            self.probe._sdpa(args, kwargs)
-        elif func in _SOFTMAX:
-            self.probe._softmax(args, kwargs)
+        try:
+            if func in _SDPA:
+                self.probe._sdpa(args, kwargs)
+            elif func in _SOFTMAX:
+                self.probe._softmax(args, kwargs)
+        except Exception as error:  # never the user's forward's failure
+            self.probe._fail(error)
         return result

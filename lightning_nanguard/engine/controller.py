@@ -63,6 +63,12 @@ __all__ = ["StepController"]
 
 DONE: dict[str, EventAction] = {"skip": "skipped", "raise": "raised", "warn": "warned", "rollback": "skipped"}
 REFERENCE_EVERY_N_STEPS = 100
+NO_QK_PROJECTIONS = (
+    "NanGuard(qk_clip=...): no attention module of the model has query and key projections the guard "
+    "knows, so nothing will be rescaled (known: nn.MultiheadAttention, Linear children named q_proj/k_proj, "
+    "query/key, q/k, wq/wk, q_lin/k_lin or to_q/to_k, Hugging Face GPT-2's c_attn, and modules with a "
+    "`nanguard_qk_projections()` method: see the precursor guide)."
+)
 
 
 class StepController:
@@ -131,6 +137,8 @@ class StepController:
         self.window.attach(front.module, self.track_batchnorm)
         if self.precursors is not None:
             self.precursors.attach(front.module)
+            if self.precursors.settings.qk_clip is not None and not self.precursors.projections:
+                self.recorder.notices.warn("qk_clip", NO_QK_PROJECTIONS)
         unsupported = self.window.metrics.describe_unsupported() if self.window.metrics is not None else None
         if unsupported is not None:
             self.recorder.notices.warn("metrics", f"NanGuard: {unsupported}.")
@@ -247,6 +255,11 @@ class StepController:
             for sample in (s for s in samples if s.step == step):
                 values[f"nanguard/attention_max_logit/{sample.module}"] = sample.max_logit
                 values[f"nanguard/attention_entropy/{sample.module}"] = sample.entropy
+                cap = watch.settings.qk_clip
+                if cap is not None and sample.module in watch.projections:  # the factor QK-clip applied (this rank's)
+                    values[f"nanguard/qk_clip/{sample.module}"] = (
+                        cap / sample.max_logit if sample.max_logit > cap else 1.0
+                    )
             self.recorder.sinks.write_scalars(front, values, step)
         for finding, sample in watch.judge(samples):
             event = precursor_event(finding, sample, watch.settings, front.current_epoch, front.global_rank)
@@ -492,9 +505,20 @@ class StepController:
         return self.after_step.values(counters)
 
     def after_optimizer_step(self, front: FrontEnd) -> None:
-        """The after-step work (rollback, weight check, snapshot), on every rank."""
+        """The after-step work (rollback, weight check, snapshot, QK-clip), on every rank."""
         front.resume_clipping()
         self.after_step.run(front, self._collective(front))
+        watch = self.precursors
+        if watch is not None and watch.projections:
+            if self._collective(front) or not self.agreement.distributed:
+                watch.clip(self.agreement.max if self.agreement.distributed else None)
+            else:  # manual optimisation on several ranks: no collectives, so no rank may rescale alone
+                watch.forget_clip()
+                self.recorder.notices.warn(
+                    "qk_clip",
+                    "NanGuard(qk_clip=...): off under manual optimisation with several processes (the ranks "
+                    "could not agree on the rescaling without a collective per optimizer step).",
+                )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

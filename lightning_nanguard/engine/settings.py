@@ -137,6 +137,7 @@ RULES: dict[str, Rule] = {
     "precursor_min_logit": number(0.0),
     "precursor_growth": Rule(lambda v: _is_number(v) and 1.0 < float(v) < float("inf"), "a number > 1"),
     "precursor_window": integer(1),
+    "qk_clip": Rule(lambda v: v is None or (_is_number(v) and 0.0 < float(v) < float("inf")), "null or a number > 0"),
     "loss_fn": Rule(lambda v: v is None or callable(v), "None or a callable(model, batch) returning the loss"),
 }
 
@@ -163,6 +164,11 @@ def validate_arguments(arguments: Mapping[str, Any]) -> None:
                 f"NanGuard: `remedies` must be {rule.allowed}, got {value!r} (a single string: write [{value!r}])."
             )
         rule.check(name, value)
+    if arguments.get("qk_clip") is not None and arguments.get("precursors") is False:
+        raise ValueError(
+            "NanGuard: `qk_clip` needs `precursors=True` (it caps the max logits the precursor watch measures), "
+            f"got qk_clip={arguments['qk_clip']!r} with precursors=False."
+        )
     if _is_int(window) and _is_int(warmup) and warmup > window:  # type: ignore[operator]
         raise ValueError(f"NanGuard: `spike_warmup_steps` must be <= `spike_window` ({window}), got {warmup!r}.")
 
@@ -258,6 +264,7 @@ class GuardSettings:
                 min_logit=a["precursor_min_logit"],
                 growth=a["precursor_growth"],
                 window=a["precursor_window"],
+                qk_clip=None if a.get("qk_clip") is None else float(a["qk_clip"]),
             )
             if a.get("precursors", False) and strategy_kind not in SHARDED_KINDS
             else None,

@@ -146,6 +146,12 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         precursor_min_logit: the level a module's max attention logit must exceed.
         precursor_growth: how many times its value ``precursor_window`` steps earlier it must be.
         precursor_window: how far back the growth is measured, in steps.
+        qk_clip: opt-in remedy, a cap on the max attention logit (e.g. ``50.0``): after each sampled
+            step's update, the query and key projections of every attention module measured above
+            it are rescaled per head by ``sqrt(qk_clip / max_logit)`` each, where the guard knows
+            them (``nn.MultiheadAttention``, ``q_proj``/``k_proj``-style ``Linear`` children, Hugging
+            Face GPT-2, or a ``nanguard_qk_projections()`` method). Needs ``precursors=True``.
+            ``None``: off.
         loss_fn: in a Lightning Fabric loop, ``loss_fn(model, batch) -> loss`` (a tensor, or a dict with
             ``"loss"``): the guard re-runs it on sub-batches of a bad step to name the offending samples
             (``model``: the module you gave ``fabric.setup``, run under Fabric's precision; ``batch``: as
@@ -203,6 +209,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         precursor_min_logit: float = default_of(PrecursorSettings, "min_logit"),
         precursor_growth: float = default_of(PrecursorSettings, "growth"),
         precursor_window: int = default_of(PrecursorSettings, "window"),
+        qk_clip: float | None = None,
         loss_fn: Callable[[Any, Any], Any] | None = None,
     ) -> None:
         arguments = dict(locals())
@@ -245,6 +252,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.precursor_min_logit = precursor_min_logit
         self.precursor_growth = precursor_growth
         self.precursor_window = precursor_window
+        self.qk_clip = qk_clip
         self.loss_fn = loss_fn
 
         self.clock = GuardClock()  # `guard.clock.enabled = True` measures the time spent in the guard

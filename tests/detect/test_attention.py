@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_nanguard.detect import attention
 from lightning_nanguard.detect.attention import AttentionProbe, attention_stats
 
 
@@ -159,3 +160,45 @@ def test_after_the_first_pass_only_the_modules_found_calling_attention_are_watch
     finally:
         hook.remove()
     assert probe.take() == {} and calls == ["Linear"]  # nothing of the guard's ran around the head
+
+
+@pytest.mark.parametrize("sdpa", [False, True], ids=["manual", "sdpa"])
+def test_long_sequences_are_measured_on_evenly_strided_queries_only(sdpa: bool) -> None:
+    net = Net(sdpa)
+    x = torch.randn(2, 40, 8) * 3
+    probe = AttentionProbe(net, rows=1, queries=8, per_head=True)  # 40 queries: every 5th is measured
+    with probe.measuring():
+        net(x)
+    stats = probe.take()["blocks.0.attn"]
+    block = net.blocks[0]["attn"]
+    with torch.no_grad():
+        q, k, _ = (z.view(1, 40, 2, 4).transpose(1, 2) for z in block.qkv(x[:1]).chunk(3, dim=-1))
+        logits = (q @ k.transpose(-2, -1) / 2.0)[..., ::5, :]
+        causal = torch.arange(40) <= torch.arange(0, 40, 5).unsqueeze(-1)
+        logits = logits.masked_fill(~causal, float("-inf"))
+        p = torch.softmax(logits, dim=-1)
+        entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()
+    assert float(stats.max_logit) == pytest.approx(float(logits.amax()), rel=1e-5)
+    assert float(stats.entropy) == pytest.approx(float(entropy), rel=1e-4)
+    assert stats.head_max is not None
+    assert torch.allclose(stats.head_max, logits.amax(dim=(0, 2, 3)), rtol=1e-5)
+
+
+def test_a_call_the_probe_cannot_measure_stops_the_probe_not_the_forward(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unforeseen(*args: object) -> Tensor:  # an attention call shaped as the probe never saw
+        raise IndexError("unforeseen mask layout")
+
+    monkeypatch.setattr(attention, "_sdpa_logits", unforeseen)
+    x = torch.randn(2, 5, 8)
+    plain, probed = Net(sdpa=True), Net(sdpa=True)
+    probe = AttentionProbe(probed)
+    with probe.measuring():
+        out = probed(x)
+    assert torch.equal(out, plain(x))  # the forward went on, unchanged
+    assert probe.broken and "precursor watch stops" in caplog.text and "unforeseen mask layout" in caplog.text
+    assert probe.take() == {}
+    with probe.measuring():  # from now on: no hooks, nothing measured
+        probed(x)
+    assert probe.take() == {}

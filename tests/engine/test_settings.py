@@ -52,6 +52,7 @@ BAD: dict[str, list[Any]] = {
     "precursor_min_logit": [0.0, -1.0, float("nan"), "50"],
     "precursor_growth": [1.0, 0.5, float("inf"), "3"],
     "precursor_window": [0, 1.5, None],
+    "qk_clip": [0, -1.0, "50", float("inf")],
     "loss_fn": ["my_pkg.loss", 3],
 }
 
@@ -93,6 +94,7 @@ GOOD: dict[str, list[Any]] = {
     "precursor_min_logit": [0.5, 50.0, 100],
     "precursor_growth": [1.5, 3.0, 10],
     "precursor_window": [1, 20, 100],
+    "qk_clip": [None, 20, 100.0],
     "loss_fn": [None, lambda model, batch: model(batch).sum()],
 }
 

@@ -7,6 +7,11 @@ the copy has landed (no host synchronisation, also under ``sync_free``). Each sa
 the :class:`~lightning_nanguard.detect.precursors.LogitGrowthRule`; a finding becomes a ``precursor``
 event (the step is applied) and the per-module values ``nanguard/`` scalars.
 
+With ``qk_clip`` (a cap, opt-in) the sampled step's per-head max logits also stay on the device
+until the optimizer has stepped; then :meth:`PrecursorWatch.clip` rescales the query and key
+projections of each module above the cap (:mod:`~lightning_nanguard.recover.qk_clip`), on the
+device, after one max-reduce over the ranks under DDP.
+
 Example:
     >>> import torch
     >>> from torch import nn
@@ -25,6 +30,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +40,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_nanguard.core.events import NanEvent
-from lightning_nanguard.detect.attention import AttentionProbe
+from lightning_nanguard.detect.attention import AttentionProbe, AttentionStats
 from lightning_nanguard.detect.precursors import Finding, LogitGrowthRule
+from lightning_nanguard.recover.qk_clip import QKProjection, find_qk_projections, qk_clip_
 
 __all__ = ["PrecursorSettings", "PrecursorWatch", "Sample", "precursor_event"]
 
@@ -56,6 +64,7 @@ class PrecursorSettings:
     window: int = 20
     cooldown: int = 100
     rows: int = 1
+    qk_clip: float | None = None
 
 
 @dataclass(frozen=True)
@@ -79,11 +88,16 @@ class PrecursorWatch:
         self._armed: ExitStack | None = None
         self._armed_step = -1
         self._pending: list[tuple[int, list[str], Tensor, Any]] = []  # (step, modules, host copy, copy event)
+        self.projections: dict[str, QKProjection] = {}  # QK-clip's modules (``qk_clip`` set)
+        self._to_clip: dict[str, AttentionStats] | None = None  # a sampled step's values, until its update
 
     def attach(self, module: nn.Module) -> None:
         """Watch ``module``'s attention (its module names are the ones reported)."""
         self.disarm()
-        self.probe = AttentionProbe(module, rows=self.settings.rows)
+        clipping = self.settings.qk_clip is not None
+        self.probe = AttentionProbe(module, rows=self.settings.rows, per_head=clipping)
+        self.projections = find_qk_projections(module) if clipping else {}
+        self._to_clip = None
 
     def arm(self, step: int) -> None:
         """Step ``step`` begins: measure its forward passes when it is a sampled step (idempotent)."""
@@ -105,7 +119,11 @@ class PrecursorWatch:
         self.disarm()
         assert self.probe is not None
         stats = self.probe.take()
-        if not stats or self._armed_step != step:
+        if self._armed_step != step:
+            return
+        if self.projections:  # every rank clips on every sampled step, measured or not (one collective each)
+            self._to_clip = stats
+        if not stats:
             return
         modules = sorted(stats)
         values = torch.stack([v for m in modules for v in (stats[m].max_logit, stats[m].entropy, stats[m].min_entropy)])
@@ -141,6 +159,30 @@ class PrecursorWatch:
                 found.append((finding, sample))
         return found
 
+    def clip(self, reduce_max: Callable[[Tensor], Tensor] | None = None) -> None:
+        """After the sampled step's optimizer step: QK-clip the modules measured above the cap (no host read).
+
+        ``reduce_max`` takes the max over ranks (every rank calls it on a sampled step, with one
+        value per head of every module QK-clip knows, in name order; a module not measured on a
+        rank takes part with ``-inf``).
+        """
+        stats, self._to_clip = self._to_clip, None
+        cap = self.settings.qk_clip
+        if stats is None or cap is None or not self.projections:
+            return
+        modules = sorted(self.projections.items())
+        device = modules[0][1].queries[0][0].device
+        parts = [_per_head(stats.get(name), projection, device) for name, projection in modules]
+        values = torch.cat(parts)
+        if reduce_max is not None:
+            values = reduce_max(values)
+        for (_, projection), logit in zip(modules, values.split([p.numel() for p in parts]), strict=True):
+            qk_clip_(projection, logit if projection.heads is not None else logit[0], cap)
+
+    def forget_clip(self) -> None:
+        """Drop the sampled step's values without clipping."""
+        self._to_clip = None
+
     def state_dict(self) -> dict[str, Any]:
         return self.rule.state_dict()
 
@@ -171,3 +213,13 @@ def precursor_event(finding: Finding, sample: Sample, settings: PrecursorSetting
             "fixes": list(FIXES),
         },
     )
+
+
+def _per_head(stats: AttentionStats | None, projection: QKProjection, device: torch.device) -> Tensor:
+    """One module's max logits for QK-clip: one per head (heads unknown: one); ``-inf`` where not measured."""
+    heads = projection.heads or 1
+    if stats is None:
+        return torch.full((heads,), -math.inf, device=device)
+    if stats.head_max is not None and stats.head_max.numel() == heads:
+        return stats.head_max.float()
+    return stats.max_logit.float().reshape(1).expand(heads)  # no head dimension seen: the module's max for each

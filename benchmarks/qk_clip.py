@@ -1,0 +1,239 @@
+"""Does NanGuard's opt-in QK-clip keep runs that collapse healthy? Measured on the collapse benchmark's runs.
+
+Run from the repository root::
+
+    python benchmarks/qk_clip.py                      # tune on 5 runs, then the held-out runs (~15 min, 2 workers)
+    python benchmarks/qk_clip.py --stage tune          # the tuning grid only
+    python benchmarks/qk_clip.py --stage held-out --cap 50 --every 1
+
+The runs, the model and the classification are ``benchmarks/attention_collapse.py``'s (its traces
+file gives the unclipped runs and their healthy references). Each run here is the same training
+(same seed, init and batches) with the guard's own QK-clip in the loop, as ``NanGuard`` runs it:
+``PrecursorWatch(PrecursorSettings(every_n_steps=every, qk_clip=cap))`` arms before a sampled step's
+forward, finishes after its backward, and clips after ``optimizer.step()`` (the benchmark's
+``Attention`` declares its fused ``qkv`` rows through ``nanguard_qk_projections()``). The float64
+side measurement of every step (max logit, entropy) is the benchmark's, so the classes are computed
+exactly as there.
+
+**Tuning set**: the collapsing runs of ``manual`` attention, 2 layers, seeds 0 and 1 (5 runs); caps
+20, 50 and 100, every 1 and every 10 steps. **Held-out set**: every other collapsing run of the
+benchmark: 2 layers, seeds 2 and 3, and 3 layers, seeds 0 and 1, both implementations (their
+``sdpa`` twins of the tuning runs are left out: the same computation up to rounding), at the chosen
+setting. **Healthy runs**: the benchmark's healthy runs at lr 0.03 and 0.05 (2 layers), to check that
+the clip does not hurt a run that needed no help.
+
+**Back-off** (``--stage backoff``): for comparison, no clip, but the learning rate multiplied by 0.5,
+0.25 or 0.1 from the guard's first precursor warning on (its default rule, sampled every 10 steps),
+on two of the tuning runs.
+
+Reported per run: the class with and without the clip, the peak max logit, the lowest entropy as a
+fraction of its steps 5-15 mean, the final loss against the healthy reference's, and how many
+sampled steps clipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import attention_collapse as bench
+
+from lightning_nanguard.engine.step.precursors import PrecursorSettings, PrecursorWatch
+
+TUNE_CAPS = (20.0, 50.0, 100.0)
+TUNE_EVERY = (1, 10)
+
+
+@dataclass(frozen=True)
+class Job:
+    config: bench.RunConfig
+    cap: float
+    every: int
+
+
+@dataclass
+class Outcome:
+    job: Job
+    run: bench.RunResult
+    clipped_steps: int
+
+
+def train_backed_off(config: bench.RunConfig, factor: float) -> tuple[bench.RunResult, int | None]:
+    """``attention_collapse.train`` with the learning rate times ``factor`` from the first precursor warning on."""
+    torch.set_num_threads(1)
+    chain = bench.transition_matrix()
+    torch.manual_seed(config.seed)
+    model = bench.TinyGPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
+    data_gen = torch.Generator().manual_seed(10_000 + config.seed)
+    watch = PrecursorWatch(PrecursorSettings())
+    watch.attach(model)
+    names = {name: m for name, m in model.named_modules() if isinstance(m, bench.Attention)}
+    layers = {name: bench.LayerTrace() for name in names}
+    losses: list[float] = []
+    scale, warned = 1.0, None
+    for step in range(config.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = bench.lr_at(config, step) * scale
+        x, y = bench.make_batch(chain, data_gen, config.batch_size, config.seq_len)
+        watch.arm(step)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        watch.finish(step)
+        optimizer.step()
+        if watch.judge(watch.ready()) and warned is None:
+            warned, scale = step, factor
+        losses.append(loss.item())
+        for name, attn in names.items():
+            assert attn.last is not None
+            trace = layers[name]
+            trace.max_logit.append(attn.last[0])
+            trace.entropy.append(attn.last[1])
+            trace.min_entropy.append(attn.last[2])
+    return bench.RunResult(config, losses, layers, 0.0), warned
+
+
+def train_clipped(job: Job) -> Outcome:
+    """``attention_collapse.train`` with the guard's QK-clip after each sampled step's update."""
+    config = job.config
+    torch.set_num_threads(1)
+    chain = bench.transition_matrix()
+    torch.manual_seed(config.seed)
+    model = bench.TinyGPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
+    data_gen = torch.Generator().manual_seed(10_000 + config.seed)
+    watch = PrecursorWatch(PrecursorSettings(every_n_steps=job.every, qk_clip=job.cap))
+    watch.attach(model)
+    assert sorted(watch.projections) == [f"blocks.{i}.attn" for i in range(config.n_layers)]
+    names = {name: m for name, m in model.named_modules() if isinstance(m, bench.Attention)}
+    layers = {name: bench.LayerTrace() for name in names}
+    losses: list[float] = []
+    clipped = 0
+    start = time.perf_counter()
+    for step in range(config.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = bench.lr_at(config, step)
+        x, y = bench.make_batch(chain, data_gen, config.batch_size, config.seq_len)
+        watch.arm(step)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        watch.finish(step)
+        optimizer.step()
+        watch.clip()
+        samples = watch.ready()
+        clipped += any(s.max_logit > job.cap for s in samples)
+        losses.append(loss.item())
+        for name, attn in names.items():
+            assert attn.last is not None
+            trace = layers[name]
+            trace.max_logit.append(attn.last[0])
+            trace.entropy.append(attn.last[1])
+            trace.min_entropy.append(attn.last[2])
+    return Outcome(job, bench.RunResult(config, losses, layers, time.perf_counter() - start), clipped)
+
+
+def reference_of(config: bench.RunConfig, runs: dict[bench.RunConfig, bench.RunResult]) -> bench.RunResult:
+    return runs[replace(config, qk_norm=False, lr=0.01)]
+
+
+def run_jobs(jobs: list[Job], workers: int) -> list[Outcome]:
+    if workers <= 1:
+        return [train_clipped(job) for job in jobs]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(train_clipped, jobs))
+
+
+def table(outcomes: list[Outcome], runs: dict[bench.RunConfig, bench.RunResult]) -> dict[str, int]:
+    """Print one line per run; the count of classes with the clip."""
+    print(
+        f"{'run':28s} {'L':>1s} {'cap':>4s} {'every':>5s} {'unclipped':10s} {'clipped':10s} {'peak':>7s} "
+        f"{'(was)':>7s} {'ent min':>7s} {'final':>5s} {'(was)':>5s} {'ref':>5s} {'clips':>5s}"
+    )
+    classes: dict[str, int] = {}
+    for outcome in outcomes:
+        cfg = outcome.job.config
+        ref = reference_of(cfg, runs)
+        before = bench.classify(runs[cfg], ref, False)
+        after = bench.classify(outcome.run, ref, False)
+        classes[after.cls] = classes.get(after.cls, 0) + 1
+        print(
+            f"{cfg.name:28s} {cfg.n_layers:1d} {outcome.job.cap:4g} {outcome.job.every:5d} {before.cls:10s} "
+            f"{after.cls:10s} {max(max(t.max_logit) for t in outcome.run.layers.values()):7.1f} "
+            f"{before.peak_logit:7.0f} {after.min_entropy_ratio:7.2f} {after.final_loss:5.2f} "
+            f"{before.final_loss:5.2f} {bench.final_loss(ref):5.2f} {outcome.clipped_steps:5d}"
+        )
+    return classes
+
+
+def collapsing(runs: dict[bench.RunConfig, bench.RunResult]) -> list[bench.RunConfig]:
+    rows = {cfg: bench.classify(run, reference_of(cfg, runs), cfg.lr == 0.01) for cfg, run in runs.items()}
+    return sorted((cfg for cfg, row in rows.items() if row.cls == "collapse"), key=lambda c: c.name)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--stage", choices=["tune", "held-out", "backoff", "all"], default="all")
+    parser.add_argument("--cap", type=float, default=50.0, help="the held-out setting's cap")
+    parser.add_argument("--every", type=int, default=10, help="the held-out setting's sampling")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="write the per-run results as JSON")
+    args = parser.parse_args(argv)
+    runs, _ = bench.read_json(bench.DEFAULT_OUT)
+    collapses = collapsing(runs)
+    tune = [c for c in collapses if c.attention == "manual" and c.n_layers == 2 and c.seed in (0, 1)]
+    twins = {replace(c, attention="sdpa") for c in tune}
+    held_out = [c for c in collapses if c not in tune and c not in twins]
+    start = time.perf_counter()
+    summary: dict[str, dict[str, int]] = {}
+    if args.stage in ("tune", "all"):
+        print(f"tuning on {len(tune)} collapsing runs")
+        jobs = [Job(c, cap, every) for cap in TUNE_CAPS for every in TUNE_EVERY for c in tune]
+        outcomes = run_jobs(jobs, args.workers)
+        for cap in TUNE_CAPS:
+            for every in TUNE_EVERY:
+                chosen = [o for o in outcomes if o.job.cap == cap and o.job.every == every]
+                summary[f"tune cap {cap:g} every {every}"] = table(chosen, runs)
+    if args.stage in ("held-out", "all"):
+        healthy = [
+            c
+            for c, run in runs.items()
+            if c.n_layers == 2 and c.lr in (0.03, 0.05) and not c.qk_norm and c.attention == "manual"
+        ]
+        print(f"\nheld-out: {len(held_out)} collapsing runs, cap {args.cap:g}, every {args.every}")
+        outcomes = run_jobs(
+            [Job(c, args.cap, args.every) for c in held_out + sorted(healthy, key=lambda c: c.name)], args.workers
+        )
+        summary["held-out"] = table(outcomes[: len(held_out)], runs)
+        print("\nhealthy runs with the clip on")
+        summary["healthy"] = table(outcomes[len(held_out) :], runs)
+        if args.out is not None:
+            args.out.write_text(json.dumps({"summary": summary}, indent=1) + "\n")
+    if args.stage in ("backoff", "all"):
+        print("\nlearning rate backed off at the first warning (no clip)")
+        for cfg in [c for c in tune if (c.lr, c.seed) in ((0.1, 0), (0.15, 1))]:
+            ref = reference_of(cfg, runs)
+            for factor in (0.5, 0.25, 0.1):
+                run, warned = train_backed_off(cfg, factor)
+                row = bench.classify(run, ref, False)
+                print(
+                    f"{cfg.name:28s} x{factor:<4g} warned at {warned}: {row.cls}, peak {row.peak_logit:.0f}, "
+                    f"final loss {row.final_loss:.2f} (reference {bench.final_loss(ref):.2f})"
+                )
+    print(f"\nclasses with the clip: {json.dumps(summary)}")
+    print(f"wall time {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""QK-clip under DDP on two CPU processes (gloo): both ranks rescale by the max over ranks, so the weights stay equal.
+
+Each rank trains the same ``nn.MultiheadAttention`` model on its own data; rank 1's inputs are 4x
+larger, so its attention logits are far larger than rank 0's. With ``NanGuard(qk_clip=CAP,
+precursor_every_n_steps=1)`` and SGD at learning rate 0 (the update itself changes nothing) every
+step's clip is the only change to the weights. Each rank writes ``rank<N>.json``: the hash of its
+weights, and the max logit per head over each rank's batches, measured with the final weights.
+
+Usage: ``python qk_clip_ddp_script.py OUT_DIR`` under :func:`launcher.launch` (two ranks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from lightning_nanguard import NanGuard
+from lightning_nanguard.detect.attention import AttentionProbe
+
+CAP = 3.0
+STEPS = 4
+
+
+class SelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def batches(rank: int) -> list[Tensor]:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(2, 5, 8, generator=generator) * (4.0 if rank == 1 else 1.0) for _ in range(STEPS)]
+
+
+class Attending(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = nn.Sequential(SelfAttention())
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(batches(self.global_rank), batch_size=None)
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        return self.model(batch).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def head_max(model: nn.Module, x: Tensor) -> list[float]:
+    probe = AttentionProbe(model, rows=1, queries=x.size(1), per_head=True)  # the row the guard measures
+    with torch.enable_grad(), probe.measuring():
+        model(x)
+    values = probe.take()["0.attn"].head_max
+    assert values is not None
+    return values.tolist()
+
+
+def main(out_dir: str) -> None:
+    module = Attending()
+    guard = NanGuard(verbose=False, save_repro=False, qk_clip=CAP, precursor_every_n_steps=1)
+    trainer = pl.Trainer(
+        strategy="ddp",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=out_dir,
+        callbacks=[guard],
+    )
+    trainer.fit(module)
+    weights = b"".join(p.detach().numpy().tobytes() for p in module.parameters())
+    result = {
+        "rank": trainer.global_rank,
+        "global_step": trainer.global_step,
+        "weights_sha256": hashlib.sha256(weights).hexdigest(),
+        "head_max_rank0": [max(h) for h in zip(*(head_max(module.model, x) for x in batches(0)), strict=True)],
+        "head_max_rank1": [max(h) for h in zip(*(head_max(module.model, x) for x in batches(1)), strict=True)],
+        "events": [event.to_dict() for event in guard.events],
+    }
+    with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w", encoding="utf-8") as handle:
+        json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

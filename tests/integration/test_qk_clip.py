@@ -1,0 +1,167 @@
+"""``NanGuard(qk_clip=...)`` in real runs: after a sampled step's update the attention logits are capped, per head.
+
+The optimizer steps with learning rate 0 where the test needs the clip to be the only change to the
+weights: then the max logit of the sampled batch, measured again after the step, must be the cap
+exactly for the heads that were above it and unchanged for the others. Under DDP (two gloo
+processes) the ranks see different logits and must still rescale alike: the max over ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from fitting import build_trainer
+from launcher import HELPERS, launch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from lightning_nanguard import NanGuard
+from lightning_nanguard.detect.attention import AttentionProbe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import attention_collapse as bench
+
+CAP = 4.0
+
+
+class Encoder(pl.LightningModule):
+    """A ``TransformerEncoderLayer`` (``nn.MultiheadAttention``) whose head 0 starts with logits far above the cap."""
+
+    def __init__(self, lr: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        with torch.no_grad():
+            self.encoder.self_attn.in_proj_weight[:4].mul_(10)
+        self.lr = lr
+        self.batches = [torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(i)) * 2 for i in range(3)]
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        return self.encoder(batch).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _head_max(module: nn.Module, x: Tensor, rows: int) -> Tensor:
+    probe = AttentionProbe(module, rows=rows, queries=x.size(1), per_head=True)
+    with torch.enable_grad(), probe.measuring():
+        module(x)
+    values = probe.take()["self_attn"].head_max
+    assert values is not None
+    return values
+
+
+def test_after_the_sampled_step_the_heads_above_the_cap_are_at_it_and_the_others_untouched(tmp_path: Path) -> None:
+    module = Encoder()
+    first = module.batches[0]
+    before = _head_max(module.encoder, first, rows=1)  # the guard measures 1 batch row
+    assert before[0] > 4 * CAP and before[1] < CAP
+    guard = NanGuard(verbose=False, qk_clip=CAP, precursor_every_n_steps=10)
+    build_trainer("lightning", tmp_path, callbacks=[guard], max_steps=1).fit(
+        module, DataLoader(module.batches, batch_size=None)
+    )
+    after = _head_max(module.encoder, first, rows=1)
+    assert float(after[0]) == pytest.approx(CAP, rel=1e-4)
+    assert torch.equal(after[1], before[1])
+    assert guard.events == []  # one sample, no growth yet: no warning, and nothing else went wrong
+
+
+def test_steps_that_are_not_sampled_are_not_clipped(tmp_path: Path) -> None:
+    module = Encoder()
+    guard = NanGuard(verbose=False, qk_clip=CAP, precursor_every_n_steps=2)
+    weights = module.encoder.self_attn.in_proj_weight.detach().clone()
+    trainer = build_trainer("lightning", tmp_path, callbacks=[guard], max_steps=2)
+    trainer.fit(module, DataLoader(module.batches[1:], batch_size=None))  # step 0 sampled (batch 1), step 1 not
+    clipped_once = module.encoder.self_attn.in_proj_weight.detach()
+    assert not torch.equal(clipped_once, weights)
+    after = _head_max(module.encoder, module.batches[1], rows=1)
+    assert float(after[0]) == pytest.approx(CAP, rel=1e-4)  # the clip of step 0 only
+
+
+def test_a_model_without_known_projections_is_told_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    class Manual(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mix = nn.Linear(4, 8)
+
+        def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+            q, k = self.mix(batch).chunk(2, dim=-1)
+            return torch.softmax(q @ k.transpose(-2, -1), dim=-1).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    caplog.set_level(logging.WARNING, logger="lightning_nanguard")
+    batches = [torch.randn(2, 3, 4) for _ in range(3)]
+    build_trainer("lightning", tmp_path, callbacks=[NanGuard(verbose=False, qk_clip=CAP)]).fit(
+        Manual(), DataLoader(batches, batch_size=None)
+    )
+    told = [r.getMessage() for r in caplog.records if "qk_clip" in r.getMessage()]
+    assert len(told) == 1 and "nanguard_qk_projections" in told[0]
+
+
+def test_qk_clip_needs_the_precursor_watch() -> None:
+    with pytest.raises(ValueError, match="`qk_clip` needs `precursors=True`"):
+        NanGuard(qk_clip=CAP, precursors=False)
+    with pytest.raises(ValueError, match="`qk_clip` must be null or a number > 0"):
+        NanGuard(qk_clip=0)
+
+
+class CollapsingGPT(pl.LightningModule):
+    """The collapse benchmark's tiny GPT at a learning rate where, unclipped, ``blocks.1.attn`` runs away."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.model = bench.TinyGPT(config)
+        self.peak = 0.0
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+        self.peak = max(self.peak, *(block.attn.last[0] for block in self.model.blocks))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: bench.lr_at(self.config, s) / self.config.lr)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def test_a_collapsing_run_keeps_its_max_logit_an_order_of_magnitude_lower(tmp_path: Path) -> None:
+    config = bench.RunConfig(attention="sdpa", qk_norm=False, lr=0.15, seed=0)
+    unclipped, _ = bench.read_json(bench.DEFAULT_OUT)
+    steps = 100
+    unclipped_peak = max(max(t.max_logit[:steps]) for t in unclipped[config].layers.values())
+    chain, gen = bench.transition_matrix(), torch.Generator().manual_seed(10_000 + config.seed)
+    batches = [bench.make_batch(chain, gen, config.batch_size, config.seq_len) for _ in range(steps)]
+    module = CollapsingGPT(config)
+    guard = NanGuard(verbose=False, qk_clip=20.0, precursor_every_n_steps=1)
+    build_trainer("lightning", tmp_path, callbacks=[guard], max_steps=steps).fit(
+        module, DataLoader(batches, batch_size=None)
+    )
+    assert unclipped_peak > 1000  # the benchmark's run without the clip, same seed and batches
+    assert module.peak < unclipped_peak / 10, (module.peak, unclipped_peak)
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+@pytest.mark.slow
+def test_under_ddp_every_rank_rescales_by_the_max_over_ranks(tmp_path: Path) -> None:
+    run = launch(HELPERS / "qk_clip_ddp_script.py", str(tmp_path), tmp_path, nprocs=2, out_dir=tmp_path, timeout=180)
+    ranks = run.results(ranks=(0, 1))
+    assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]  # the ranks agree: the same weights
+    assert ranks[0]["global_step"] == 4
+    # each clip only lowers the weights (learning rate 0), so with the final weights the max over
+    # every batch the clip saw is the cap, per head; rank 1's inputs are 4x larger, so its batches
+    # set it, and rank 0's end far below it (rank 0 rescaled by rank 1's values)
+    assert ranks[0]["head_max_rank1"] == pytest.approx([3.0, 3.0], rel=1e-4)
+    assert max(ranks[0]["head_max_rank0"]) < 1.0
