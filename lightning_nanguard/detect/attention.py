@@ -101,14 +101,13 @@ def attention_stats(logits: Tensor, per_head: bool = False) -> AttentionStats:
         (50.0, 0.347, 0.347)
     """
     logits = logits.detach().float()
-    rows = logits.amax(dim=-1)
-    lse = torch.logsumexp(logits, dim=-1)
-    entropy = torch.special.entr(torch.softmax(logits, dim=-1)).sum(dim=-1)  # NaN in rows with no key
+    log_p = torch.log_softmax(logits, dim=-1)  # NaN in rows with no key: left out of the means
+    entropy = torch.special.entr(log_p.exp()).sum(dim=-1)
+    means = torch.stack((entropy, log_p.amax(dim=-1))).flatten(1).nanmean(dim=1)  # max log p = -(lse - max)
     head_max = None
     if per_head and logits.ndim >= 4:  # (..., heads, queries, keys): the max per head
-        head_max = rows.amax(dim=-1).flatten(0, -2).amax(dim=0)
-    means = torch.stack((entropy, lse - rows)).flatten(1).nanmean(dim=1)  # one mean for both
-    return AttentionStats(rows.amax(), means[0], means[1], head_max=head_max)
+        head_max = logits.amax(dim=(-2, -1)).flatten(0, -2).amax(dim=0)
+    return AttentionStats(logits.amax(), means[0], means[1].neg(), head_max=head_max)
 
 
 class AttentionProbe:
