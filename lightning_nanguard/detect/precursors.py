@@ -59,9 +59,11 @@ class LogitGrowthRule:
         history = self._history.setdefault(module, deque())
         while history and history[0][0] < step - self.window:
             history.popleft()
+        if not math.isfinite(value):  # NaN or inf logits: the guard's other checks; never a reference either
+            return None
         earlier = history[0] if history else None
         history.append((step, value))
-        if earlier is None or math.isnan(value) or value <= self.min_logit:  # NaN: the guard's other checks
+        if earlier is None or value <= self.min_logit:
             return None
         earlier_step, earlier_value = earlier
         ratio = value / max(earlier_value, 1e-6)

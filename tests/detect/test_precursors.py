@@ -49,3 +49,13 @@ def test_nan_is_left_to_the_guards_other_checks_and_state_round_trips() -> None:
     again.load_state_dict(rule.state_dict())
     again.observe("a", 30, 1.0)
     assert again.observe("a", 40, 1000.0) is None  # the cooldown survived the checkpoint
+
+
+def test_a_non_finite_sample_is_never_the_reference_a_later_value_is_compared_with() -> None:
+    rule = _rule()
+    for value in (float("nan"), float("inf")):
+        assert rule.observe("a", 0, value) is None  # a bad batch's logits: the NaN check's business
+    assert rule.observe("a", 10, 60.0) is None  # no finite history yet: nothing to grow from
+    assert rule.observe("a", 20, 65.0) is None  # 65 / 60: no growth, whatever came before
+    assert rule.observe("b", 0, 1.0) is None
+    assert rule.observe("b", 10, float("inf")) is None

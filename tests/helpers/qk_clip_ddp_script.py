@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from lightning_nanguard import NanGuard
 from lightning_nanguard.detect.attention import AttentionProbe
+from lightning_nanguard.engine.step.precursors import PrecursorSettings
 
 CAP = 3.0
 STEPS = 4
@@ -60,7 +61,7 @@ class Attending(pl.LightningModule):
 
 
 def head_max(model: nn.Module, x: Tensor) -> list[float]:
-    probe = AttentionProbe(model, rows=1, queries=x.size(1), per_head=True)  # the row the guard measures
+    probe = AttentionProbe(model, rows=PrecursorSettings().rows, queries=x.size(1), per_head=True)  # the guard's rows
     with torch.enable_grad(), probe.measuring():
         model(x)
     values = probe.take()["0.attn"].head_max

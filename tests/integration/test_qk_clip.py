@@ -24,11 +24,13 @@ from torch.utils.data import DataLoader
 
 from lightning_nanguard import NanGuard
 from lightning_nanguard.detect.attention import AttentionProbe
+from lightning_nanguard.engine.step.precursors import PrecursorSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import attention_collapse as bench
 
 CAP = 4.0
+ROWS = PrecursorSettings().rows  # the batch rows the guard measures per attention call
 
 
 class Encoder(pl.LightningModule):
@@ -62,14 +64,15 @@ def _head_max(module: nn.Module, x: Tensor, rows: int) -> Tensor:
 def test_after_the_sampled_step_the_heads_above_the_cap_are_at_it_and_the_others_untouched(tmp_path: Path) -> None:
     module = Encoder()
     first = module.batches[0]
-    before = _head_max(module.encoder, first, rows=1)  # the guard measures 1 batch row
-    assert before[0] > 4 * CAP and before[1] < CAP
-    guard = NanGuard(verbose=False, qk_clip=CAP, precursor_every_n_steps=10)
+    before = _head_max(module.encoder, first, rows=ROWS)  # the rows the guard measures
+    cap = 10.0  # head 0 far above it, head 1 below it
+    assert before[0] > 4 * cap and before[1] < cap
+    guard = NanGuard(verbose=False, qk_clip=cap, precursor_every_n_steps=10)
     build_trainer("lightning", tmp_path, callbacks=[guard], max_steps=1).fit(
         module, DataLoader(module.batches, batch_size=None)
     )
-    after = _head_max(module.encoder, first, rows=1)
-    assert float(after[0]) == pytest.approx(CAP, rel=1e-4)
+    after = _head_max(module.encoder, first, rows=ROWS)
+    assert float(after[0]) == pytest.approx(cap, rel=1e-4)
     assert torch.equal(after[1], before[1])
     assert guard.events == []  # one sample, no growth yet: no warning, and nothing else went wrong
 
@@ -82,7 +85,7 @@ def test_steps_that_are_not_sampled_are_not_clipped(tmp_path: Path) -> None:
     trainer.fit(module, DataLoader(module.batches[1:], batch_size=None))  # step 0 sampled (batch 1), step 1 not
     clipped_once = module.encoder.self_attn.in_proj_weight.detach()
     assert not torch.equal(clipped_once, weights)
-    after = _head_max(module.encoder, module.batches[1], rows=1)
+    after = _head_max(module.encoder, module.batches[1], rows=ROWS)
     assert float(after[0]) == pytest.approx(CAP, rel=1e-4)  # the clip of step 0 only
 
 

@@ -63,7 +63,7 @@ class PrecursorSettings:
     growth: float = 2.0
     window: int = 20
     cooldown: int = 100
-    rows: int = 1
+    rows: int = 4
     qk_clip: float | None = None
 
 
