@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -143,6 +144,7 @@ class AttentionProbe:
         self._stats: dict[str, AttentionStats] = {}
         self._mode = _Intercept(self)
         self.broken = False  # a measurement raised: the probe stops (the user's forward never fails for it)
+        self.host_seconds = 0.0  # host time spent measuring since the last ``measuring()`` began
 
     @contextmanager
     def measuring(self) -> Iterator[None]:
@@ -153,6 +155,7 @@ class AttentionProbe:
         inside whatever modes the loop itself uses (this context may span several hooks of a loop).
         """
         self._stack = []
+        self.host_seconds = 0.0
         if self.broken:
             yield
             return
@@ -272,11 +275,13 @@ class AttentionProbe:
         name = self.names.get(id(module))
         if name is None or not torch.is_grad_enabled() or self.broken:
             return
+        start = time.perf_counter()
         try:
             with torch.no_grad():
                 self._record(_multihead_logits(module, args, kwargs, self.rows, self.queries), name)
         except Exception as error:  # the module's own forward reports a bad call; the probe stays out of it
             self._fail(error)
+        self.host_seconds += time.perf_counter() - start
 
 
 def _stride(length: int, queries: int) -> int:
@@ -372,11 +377,15 @@ class _Intercept(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
+        if func not in _SDPA and func not in _SOFTMAX:
+            return result
+        start = time.perf_counter()
         try:
             if func in _SDPA:
                 self.probe._sdpa(args, kwargs)
-            elif func in _SOFTMAX:
+            else:
                 self.probe._softmax(args, kwargs)
         except Exception as error:  # never the user's forward's failure
             self.probe._fail(error)
+        self.probe.host_seconds += time.perf_counter() - start
         return result

@@ -139,6 +139,8 @@ class StepController:
             self.precursors.attach(front.module)
             if self.precursors.settings.qk_clip is not None and not self.precursors.projections:
                 self.recorder.notices.warn("qk_clip", NO_QK_PROJECTIONS)
+            if self.precursors.projections and self.agreement.distributed:
+                self.precursors.governed = False  # QK-clip's collective needs the same sampled steps on every rank
         unsupported = self.window.metrics.describe_unsupported() if self.window.metrics is not None else None
         if unsupported is not None:
             self.recorder.notices.warn("metrics", f"NanGuard: {unsupported}.")
@@ -247,6 +249,9 @@ class StepController:
         if watch is None:
             return
         watch.finish(front.global_step)
+        if watch.notice is not None:
+            self.recorder.notices.warn(f"precursor-cost-{watch.every}", watch.notice)
+            watch.notice = None
         samples = watch.ready()
         if not samples or not front.is_global_zero:  # one rank warns (each rank measures its own rows)
             return

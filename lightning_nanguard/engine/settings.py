@@ -137,6 +137,9 @@ RULES: dict[str, Rule] = {
     "precursor_min_logit": number(0.0),
     "precursor_growth": Rule(lambda v: _is_number(v) and 1.0 < float(v) < float("inf"), "a number > 1"),
     "precursor_window": integer(1),
+    "precursor_max_cost": Rule(
+        lambda v: v is None or (_is_number(v) and 0.0 < float(v) <= 1.0), "null or a number in (0, 1]"
+    ),
     "qk_clip": Rule(lambda v: v is None or (_is_number(v) and 0.0 < float(v) < float("inf")), "null or a number > 0"),
     "loss_fn": Rule(lambda v: v is None or callable(v), "None or a callable(model, batch) returning the loss"),
 }
@@ -265,6 +268,7 @@ class GuardSettings:
                 growth=a["precursor_growth"],
                 window=a["precursor_window"],
                 qk_clip=None if a.get("qk_clip") is None else float(a["qk_clip"]),
+                max_cost=None if a.get("precursor_max_cost") is None else float(a["precursor_max_cost"]),
             )
             if a.get("precursors", False) and strategy_kind not in SHARDED_KINDS
             else None,

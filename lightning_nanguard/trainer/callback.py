@@ -146,6 +146,9 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         precursor_min_logit: the level a module's max attention logit must exceed.
         precursor_growth: how many times its value ``precursor_window`` steps earlier it must be.
         precursor_window: how far back the growth is measured, in steps.
+        precursor_max_cost: the most the watch may cost, as a share of the training time (``0.01``:
+            1%): when measuring every ``precursor_every_n_steps`` steps costs more (measured on the host
+            clock, no sync), the watch measures less often, with one notice. ``None``: no limit.
         qk_clip: opt-in remedy, a cap on the max attention logit (e.g. ``50.0``): after each sampled
             step's update, the query and key projections of every attention module measured above
             it are rescaled per head by ``sqrt(qk_clip / max_logit)`` each, where the guard knows
@@ -209,6 +212,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         precursor_min_logit: float = default_of(PrecursorSettings, "min_logit"),
         precursor_growth: float = default_of(PrecursorSettings, "growth"),
         precursor_window: int = default_of(PrecursorSettings, "window"),
+        precursor_max_cost: float | None = default_of(PrecursorSettings, "max_cost"),
         qk_clip: float | None = None,
         loss_fn: Callable[[Any, Any], Any] | None = None,
     ) -> None:
@@ -252,6 +256,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.precursor_min_logit = precursor_min_logit
         self.precursor_growth = precursor_growth
         self.precursor_window = precursor_window
+        self.precursor_max_cost = precursor_max_cost
         self.qk_clip = qk_clip
         self.loss_fn = loss_fn
 

@@ -53,6 +53,7 @@ BAD: dict[str, list[Any]] = {
     "precursor_growth": [1.0, 0.5, float("inf"), "3"],
     "precursor_window": [0, 1.5, None],
     "qk_clip": [0, -1.0, "50", float("inf")],
+    "precursor_max_cost": [0, 1.5, "0.01", float("nan")],
     "loss_fn": ["my_pkg.loss", 3],
 }
 
@@ -95,6 +96,7 @@ GOOD: dict[str, list[Any]] = {
     "precursor_growth": [1.5, 3.0, 10],
     "precursor_window": [1, 20, 100],
     "qk_clip": [None, 20, 100.0],
+    "precursor_max_cost": [None, 0.01, 1],
     "loss_fn": [None, lambda model, batch: model(batch).sum()],
 }
 

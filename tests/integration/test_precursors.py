@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,7 @@ def _fit(tmp_path: Path, guard: NanGuard, grow: bool, sdpa: bool = False, **trai
 def test_growing_logits_are_named_once_per_100_steps_and_the_step_is_applied(tmp_path: Path, sdpa: bool) -> None:
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    guard = NanGuard(verbose=False)
+    guard = NanGuard(verbose=False, precursor_max_cost=None)  # this tiny model's steps: sampling exactly every 10
     logger = TensorBoardLogger(str(tmp_path), name="run")
     _fit(tmp_path, guard, grow=True, sdpa=sdpa, logger=logger)
     warnings = [e for e in guard.events if e.kinds == ("precursor",)]
@@ -121,7 +122,7 @@ def test_growing_logits_are_named_once_per_100_steps_and_the_step_is_applied(tmp
 
 
 def test_a_healthy_run_gets_no_warning_and_the_switch_turns_it_off(tmp_path: Path) -> None:
-    healthy = NanGuard(verbose=False)
+    healthy = NanGuard(verbose=False, precursor_max_cost=None)
     _fit(tmp_path, healthy, grow=False)
     assert healthy.events == []
     off = NanGuard(verbose=False, precursors=False)
@@ -130,8 +131,48 @@ def test_a_healthy_run_gets_no_warning_and_the_switch_turns_it_off(tmp_path: Pat
 
 
 def test_the_warning_repeats_after_100_steps_if_the_growth_goes_on(tmp_path: Path) -> None:
-    guard = NanGuard(verbose=False, precursor_growth=1.5)
+    guard = NanGuard(verbose=False, precursor_growth=1.5, precursor_max_cost=None)
     fitter = build_trainer("lightning", tmp_path, callbacks=[guard, GrowQueries(factor=1.03)], max_epochs=3)
     fitter.fit(TinyTransformer(), _data())
     steps = [e.global_step for e in guard.events if e.kinds == ("precursor",)]
     assert len(steps) >= 2 and all(b - a >= 100 for a, b in itertools.pairwise(steps))
+
+
+class Heavy(TinyTransformer):
+    """The same attention, in a step dominated by other work (a stand-in for a large model's MLPs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Linear(768, 768)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x = torch.ones(128, 768)
+        for _ in range(8):
+            x = torch.tanh(self.mlp(x))
+        return super().training_step(batch, batch_idx) + x.mean()
+
+
+def test_a_watch_that_costs_more_than_its_limit_measures_less_often_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # on this tiny model measuring a step costs far more than 1% of every step's time
+    guard = NanGuard(verbose=False, precursor_every_n_steps=1)
+    with caplog.at_level("WARNING", logger="lightning_nanguard"):
+        _fit(tmp_path, guard, grow=False)
+    watch = guard.controller.precursors
+    assert watch is not None and watch.every > 10  # widened from every step
+    notices = [r.getMessage() for r in caplog.records if "precursor_max_cost" in r.getMessage()]
+    assert notices and "measuring every 1 steps" in notices[0] and "Set precursor_max_cost=None" in notices[0]
+    unlimited = NanGuard(verbose=False, precursor_every_n_steps=1, precursor_max_cost=None)
+    _fit(tmp_path, unlimited, grow=False)
+    assert unlimited.controller.precursors is not None and unlimited.controller.precursors.every == 1
+
+
+def test_a_watch_that_costs_little_keeps_its_interval(tmp_path: Path) -> None:
+    guard = NanGuard(verbose=False, precursor_every_n_steps=5)
+    fitter = build_trainer("lightning", tmp_path, callbacks=[guard], max_steps=40)
+    fitter.fit(Heavy(), _data())
+    watch = guard.controller.precursors
+    assert watch is not None and watch.every == 5
+    share = statistics.median(watch._measure_seconds) / (5 * statistics.median(watch._step_seconds))
+    assert share < 0.01 / 3, share  # the margin this test keeps from the limit on a loaded machine

@@ -88,7 +88,12 @@ def growing_run(logdir: Path) -> Path:
     y = torch.randn(STEPS * BATCH, SEQ, generator=g)
     y[NAN_INDEX] = float("nan")
     guard = NanGuard(
-        verbose=False, precursor_every_n_steps=1, precursor_min_logit=20.0, precursor_growth=4.0, precursor_window=4
+        verbose=False,
+        precursor_max_cost=None,
+        precursor_every_n_steps=1,
+        precursor_min_logit=20.0,
+        precursor_growth=4.0,
+        precursor_window=4,
     )
     logger = pl.loggers.TensorBoardLogger(str(logdir), name="precursor", version=0)
     trainer = build_trainer("lightning", logdir, callbacks=[guard], logger=logger)

@@ -31,6 +31,9 @@ Example:
 from __future__ import annotations
 
 import math
+import statistics
+import time
+from collections import deque
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -45,6 +48,8 @@ from lightning_nanguard.detect.precursors import Finding, LogitGrowthRule
 from lightning_nanguard.recover.qk_clip import QKProjection, find_qk_projections, qk_clip_
 
 __all__ = ["PrecursorSettings", "PrecursorWatch", "Sample", "precursor_event"]
+
+MAX_EVERY = 10_000  # the widest sampling interval the cost limit may set
 
 FIXES = (
     "QK-layernorm (normalise queries and keys per head)",
@@ -65,6 +70,7 @@ class PrecursorSettings:
     cooldown: int = 100
     rows: int = 4
     qk_clip: float | None = None
+    max_cost: float | None = 0.01
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,12 @@ class PrecursorWatch:
 
     def __init__(self, settings: PrecursorSettings) -> None:
         self.settings = settings
+        self.every = settings.every_n_steps  # the sampling interval in use (widened to keep within ``max_cost``)
+        self.governed = settings.max_cost is not None  # off where the ranks must sample the same steps
+        self.notice: str | None = None  # for the guard to log once: the interval was widened
+        self._last_begin: tuple[int, float] | None = None  # (step, host clock) of the last step begun
+        self._step_seconds: deque[float] = deque(maxlen=50)
+        self._measure_seconds: deque[float] = deque(maxlen=5)
         self.rule = LogitGrowthRule(settings.min_logit, settings.growth, settings.window, settings.cooldown)
         self.probe: AttentionProbe | None = None
         self._armed: ExitStack | None = None
@@ -101,7 +113,12 @@ class PrecursorWatch:
 
     def arm(self, step: int) -> None:
         """Step ``step`` begins: measure its forward passes when it is a sampled step (idempotent)."""
-        if self.probe is None or step % self.settings.every_n_steps or self._armed is not None:
+        now = time.perf_counter()
+        if self._last_begin is None or self._last_begin[0] != step:
+            if self._last_begin is not None and step == self._last_begin[0] + 1:
+                self._step_seconds.append(now - self._last_begin[1])
+            self._last_begin = (step, now)
+        if self.probe is None or step % self.every or self._armed is not None:
             return
         stack = ExitStack()
         stack.enter_context(self.probe.measuring())
@@ -118,6 +135,7 @@ class PrecursorWatch:
             return
         self.disarm()
         assert self.probe is not None
+        self._govern(self.probe.host_seconds)
         stats = self.probe.take()
         if self._armed_step != step:
             return
@@ -178,6 +196,31 @@ class PrecursorWatch:
             values = reduce_max(values)
         for (_, projection), logit in zip(modules, values.split([p.numel() for p in parts]), strict=True):
             qk_clip_(projection, logit if projection.heads is not None else logit[0], cap)
+
+    def _govern(self, seconds: float) -> None:
+        """Widen the sampling interval when the measurement costs more than ``max_cost`` of the training time.
+
+        The share is the median host time of the last sampled steps' measurements over the median
+        step time times the interval. Host time is what the measurement costs on a GPU too (its
+        kernels are small), read from the host clock: no synchronisation. The interval only grows.
+        """
+        self._measure_seconds.append(seconds)
+        limit = self.settings.max_cost
+        if not self.governed or limit is None or len(self._measure_seconds) < 3 or len(self._step_seconds) < 3:
+            return
+        step, cost = statistics.median(self._step_seconds), statistics.median(self._measure_seconds)
+        share = cost / max(step * self.every, 1e-9)
+        if share <= limit:
+            return
+        before, self.every = self.every, min(MAX_EVERY, math.ceil(self.every * share / limit))
+        self._measure_seconds.clear()
+        self.notice = (
+            f"NanGuard: the attention precursor watch costs {1e3 * cost:.1f} ms "
+            f"per measured step against {1e3 * step:.1f} ms per training step ({100 * share:.1f}% of the training "
+            f"time when measuring every {before} steps): measuring every {self.every} steps from now on to stay "
+            f"within precursor_max_cost={limit:g}. Set precursor_max_cost=None to keep every {before} whatever "
+            "it costs."
+        )
 
     def forget_clip(self) -> None:
         """Drop the sampled step's values without clipping."""
