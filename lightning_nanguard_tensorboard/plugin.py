@@ -2,7 +2,8 @@
 
 Routes (``run`` is a run name as TensorBoard gives it; an unknown run gives an empty answer):
 
-- ``runs``: ``[{"run", "incidents", "first_step", "last_step"}]``, the runs with NanGuard events;
+- ``runs``: ``[{"run", "incidents", "precursors", "first_step", "last_step"}]``, the runs with NanGuard
+  events (``incidents`` counts every event, ``precursors`` the early warnings among them);
 - ``incidents?run=RUN[&offset=K&limit=N]``: the run's events exactly as ``events.jsonl`` holds
   them plus ``"_dashboard"`` (see :mod:`~lightning_nanguard_tensorboard.incidents`), sorted by
   ``(global_step, rank)``; ``offset``/``limit`` return a page; the total is in ``X-Total-Count``;
@@ -184,6 +185,7 @@ class NanGuardPlugin(base_plugin.TBPlugin):
                 {
                     "run": name,
                     "incidents": len(events),
+                    "precursors": sum("precursor" in (e.get("kinds") or ()) for e in events),
                     "first_step": min(steps) if steps else None,
                     "last_step": max(steps) if steps else None,
                 }

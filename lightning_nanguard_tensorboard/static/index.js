@@ -72,8 +72,11 @@ function runSelector() {
         if (!state.selected.includes(state.focusRun)) state.focusRun = state.selected[0] || null;
         refresh();
       }});
+    const warnings = run.precursors || 0;  // early warnings are not incidents: counted apart
+    const counts = [h('span', {class: 'count', title: 'incidents'}, String(run.incidents - warnings))];
+    if (warnings) counts.push(h('span', {class: 'count count-precursor', title: 'early warnings'}, `+${warnings}`));
     list.appendChild(h('label', {class: 'run', title: run.run}, box,
-        h('span', {class: 'run-name'}, run.run), h('span', {class: 'count'}, String(run.incidents))));
+        h('span', {class: 'run-name'}, run.run), ...counts));
   }
   return h('div', {}, h('h4', {}, 'Runs'),
       state.runs.length ? list : h('p', {class: 'muted'}, 'No run with nanguard/events.jsonl.'));

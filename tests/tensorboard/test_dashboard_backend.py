@@ -127,6 +127,7 @@ def test_runs_are_named_as_tensorboard_names_them(served: Served) -> None:
     for ns in NAMESPACES:
         assert ours[run_name(ns)]["incidents"] == len(served.runs[ns][1].events) == 4
         assert (ours[run_name(ns)]["first_step"], ours[run_name(ns)]["last_step"]) == (1, 7)
+        assert ours[run_name(ns)]["precursors"] == 0  # early warnings among the events (none in these runs)
     assert ours[LARGE]["incidents"] == LARGE_EVENTS  # the half-written last line is not an event
 
 
