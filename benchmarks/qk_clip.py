@@ -37,7 +37,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -68,20 +68,24 @@ class Outcome:
     clipped_steps: int
 
 
-def train_backed_off(config: bench.RunConfig, factor: float) -> tuple[bench.RunResult, int | None]:
-    """``attention_collapse.train`` with the learning rate times ``factor`` from the first precursor warning on."""
+def _train(config: bench.RunConfig, watch: PrecursorWatch, after_update: Callable[[int], float]) -> bench.RunResult:
+    """``attention_collapse.train`` with ``watch`` armed and finished around each step's forward and backward.
+
+    ``after_update(step)`` runs after ``optimizer.step()`` and returns the factor on the learning
+    rate of the steps after it.
+    """
     torch.set_num_threads(1)
     chain = bench.transition_matrix()
     torch.manual_seed(config.seed)
     model = bench.TinyGPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
     data_gen = torch.Generator().manual_seed(10_000 + config.seed)
-    watch = PrecursorWatch(PrecursorSettings())
     watch.attach(model)
     names = {name: m for name, m in model.named_modules() if isinstance(m, bench.Attention)}
     layers = {name: bench.LayerTrace() for name in names}
     losses: list[float] = []
-    scale, warned = 1.0, None
+    scale = 1.0
+    start = time.perf_counter()
     for step in range(config.steps):
         for group in optimizer.param_groups:
             group["lr"] = bench.lr_at(config, step) * scale
@@ -92,8 +96,7 @@ def train_backed_off(config: bench.RunConfig, factor: float) -> tuple[bench.RunR
         loss.backward()
         watch.finish(step)
         optimizer.step()
-        if watch.judge(watch.ready()) and warned is None:
-            warned, scale = step, factor
+        scale = after_update(step)
         losses.append(loss.item())
         for name, attn in names.items():
             assert attn.last is not None
@@ -101,47 +104,37 @@ def train_backed_off(config: bench.RunConfig, factor: float) -> tuple[bench.RunR
             trace.max_logit.append(attn.last[0])
             trace.entropy.append(attn.last[1])
             trace.min_entropy.append(attn.last[2])
-    return bench.RunResult(config, losses, layers, 0.0), warned
+    return bench.RunResult(config, losses, layers, time.perf_counter() - start)
+
+
+def train_backed_off(config: bench.RunConfig, factor: float) -> tuple[bench.RunResult, int | None]:
+    """No clip; the learning rate times ``factor`` from the guard's first precursor warning on."""
+    watch = PrecursorWatch(PrecursorSettings(max_cost=None))
+    warned: list[int] = []
+
+    def after_update(step: int) -> float:
+        if watch.judge(watch.ready()) and not warned:
+            warned.append(step)
+        return factor if warned else 1.0
+
+    run = _train(config, watch, after_update)
+    return run, (warned[0] if warned else None)
 
 
 def train_clipped(job: Job) -> Outcome:
-    """``attention_collapse.train`` with the guard's QK-clip after each sampled step's update."""
-    config = job.config
-    torch.set_num_threads(1)
-    chain = bench.transition_matrix()
-    torch.manual_seed(config.seed)
-    model = bench.TinyGPT(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
-    data_gen = torch.Generator().manual_seed(10_000 + config.seed)
-    watch = PrecursorWatch(PrecursorSettings(every_n_steps=job.every, qk_clip=job.cap))
-    watch.attach(model)
-    assert sorted(watch.projections) == [f"blocks.{i}.attn" for i in range(config.n_layers)]
-    names = {name: m for name, m in model.named_modules() if isinstance(m, bench.Attention)}
-    layers = {name: bench.LayerTrace() for name in names}
-    losses: list[float] = []
+    """The guard's QK-clip after each sampled step's update (the interval fixed: no cost limit)."""
+    watch = PrecursorWatch(PrecursorSettings(every_n_steps=job.every, qk_clip=job.cap, max_cost=None))
     clipped = 0
-    start = time.perf_counter()
-    for step in range(config.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = bench.lr_at(config, step)
-        x, y = bench.make_batch(chain, data_gen, config.batch_size, config.seq_len)
-        watch.arm(step)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        watch.finish(step)
-        optimizer.step()
+
+    def after_update(step: int) -> float:
+        nonlocal clipped
         watch.clip()
-        samples = watch.ready()
-        clipped += any(s.max_logit > job.cap for s in samples)
-        losses.append(loss.item())
-        for name, attn in names.items():
-            assert attn.last is not None
-            trace = layers[name]
-            trace.max_logit.append(attn.last[0])
-            trace.entropy.append(attn.last[1])
-            trace.min_entropy.append(attn.last[2])
-    return Outcome(job, bench.RunResult(config, losses, layers, time.perf_counter() - start), clipped)
+        clipped += any(s.max_logit > job.cap for s in watch.ready())
+        return 1.0
+
+    run = _train(job.config, watch, after_update)
+    assert sorted(watch.projections) == [f"blocks.{i}.attn" for i in range(job.config.n_layers)]
+    return Outcome(job, run, clipped)
 
 
 def reference_of(config: bench.RunConfig, runs: dict[bench.RunConfig, bench.RunResult]) -> bench.RunResult:

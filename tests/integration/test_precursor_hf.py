@@ -14,24 +14,19 @@ mean entropy is below 0.1 of its mean over steps 5 to 15, as ``test_precursor_ru
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
-import torch
 import torch.nn.functional as F
+from collapse_models import ScheduledModule, bench, collapse_batches
 from fitting import build_trainer
 from torch import Tensor
-from torch.utils.data import DataLoader
 
 from lightning_nanguard import NanGuard
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import attention_collapse as bench
-import hf_attention_collapse as hf
+import hf_attention_collapse as hf  # benchmarks/ is on the path (collapse_models puts it there)
 
 pytestmark = pytest.mark.slow
 
@@ -39,35 +34,18 @@ STEPS = 120  # at lr 0.05 the 0.1x onset comes at step ~95; the schedule is the 
 COLLAPSING = "model.transformer.h.1.attn"
 
 
-class TinyGPT2(pl.LightningModule):
+class TinyGPT2(ScheduledModule):
     def __init__(self, config: bench.RunConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.model = hf.gpt2(config)  # seeded by config.seed
         self.side = hf.SideMeasurement(self.model, prefix="model.")
-        self.entropy: dict[str, list[float]] = {}
-        self.max_logit: dict[str, list[float]] = {}
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch
         loss = F.cross_entropy(self.model(input_ids=x).logits.flatten(0, 1), y.flatten())
         for name, (max_logit, entropy, _, _) in self.side.last.items():
-            self.max_logit.setdefault(name, []).append(max_logit)
-            self.entropy.setdefault(name, []).append(entropy)
+            self.record(name, max_logit, entropy)
         return loss
-
-    def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.config.lr, betas=(0.9, 0.95), weight_decay=0.0)
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: bench.lr_at(self.config, step) / self.config.lr
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-
-def _batches(config: bench.RunConfig) -> DataLoader:
-    chain, gen = bench.transition_matrix(), torch.Generator().manual_seed(10_000 + config.seed)
-    batches = [bench.make_batch(chain, gen, config.batch_size, config.seq_len) for _ in range(STEPS)]
-    return DataLoader(batches, batch_size=None)
 
 
 def _onset(entropy: dict[str, list[float]], fraction: float) -> tuple[int | None, str | None]:
@@ -83,7 +61,9 @@ def _onset(entropy: dict[str, list[float]], fraction: float) -> tuple[int | None
 def _train(tmp_path: Path, attention: str, lr: float) -> tuple[NanGuard, TinyGPT2]:
     config = bench.RunConfig(attention=attention, qk_norm=False, lr=lr, seed=0)
     module, guard = TinyGPT2(config), NanGuard(verbose=False)
-    build_trainer("lightning", tmp_path, callbacks=[guard], max_steps=STEPS).fit(module, _batches(config))
+    build_trainer("lightning", tmp_path, callbacks=[guard], max_steps=STEPS).fit(
+        module, collapse_batches(config, STEPS)
+    )
     assert all(len(v) == STEPS for v in module.entropy.values())
     return guard, module
 

@@ -9,14 +9,13 @@ processes) the ranks see different logits and must still rescale alike: the max 
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
+from collapse_models import CollapsingGPT, bench, collapse_batches
 from fitting import build_trainer
 from launcher import HELPERS, launch
 from torch import Tensor, nn
@@ -25,9 +24,6 @@ from torch.utils.data import DataLoader
 from lightning_nanguard import NanGuard
 from lightning_nanguard.detect.attention import AttentionProbe
 from lightning_nanguard.engine.step.precursors import PrecursorSettings
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import attention_collapse as bench
 
 CAP = 4.0
 ROWS = PrecursorSettings().rows  # the batch rows the guard measures per attention call
@@ -118,42 +114,19 @@ def test_qk_clip_needs_the_precursor_watch() -> None:
         NanGuard(qk_clip=0)
 
 
-class CollapsingGPT(pl.LightningModule):
-    """The collapse benchmark's tiny GPT at a learning rate where, unclipped, ``blocks.1.attn`` runs away."""
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
-        torch.manual_seed(config.seed)
-        self.model = bench.TinyGPT(config)
-        self.peak = 0.0
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = batch
-        loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
-        self.peak = max(self.peak, *(block.attn.last[0] for block in self.model.blocks))
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.config.lr, betas=(0.9, 0.95), weight_decay=0.0)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: bench.lr_at(self.config, s) / self.config.lr)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-
 def test_a_collapsing_run_keeps_its_max_logit_an_order_of_magnitude_lower(tmp_path: Path) -> None:
     config = bench.RunConfig(attention="sdpa", qk_norm=False, lr=0.15, seed=0)
     unclipped, _ = bench.read_json(bench.DEFAULT_OUT)
     steps = 100
     unclipped_peak = max(max(t.max_logit[:steps]) for t in unclipped[config].layers.values())
-    chain, gen = bench.transition_matrix(), torch.Generator().manual_seed(10_000 + config.seed)
-    batches = [bench.make_batch(chain, gen, config.batch_size, config.seq_len) for _ in range(steps)]
     module = CollapsingGPT(config)
-    guard = NanGuard(verbose=False, qk_clip=20.0, precursor_every_n_steps=1)
+    guard = NanGuard(verbose=False, qk_clip=20.0, precursor_every_n_steps=1, precursor_max_cost=None)
     build_trainer("lightning", tmp_path, callbacks=[guard], max_steps=steps).fit(
-        module, DataLoader(batches, batch_size=None)
+        module, collapse_batches(config, steps)
     )
+    peak = max(max(values) for values in module.max_logit.values())
     assert unclipped_peak > 1000  # the benchmark's run without the clip, same seed and batches
-    assert module.peak < unclipped_peak / 10, (module.peak, unclipped_peak)
+    assert peak < unclipped_peak / 10, (peak, unclipped_peak)
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
