@@ -6,8 +6,8 @@ Run from the repository root::
     python benchmarks/precursor_cost.py --pairs 30 --accelerator cuda
 
 The watch works inside the forward pass of one optimizer step in ``precursor_every_n_steps`` (10):
-module hooks on the attention modules and, inside them, one ``q @ k^T`` of 1 batch row per
-attention call with a few reductions. For each model this script times, in alternation, a whole
+module hooks on the attention modules and, inside them, one ``q @ k^T`` of the guard's 4 batch rows
+per attention call with a few reductions. For each model this script times, in alternation, a whole
 training step (forward, backward, AdamW) and the same step with the forward under the watch
 (``AttentionProbe.measuring()``, after its first pass has found the attention modules, as in a run);
 the median of the paired differences over the median step is the share one sampled step adds, and a
@@ -33,8 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import MODELS, make
 
 from lightning_nanguard.detect.attention import AttentionProbe
+from lightning_nanguard.engine.step.precursors import PrecursorSettings
 
-EVERY_N_STEPS = 10  # NanGuard's precursor_every_n_steps default
+EVERY_N_STEPS = PrecursorSettings().every_n_steps  # NanGuard's precursor_every_n_steps default
+ROWS = PrecursorSettings().rows  # the batch rows the guard measures per attention call
 
 
 def _hf_gpt2(device: torch.device) -> tuple[nn.Module, Callable[[], Tensor]]:
@@ -87,7 +89,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=60)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--models", nargs="*", default=list(MAKERS))
-    parser.add_argument("--rows", type=int, default=1, help="batch rows measured per attention call (default 1)")
+    parser.add_argument(
+        "--rows", type=int, default=ROWS, help=f"batch rows measured per attention call (default {ROWS}, the guard's)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
     device = torch.device("cuda" if args.accelerator == "cuda" else "cpu")
