@@ -113,6 +113,8 @@ class StepController:
             settings.with_norm,
             settings.sync_free,
         )
+        if settings.precursors_refused is not None:
+            self.recorder.notices.warn("precursors-refused", settings.precursors_refused)
         if settings.precursors is None:
             if self.precursors is not None:
                 self.precursors.disarm()

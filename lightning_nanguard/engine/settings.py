@@ -206,6 +206,7 @@ class GuardSettings:
     with_norm: bool
     sync_free: bool
     precursors: PrecursorSettings | None = None
+    precursors_refused: str | None = None  # why an explicit ``qk_clip`` is off here (a sharded strategy)
 
     @classmethod
     def from_arguments(cls, a: Mapping[str, Any], strategy_kind: str = "single") -> GuardSettings:
@@ -271,6 +272,13 @@ class GuardSettings:
                 max_cost=None if a.get("precursor_max_cost") is None else float(a["precursor_max_cost"]),
             )
             if a.get("precursors", False) and strategy_kind not in SHARDED_KINDS
+            else None,
+            precursors_refused=(
+                f"NanGuard(qk_clip={a['qk_clip']!r}): off under this {strategy_kind!r} strategy, as is the attention "
+                "precursor watch it needs: measuring inside sharded forwards (parameters gathered by hooks around "
+                "each module) is not proven safe yet."
+            )
+            if a.get("qk_clip") is not None and a.get("precursors", False) and strategy_kind in SHARDED_KINDS
             else None,
         )
 

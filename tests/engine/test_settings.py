@@ -153,3 +153,23 @@ def test_the_precursor_watch_stays_out_of_sharded_forwards(kind: str) -> None:
     arguments = {name: getattr(guard, name) for name in _arguments()}
     assert GuardSettings.from_arguments(arguments, strategy_kind="ddp").precursors is not None
     assert GuardSettings.from_arguments(arguments, strategy_kind=kind).precursors is None
+    assert GuardSettings.from_arguments(arguments, strategy_kind=kind).precursors_refused is None  # defaults: quiet
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "model_parallel", "deepspeed"])
+def test_an_explicit_qk_clip_under_a_sharded_strategy_is_refused_aloud(
+    kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from lightning_nanguard.engine.controller import StepController
+    from lightning_nanguard.engine.recording import IncidentRecorder
+    from lightning_nanguard.engine.settings import GuardSettings
+    from lightning_nanguard.recover.recovery import Recovery
+
+    guard = NanGuard(verbose=False, qk_clip=50.0)
+    arguments = {name: getattr(guard, name) for name in _arguments()}
+    assert GuardSettings.from_arguments(arguments, strategy_kind="ddp").precursors_refused is None
+    settings = GuardSettings.from_arguments(arguments, strategy_kind=kind)
+    assert settings.precursors is None and settings.precursors_refused is not None
+    with caplog.at_level("WARNING", logger="lightning_nanguard"):
+        StepController(Recovery(), IncidentRecorder(verbose=False)).configure(settings)
+    assert f"NanGuard(qk_clip=50.0): off under this {kind!r} strategy" in caplog.text
