@@ -283,26 +283,40 @@ def lr_at(config: RunConfig, step: int) -> float:
     return config.lr * warm * decay
 
 
-def train(config: RunConfig) -> RunResult:
-    """Train one tiny GPT and record the loss and every layer's attention signals at every step."""
+def train(config: RunConfig, watch: Any = None, after_update: Callable[[int], float] | None = None) -> RunResult:
+    """Train one tiny GPT and record the loss and every layer's attention signals at every step.
+
+    ``watch`` (NanGuard's ``PrecursorWatch``, for ``benchmarks/qk_clip.py``) is attached to the
+    model, armed before each step's forward and finished after its backward; ``after_update(step)``
+    runs after ``optimizer.step()`` and returns the factor on the learning rate of the steps after it.
+    """
     torch.set_num_threads(1)
     chain = transition_matrix()
     torch.manual_seed(config.seed)
     model = TinyGPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
     data_gen = torch.Generator().manual_seed(10_000 + config.seed)
+    if watch is not None:
+        watch.attach(model)
     names = {name: m for name, m in model.named_modules() if isinstance(m, Attention)}  # blocks.{i}.attn
     layers = {name: LayerTrace() for name in names}
     losses: list[float] = []
+    scale = 1.0
     start = time.perf_counter()
     for step in range(config.steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(config, step)
+            group["lr"] = lr_at(config, step) * scale
         x, y = make_batch(chain, data_gen, config.batch_size, config.seq_len)
+        if watch is not None:
+            watch.arm(step)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if watch is not None:
+            watch.finish(step)
         optimizer.step()
+        if after_update is not None:
+            scale = after_update(step)
         losses.append(loss.item())
         for name, attn in names.items():
             assert attn.last is not None

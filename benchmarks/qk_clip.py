@@ -37,13 +37,10 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention_collapse as bench
@@ -68,45 +65,6 @@ class Outcome:
     clipped_steps: int
 
 
-def _train(config: bench.RunConfig, watch: PrecursorWatch, after_update: Callable[[int], float]) -> bench.RunResult:
-    """``attention_collapse.train`` with ``watch`` armed and finished around each step's forward and backward.
-
-    ``after_update(step)`` runs after ``optimizer.step()`` and returns the factor on the learning
-    rate of the steps after it.
-    """
-    torch.set_num_threads(1)
-    chain = bench.transition_matrix()
-    torch.manual_seed(config.seed)
-    model = bench.TinyGPT(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
-    data_gen = torch.Generator().manual_seed(10_000 + config.seed)
-    watch.attach(model)
-    names = {name: m for name, m in model.named_modules() if isinstance(m, bench.Attention)}
-    layers = {name: bench.LayerTrace() for name in names}
-    losses: list[float] = []
-    scale = 1.0
-    start = time.perf_counter()
-    for step in range(config.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = bench.lr_at(config, step) * scale
-        x, y = bench.make_batch(chain, data_gen, config.batch_size, config.seq_len)
-        watch.arm(step)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        watch.finish(step)
-        optimizer.step()
-        scale = after_update(step)
-        losses.append(loss.item())
-        for name, attn in names.items():
-            assert attn.last is not None
-            trace = layers[name]
-            trace.max_logit.append(attn.last[0])
-            trace.entropy.append(attn.last[1])
-            trace.min_entropy.append(attn.last[2])
-    return bench.RunResult(config, losses, layers, time.perf_counter() - start)
-
-
 def train_backed_off(config: bench.RunConfig, factor: float) -> tuple[bench.RunResult, int | None]:
     """No clip; the learning rate times ``factor`` from the guard's first precursor warning on."""
     watch = PrecursorWatch(PrecursorSettings(max_cost=None))
@@ -117,7 +75,7 @@ def train_backed_off(config: bench.RunConfig, factor: float) -> tuple[bench.RunR
             warned.append(step)
         return factor if warned else 1.0
 
-    run = _train(config, watch, after_update)
+    run = bench.train(config, watch, after_update)
     return run, (warned[0] if warned else None)
 
 
@@ -132,7 +90,7 @@ def train_clipped(job: Job) -> Outcome:
         clipped += any(s.max_logit > job.cap for s in watch.ready())
         return 1.0
 
-    run = _train(job.config, watch, after_update)
+    run = bench.train(job.config, watch, after_update)
     assert sorted(watch.projections) == [f"blocks.{i}.attn" for i in range(job.config.n_layers)]
     return Outcome(job, run, clipped)
 

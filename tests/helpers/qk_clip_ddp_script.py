@@ -19,6 +19,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from fitting import build_trainer
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -72,18 +73,8 @@ def head_max(model: nn.Module, x: Tensor) -> list[float]:
 def main(out_dir: str) -> None:
     module = Attending()
     guard = NanGuard(verbose=False, save_repro=False, qk_clip=CAP, precursor_every_n_steps=1)
-    trainer = pl.Trainer(
-        strategy="ddp",
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        default_root_dir=out_dir,
-        callbacks=[guard],
+    trainer = build_trainer(
+        "lightning", out_dir, strategy="ddp", devices=2, use_distributed_sampler=False, callbacks=[guard]
     )
     trainer.fit(module)
     weights = b"".join(p.detach().numpy().tobytes() for p in module.parameters())
