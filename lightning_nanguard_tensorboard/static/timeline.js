@@ -211,7 +211,7 @@ export function timelineCard(data, {width, stepRange, onOpen, onLossTag}) {
       h('h3', {}, data.run),
       h('span', {class: 'muted'}, `${total} incident${total === 1 ? '' : 's'} at ${steps} step${steps === 1 ? '' : 's'}`),
       lossSelector(data, onLossTag));
-  return h('section', {class: 'card timeline-card', dataset: {run: data.run}}, header, chart, legend(markers, overflow.length > 0));
+  return h('section', {class: 'card timeline-card', dataset: {run: data.run}}, header, chart, legend(markers, overflow.length > 0, precursors.length > 0));
 }
 
 function lossSelector(data, onLossTag) {
@@ -222,7 +222,7 @@ function lossSelector(data, onLossTag) {
   return h('label', {class: 'muted'}, 'loss: ', select);
 }
 
-function legend(markers, hasOverflow) {
+function legend(markers, hasOverflow, hasPrecursors) {
   const groups = new Set(markers.map((m) => kindGroup(m.kinds)));
   const actions = new Set(markers.map((m) => m.action));
   const item = (symbol, text) => h('span', {class: 'legend-item'}, symbol, text);
@@ -241,5 +241,9 @@ function legend(markers, hasOverflow) {
     items.push(item(ring, 'remedy applied'));
   }
   if (hasOverflow) items.push(item(h('span', {class: 'overflow-swatch'}), 'AMP overflows (skipped by the GradScaler, not incidents)'));
+  if (hasPrecursors) {
+    const icon = s('svg', {width: 14, height: 14, class: 'marker g-precursor'}, s('path', {d: 'M7 2 L12 12 L2 12 Z'}));
+    items.push(item(icon, 'early warning (the step was applied)'));
+  }
   return h('div', {class: 'legend'}, items);
 }

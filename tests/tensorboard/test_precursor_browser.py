@@ -187,6 +187,7 @@ return {
   head: card.querySelector('.card-head .muted').textContent,
   count: document.querySelector(`.run-list label[title="${arguments[0]}"] .count`).textContent,
   warnings: document.querySelector(`.run-list label[title="${arguments[0]}"] .count-precursor`)?.textContent,
+  legend: card.querySelector('.legend').textContent,
 };
 """
 
@@ -219,6 +220,22 @@ def test_the_warning_sits_in_its_own_lane_under_the_incidents(tab: WebDriver, ev
     # incidents and early warnings are counted apart, in the card and in the run list
     assert chart["head"] == "1 incident at 1 step"
     assert (chart["count"], chart["warnings"]) == ("1", "+1")
+    assert "early warning (the step was applied)" in chart["legend"]  # the triangle is explained
+
+
+def test_the_chart_stays_inside_its_card_when_the_window_narrows(tab: WebDriver) -> None:
+    look(tab, "timeline", lambda d: d.execute_script(READ_CHART, RUN))
+    size = tab.get_window_size()
+    overhang = (
+        f"const card = document.querySelector('.timeline-card[data-run=\"{RUN}\"]');"
+        "return card.querySelector('svg.timeline-chart').getBoundingClientRect().right"
+        " - card.getBoundingClientRect().right;"
+    )
+    try:
+        tab.set_window_size(size["width"] - 300, size["height"])  # drawn for the wider window; not drawn again
+        assert look(tab, "timeline", lambda d: d.execute_script(overhang)) <= 0
+    finally:
+        tab.set_window_size(size["width"], size["height"])
 
 
 def read_incident(driver: WebDriver) -> dict[str, Any]:
