@@ -56,6 +56,22 @@ def _json_float(value: float | None) -> float | str | None:
     return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
 
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float spelled as :func:`_json_float` does, in nested dicts and lists too.
+
+    Examples:
+        >>> _json_safe({"ratio": float("inf"), "rows": [1.0, float("nan")], "ok": (2,)})
+        {'ratio': 'inf', 'rows': [1.0, 'nan'], 'ok': [2]}
+    """
+    if isinstance(value, float):
+        return _json_float(value)
+    if isinstance(value, Mapping):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(item) for item in value]
+    return value
+
+
 def _from_json_float(value: float | str | None) -> float | None:
     return None if value is None else float(value)
 
@@ -185,7 +201,7 @@ class NanEvent:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict: tuples become lists, non-finite floats become ``"nan"``/``"inf"``.
+        """A JSON-safe dict: tuples become lists, non-finite floats become ``"nan"``/``"inf"`` (in ``details`` too).
 
         ``sample_loaders`` is left out when ``None`` (one training loader).
 
@@ -204,7 +220,7 @@ class NanEvent:
             if isinstance(value, tuple):
                 value = [list(v) if isinstance(v, tuple) else v for v in value]
             elif isinstance(value, Mapping):
-                value = dict(value)
+                value = _json_safe(value)  # details may hold NaN/Inf (a ratio, an entropy): JSON has no literal
             out[f.name] = value
         out["loss"] = _json_float(self.loss)
         out["grad_norm"] = _json_float(self.grad_norm)

@@ -31,6 +31,7 @@ from torch import Tensor
 __all__ = ["SpikeDetector", "SpikeStats"]
 
 _FLOAT32 = torch.float32
+_FLOAT32_MAX = torch.finfo(_FLOAT32).max
 _TINY = 1e-30  # log() floor: values <= 0 in a log-scale window give huge changes (a lenient spread)
 _Q = 0.9  # quantile of the step-to-step changes that measures their spread
 _Q_TO_SIGMA = 2.326348  # 90% quantile of |N(0, 2)|: |x[i] - x[i-1]| for Gaussian noise of std 1
@@ -352,9 +353,30 @@ class _Statistic:
         margin = quantile * sigmas / _Q_TO_SIGMA
         if positive:
             margin = max(margin, math.log(min_ratio))
-            return cls(baseline * math.exp(margin), baseline, margin, len(values))
+            return cls(_representable(math.log(baseline) + margin, log=True), baseline, margin, len(values))
         margin = max(margin, abs(baseline) * (min_ratio - 1.0))
-        return cls(baseline + margin if margin > 0 else math.inf, baseline, margin, len(values))
+        return cls(_representable(baseline + margin) if margin > 0 else math.inf, baseline, margin, len(values))
+
+
+def _representable(threshold: float, log: bool = False) -> float:
+    """``threshold`` (or ``exp(threshold)`` with ``log``) as the float32 the device compares with.
+
+    Anything at or above float32's largest value, or not a number, becomes ``inf``: no finite float32
+    value lies above it, so nothing is flagged, which is what such a threshold means; anything below
+    float32's lowest value becomes that value. (A zero loss in a log-scale window is a change of ~70
+    nats: sigmas of it overflow float32 and ``math.exp``, and ``fill_`` of a float32 tensor raises.)
+
+    Examples:
+        >>> _representable(1e39), _representable(3.0), _representable(math.log(2.0), log=True)
+        (inf, 3.0, 2.0)
+        >>> _representable(180.0, log=True), _representable(math.nan), _representable(-1e300) == -_FLOAT32_MAX
+        (inf, inf, True)
+    """
+    if log:
+        threshold = math.exp(threshold) if threshold < math.log(_FLOAT32_MAX) else math.inf
+    if not threshold < _FLOAT32_MAX:  # NaN too
+        return math.inf
+    return max(threshold, -_FLOAT32_MAX)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
