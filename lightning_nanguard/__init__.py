@@ -7,7 +7,7 @@ Example:
 """
 
 from lightning_nanguard import _moved
-from lightning_nanguard.core.events import NanEvent, NonFiniteTrainingError
+from lightning_nanguard.core.events import GuardInternalError, NanEvent, NonFiniteTrainingError
 from lightning_nanguard.decide.policy import Counters
 from lightning_nanguard.detect.check import fused_health_check
 from lightning_nanguard.detect.confirm import nonfinite_names
@@ -19,6 +19,7 @@ from lightning_nanguard.trainer.callback import NanGuard
 __all__ = [
     "BatchNormSnapshot",
     "Counters",
+    "GuardInternalError",
     "NanEvent",
     "NanGuard",
     "NonFiniteTrainingError",

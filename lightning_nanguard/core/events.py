@@ -17,6 +17,9 @@ Glossary (each word has one meaning throughout the package; fuller in ``docs/glo
 - **flags**: the device-side 0/1 values of a step's check, read by the host once (or one step late, sync-free).
 - **origin**: where the first NaN/Inf was born: phase, op, module, source line (``diagnose.localization.Localization``).
 - **pass result**: what one pass of a sub-batch gave, ``(bad, non-finite)`` (``diagnose.lockstep.PassResult``).
+- **core**: what keeps NaN/Inf out of the weights; only its error turns the guard off (``engine.parts.CORE``).
+- **part**: an optional part of the guard, switched off alone at its first error (``engine.parts.OPTIONAL_PARTS``).
+- **guard error**: an error of the guard itself, an event of kind ``guard_error`` (``engine.parts.PartFailure``).
 - **bundle**: the directory that lets ``replay`` re-run a bad step in a fresh process (``reporting.repro``).
 """
 
@@ -34,11 +37,14 @@ __all__ = [
     "EventAction",
     "EventCause",
     "EventKind",
+    "GuardInternalError",
     "NanEvent",
     "NonFiniteTrainingError",
 ]
 
-EventKind = Literal["loss", "grad", "bn_stats", "param", "loss_scale", "loss_spike", "grad_spike", "precursor"]
+EventKind = Literal[
+    "loss", "grad", "bn_stats", "param", "loss_scale", "loss_spike", "grad_spike", "precursor", "guard_error"
+]
 EventAction = Literal["skipped", "raised", "warned", "rolled_back"]
 EventCause = Literal["data", "input", "state", "interaction", "batch"]
 EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
@@ -86,10 +92,12 @@ class NanEvent:
         batch_idx: index of the batch within the epoch (the last micro-batch under accumulation).
         rank: global rank of the process that saw the non-finite value.
         kinds: what was wrong, a subset of ``("loss", "grad", "bn_stats", "param", "loss_scale",
-            "loss_spike", "grad_spike", "precursor")`` (``"loss_scale"``: a GradScaler's scale collapsed
-            under repeated overflow; ``"loss_spike"``/``"grad_spike"``: a finite loss or gradient norm
+            "loss_spike", "grad_spike", "precursor", "guard_error")`` (``"loss_scale"``: a GradScaler's
+            scale collapsed under repeated overflow; ``"loss_spike"``/``"grad_spike"``: a finite loss or gradient norm
             far above its recent healthy values; ``"precursor"``: an early warning, e.g. an attention
-            module's max logit growing towards collapse, with ``action="warned"``: the step was applied).
+            module's max logit growing towards collapse, with ``action="warned"``: the step was applied;
+            ``"guard_error"``: a part of the guard itself failed, ``details["part"]`` says which and what
+            stops, see :class:`GuardInternalError`).
         nonfinite_grads: qualified names of parameters whose gradient holds NaN/Inf.
         nonfinite_buffers: qualified names of BatchNorm buffers holding NaN/Inf (or a negative
             ``running_var``), e.g. ``"net.1.running_var"``.
@@ -250,6 +258,8 @@ class NanEvent:
             'loss spike (loss 5e+04, 4.98e+04x the recent level, threshold 3.1) -> step skipped'
         """
         when = f"step {self.global_step} (epoch {self.epoch}, batch {self.batch_idx})"
+        if self.kinds == ("guard_error",):
+            return f"{when}: {self._guard_error_words()}"
         if self.kinds == ("precursor",):
             return f"{when}: {self._precursor_words()} -> step applied"
         if all(kind in SPIKE_KINDS for kind in self.kinds):
@@ -273,6 +283,16 @@ class NanEvent:
             "warned": "step applied (action='warn')" if self.kinds[0] not in SPIKE_KINDS else "step applied",
             "rolled_back": "rolled back to the last good state",
         }[self.action]
+
+    def _guard_error_words(self) -> str:
+        part, error = self.details.get("part", "?"), self.details.get("error", "?")
+        if part == "core":
+            done = {
+                "skipped": "step skipped, the guard is off",
+                "raised": "training stopped",
+            }.get(self.action, "the step went ahead unchecked, the guard is off")
+            return f"NanGuard's own check failed ({error}) -> {done}"
+        return f"NanGuard's {part} part failed ({error}) -> that part is off; NaN/Inf steps are still skipped"
 
     def _precursor_words(self) -> str:
         d = self.details
@@ -326,3 +346,30 @@ class NonFiniteTrainingError(RuntimeError):
     def event(self) -> NanEvent:
         """The most recent event."""
         return self.events[-1]
+
+
+class GuardInternalError(RuntimeError):
+    """The guard's own error, raised only with ``NanGuard(on_internal_error="raise")``.
+
+    By default an internal error switches off the part it happened in (a ``guard_error`` event);
+    users who prefer a crash (CI, a debugging session) get this instead.
+
+    Args:
+        part: the part that failed (``"core"`` or an optional part such as ``"spikes"``).
+        error: ``repr`` of the original exception (also chained as ``__cause__``).
+        where: the frame that raised.
+
+    Examples:
+        >>> str(GuardInternalError("spikes", "ValueError('x')", "spikes.py:3 in f"))
+        "NanGuard's spikes part failed: ValueError('x') (at spikes.py:3 in f); on_internal_error='raise' stops \
+training here."
+    """
+
+    def __init__(self, part: str, error: str, where: str) -> None:
+        super().__init__(
+            f"NanGuard's {part} part failed: {error} (at {where}); on_internal_error='raise' stops training here."
+        )
+        self.part, self.error, self.where = part, error, where
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across processes (ddp_spawn)
+        return (type(self), (self.part, self.error, self.where))

@@ -53,13 +53,13 @@ __all__ = [
     "shared_part",
 ]
 
-StepOutcome = Literal["healthy", "incident", "overflow", "loss_scale", "spike"]
+StepOutcome = Literal["healthy", "incident", "overflow", "loss_scale", "spike", "failed"]
 StepAction = Literal["skip", "raise", "warn", "rollback"]
 SpikeAction = Literal["skip", "warn", "off"]
 
-LOCAL_FIELDS: tuple[str, ...] = ("bad", "grad_norm", "others_bad", "spike", "failed", "loss")
+LOCAL_FIELDS: tuple[str, ...] = ("bad", "grad_norm", "others_bad", "spike", "failed", "loss", "part_failed")
 """This rank's values, in the order of :func:`local_vector`."""
-SHARED_FIELDS: tuple[str, ...] = ("bad", "others_bad", "spike", "failed")
+SHARED_FIELDS: tuple[str, ...] = ("bad", "others_bad", "spike", "failed", "part_failed")
 """The flags summed over ranks (DDP), in the order of :func:`shared_part`."""
 
 # Which cause wins when ranks disagree: the weights are shared, so a state cause anywhere is the
@@ -69,7 +69,11 @@ _CAUSE_PRIORITY = ("state", "input", "data", "interaction", "batch")
 
 
 def local_vector(
-    summary: Tensor, spike: Tensor | None = None, failed: bool = False, loss: Tensor | None = None
+    summary: Tensor,
+    spike: Tensor | None = None,
+    failed: bool = False,
+    loss: Tensor | None = None,
+    part_failed: bool = False,
 ) -> Tensor:
     """This rank's flags as one float32 device vector laid out as :data:`LOCAL_FIELDS`.
 
@@ -78,15 +82,18 @@ def local_vector(
         spike: 1-element flag of the loss-spike check (``None``: no check).
         failed: this rank's guard failed internally and cannot check (the vector then says so).
         loss: the step's loss, read with the flags for the spike statistic (``None``: NaN).
+        part_failed: an optional part that holds a collective (QK-clip under DDP) went off on this
+            rank: every rank switches it off at this step, so none waits in its collective.
 
     Examples:
         >>> local_vector(torch.tensor([0.0, 2.5, 0.0]), loss=torch.tensor(0.75)).tolist()
-        [0.0, 2.5, 0.0, 0.0, 0.0, 0.75]
+        [0.0, 2.5, 0.0, 0.0, 0.0, 0.75, 0.0]
     """
     device, dtype = summary.device, torch.float32
     spike = spike.reshape(1).to(dtype) if spike is not None else _flag(0.0, device)
     loss = loss.reshape(1).to(device=device, dtype=dtype) if loss is not None else _flag(math.nan, device)
-    return torch.cat((summary.to(dtype), spike, _flag(1.0 if failed else 0.0, device), loss))
+    flags = (_flag(1.0 if failed else 0.0, device), loss, _flag(1.0 if part_failed else 0.0, device))
+    return torch.cat((summary.to(dtype), spike, *flags))
 
 
 _FLAGS: dict[tuple[float, torch.device], Tensor] = {}
@@ -104,10 +111,10 @@ def shared_part(vector: Tensor) -> Tensor:
     """The entries of a :func:`local_vector` that are summed over ranks (views, no index tensor).
 
     Examples:
-        >>> shared_part(torch.tensor([1.0, 9.0, 0.0, 1.0, 0.0])).tolist()
-        [1.0, 0.0, 1.0, 0.0]
+        >>> shared_part(torch.tensor([1.0, 9.0, 0.0, 1.0, 0.0, 0.5, 1.0])).tolist()
+        [1.0, 0.0, 1.0, 0.0, 1.0]
     """
-    return torch.cat((vector[0:1], vector[2:5]))  # bad, others_bad, spike, failed
+    return torch.cat((vector[0:1], vector[2:5], vector[6:7]))  # bad, others_bad, spike, failed, part_failed
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,8 @@ class StepHealth:
         loss: this rank's step loss (NaN when not checked), for the spike statistic.
         ranks_bad, ranks_others_bad, ranks_spike, ranks_failed: how many ranks raised each flag
             (this rank's flag without DDP).
+        ranks_part_failed: how many ranks switched off an optional part that holds a collective
+            (not a reason to look at the step: :attr:`healthy` ignores it).
     """
 
     bad: bool
@@ -135,20 +144,21 @@ class StepHealth:
     ranks_others_bad: int
     ranks_spike: int
     ranks_failed: int
+    ranks_part_failed: int = 0
 
     @classmethod
     def from_values(cls, values: Sequence[float]) -> StepHealth:
         """From ``local + shared`` values read to the host (``shared`` absent without DDP).
 
         Examples:
-            >>> StepHealth.from_values([0.0, 1.5, 0.0, 0.0, 0.0, 0.7]).healthy
+            >>> StepHealth.from_values([0.0, 1.5, 0.0, 0.0, 0.0, 0.7, 0.0]).healthy
             True
-            >>> health = StepHealth.from_values([0.0, 1.5, 0.0, 0.0, 0.0, 0.7, 1.0, 1.0, 0.0, 0.0])
-            >>> health.healthy, health.ranks_bad, health.bad
-            (False, 1, False)
+            >>> health = StepHealth.from_values([0.0, 1.5, 0.0, 0.0, 0.0, 0.7, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0])
+            >>> health.healthy, health.ranks_bad, health.bad, health.ranks_part_failed
+            (False, 1, False, 1)
         """
-        bad, grad_norm, others_bad, spike, failed, loss = values[: len(LOCAL_FIELDS)]
-        shared = list(values[len(LOCAL_FIELDS) :]) or [bad, others_bad, spike, failed]
+        bad, grad_norm, others_bad, spike, failed, loss, part_failed = values[: len(LOCAL_FIELDS)]
+        shared = list(values[len(LOCAL_FIELDS) :]) or [bad, others_bad, spike, failed, part_failed]
         return cls(
             bad=bad > 0,
             grad_norm=float(grad_norm),
@@ -160,6 +170,7 @@ class StepHealth:
             ranks_others_bad=int(shared[1]),
             ranks_spike=int(shared[2]),
             ranks_failed=int(shared[3]),
+            ranks_part_failed=int(shared[4]),
         )
 
     @property
@@ -243,7 +254,9 @@ class StepDecision:
 
     Attributes:
         outcome: ``healthy``; ``incident`` (NaN/Inf on some rank); ``overflow`` (the GradScaler's
-            business, counted only); ``loss_scale`` (the scale collapsed: an incident); ``spike``.
+            business, counted only); ``loss_scale`` (the scale collapsed: an incident); ``spike``;
+            ``failed`` (the guard's core failed on some rank: the step cannot be vouched for, so it is
+            dropped, and every rank turns its guard off).
         action: what is done: ``skip``, ``raise``, ``warn`` or ``rollback`` (``None`` when healthy).
         discard: drop this step's update (gradients to ``None``, BatchNorm statistics restored).
         escalation: the rule that made the guard raise whatever ``action`` is configured.
@@ -319,10 +332,18 @@ def decide(
         ('overflow', False, 1)
         >>> decide(overflow, counters, Policy(), next_loss_scale=0.5)[0].outcome
         'loss_scale'
+        >>> failed, counters = decide([RankVote(rank=0), RankVote(rank=1, failed=True)], Counters(), Policy())
+        >>> failed.outcome, failed.discard, failed.disable, counters.skipped_total, counters.bad_steps_total
+        ('failed', True, True, 1, 0)
     """
     disable = any(r.failed for r in reports)
     if any(r.incident for r in reports):
         return _incident(reports, counters, policy, "incident", disable)
+    if disable:  # no rank found NaN/Inf, but one could not check: the step is not vouched for, so it is dropped
+        skip = policy.can_skip
+        counters = counters.replace(skipped_total=counters.skipped_total + int(skip))
+        action: StepAction = "skip" if skip else "warn"
+        return StepDecision("failed", action=action, discard=skip, disable=True, reports=tuple(reports)), counters
     if any(r.overflow for r in reports):
         counters = counters.replace(
             amp_overflow_total=counters.amp_overflow_total + 1, consecutive_overflows=counters.consecutive_overflows + 1

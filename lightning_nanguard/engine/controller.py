@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from lightning_nanguard.core.events import EventAction, NanEvent, NonFiniteTrainingError
+from lightning_nanguard.core.events import EventAction, GuardInternalError, NanEvent, NonFiniteTrainingError
 from lightning_nanguard.decide.agreement import RankAgreement
 from lightning_nanguard.decide.messages import stop_history, stop_message
 from lightning_nanguard.decide.policy import (
@@ -41,6 +41,7 @@ from lightning_nanguard.engine.failure import fail
 from lightning_nanguard.engine.frontend import StepView, training_parts
 from lightning_nanguard.engine.incident.inspector import loss_scale_event, quarantine_refusal
 from lightning_nanguard.engine.incident.sharded import inspector_for
+from lightning_nanguard.engine.parts import CORE, GuardParts, PartFailure
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.settings import GuardSettings
 from lightning_nanguard.engine.sharding import ShardingLayout, announce_sharding, sharding_notice
@@ -84,7 +85,9 @@ class StepController:
     def __init__(self, recovery: Recovery, recorder: IncidentRecorder) -> None:
         self.recovery = recovery
         self.recorder = recorder
-        self.window = StepWindow()
+        self.parts = GuardParts()  # the optional parts, each off alone at its first error (engine/parts.py)
+        recorder.parts = self.parts
+        self.window = StepWindow(self.parts)
         self.state = GuardState()
         self.spikes: SpikeWatch | None = None
         self.precursors: PrecursorWatch | None = None  # attention collapse ahead (engine/step/precursors.py)
@@ -98,6 +101,8 @@ class StepController:
         # per optimizer: the signature of its parameter groups and the parameters it updates
         self._step_params: dict[int, tuple[tuple[tuple[int, int], ...], list[Tensor]]] = {}
         self.sharding: ShardingLayout | None = None  # ModelParallelStrategy (engine/sharding.py)
+        self._qk_collective = False  # QK-clip takes a max over ranks after each sampled step (DDP)
+        self._voted = False  # this step's check reached the ranks' reduce
 
     # ------------------------------------------------------------------ setup
 
@@ -106,6 +111,7 @@ class StepController:
         if not settings.diagnosis.diagnose_here:
             self.recorder.notices.warn("fsdp", sharding_notice("fsdp")[1])  # type: ignore[index]
         self.policy, self.diagnosis = settings.policy, settings.diagnosis
+        self.parts.mode = settings.on_internal_error
         self.after_step.settings = settings.param_checks
         self.recovery.configure(settings.recovery)
         self.track_batchnorm, self.with_norm, self.sync_free = (
@@ -121,6 +127,8 @@ class StepController:
             self.precursors = None
         elif self.precursors is None or self.precursors.settings != settings.precursors:
             self.precursors = PrecursorWatch(settings.precursors)
+        if self.precursors is not None:
+            self.parts.when_off("precursors", self._drop_precursors)
         current = self.spikes
         unchanged = current is not None and current.settings == settings.spikes
         if settings.spikes is None:
@@ -137,12 +145,7 @@ class StepController:
         self.params = [p for _, p in self.named_params]
         self._step_params = {}
         self.window.attach(front.module, self.track_batchnorm)
-        if self.precursors is not None:
-            self.precursors.attach(front.module)
-            if self.precursors.settings.qk_clip is not None and not self.precursors.projections:
-                self.recorder.notices.warn("qk_clip", NO_QK_PROJECTIONS)
-            if self.precursors.projections and self.agreement.distributed:
-                self.precursors.governed = False  # QK-clip's collective needs the same sampled steps on every rank
+        self.parts.run("precursors", self._attach_precursors, front.module)
         unsupported = self.window.metrics.describe_unsupported() if self.window.metrics is not None else None
         if unsupported is not None:
             self.recorder.notices.warn("metrics", f"NanGuard: {unsupported}.")
@@ -156,6 +159,26 @@ class StepController:
                 if reason is not None:
                     self.recorder.notices.warn("sync_free", f"NanGuard(sync_free=True): {reason}")
         self.recorder.rank = front.global_rank
+
+    def _attach_precursors(self, module: nn.Module) -> None:
+        if self.precursors is None:
+            return
+        self.precursors.attach(module)
+        if self.precursors.settings.qk_clip is not None and not self.precursors.projections:
+            self.recorder.notices.warn("qk_clip", NO_QK_PROJECTIONS)
+        if self.precursors.projections and self.agreement.distributed:
+            self.precursors.governed = False  # QK-clip's collective needs the same sampled steps on every rank
+            self._qk_collective = True
+
+    def _collective_part_failed(self) -> bool:
+        """QK-clip joins a collective on every rank (DDP) and is off here: the step's reduce says so."""
+        return self._qk_collective and (self.precursors is None or not self.parts.on("qk_clip"))
+
+    def _drop_precursors(self) -> None:
+        """The precursor watch failed: remove its hooks from the model (QK-clip goes with it)."""
+        watch, self.precursors = self.precursors, None
+        if watch is not None:
+            watch.disarm()
 
     def optimizer_added(self, front: FrontEnd, optimizer: Optimizer) -> None:
         """An optimizer the front-end learned of after ``attach`` (a Fabric loop's, as it first steps)."""
@@ -222,6 +245,8 @@ class StepController:
 
     def begin_step(self, front: FrontEnd, every_n_steps: int) -> None:
         """The first micro-batch of an optimizer step: resolve a sync-free step still pending, open the window."""
+        self.parts.step = front.global_step
+        self.report_failures(front)  # of parts that failed since the last check (e.g. at the epoch's end)
         self.resolve_pending(front)
         front.resume_clipping()  # in case no after-step hook ran since a discarded step
         checking = self.checking(front, every_n_steps)
@@ -243,7 +268,7 @@ class StepController:
     def arm_precursors(self, front: FrontEnd) -> None:
         """The step about to run: measure its attention when it is a sampled step (before its forward)."""
         if self.precursors is not None:
-            self.precursors.arm(front.global_step)
+            self.parts.run("precursors", self.precursors.arm, front.global_step)
 
     def _precursor_check(self, front: FrontEnd) -> None:
         """The step is checked: stop measuring; judge the samples already on the host (no wait)."""
@@ -279,11 +304,33 @@ class StepController:
     # ------------------------------------------------------------------ the check
 
     def check_step(self, front: FrontEnd, optimizer: Optimizer) -> None:
-        """Check the step, agree with the other ranks, and carry out the decision."""
+        """Check the step, agree with the other ranks, and carry out the decision.
+
+        An error of the core here drops the step in hand and turns the guard off. Before the step's
+        reduce, this rank still takes part in it, voting "failed", so every rank drops this step
+        together; after it, one process drops the step at once, and under DDP the rank votes "failed"
+        at its next check.
+        """
+        self.parts.step = front.global_step
+        self._voted = False
+        try:
+            self._check_step(front, optimizer)
+        except (NonFiniteTrainingError, GuardInternalError):
+            raise
+        except Exception as error:
+            self.fail(error, "the check of a step")
+            if not self._voted:  # vote "failed" in this step's reduce: every rank drops it and stops
+                self._resolve(front, optimizer, [], self._agreed_vector(front, [], optimizer).tolist())
+            elif not self.agreement.distributed:
+                self._stop_guarding(front, optimizer, drop=True)
+        finally:
+            self.report_failures(front)
+
+    def _check_step(self, front: FrontEnd, optimizer: Optimizer) -> None:
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
         if isinstance(inner, torch.optim.LBFGS) and self.state.reported_step == front.global_step:
             return  # LBFGS evaluates its closure (and this hook) many times per step: one event per step
-        self._precursor_check(front)
+        self.parts.run("precursors", self._precursor_check, front)
         # manual optimisation steps optimizers one by one: the gradients this step applies are its own
         self.follow()  # BatchNorm buffers replaced during the step are checked as they are
         params = self.step_params(front.module, inner)  # the tensors this step really updates
@@ -305,6 +352,8 @@ class StepController:
     ) -> None:
         """Decide the step from its flags (read to the host) together with the other ranks, and act."""
         health = StepHealth.from_values(values)
+        if health.ranks_part_failed and self.parts.on("qk_clip"):  # before this step's QK-clip collective
+            self.parts.off_elsewhere("qk_clip", health.ranks_part_failed)
         if health.grad_norm >= 0 or math.isnan(health.grad_norm):
             self.state.last_grad_norm = health.grad_norm
         if health.healthy:
@@ -330,11 +379,26 @@ class StepController:
         vector: Tensor | None = None
         if not self.state.failing:
             try:
-                vector = step_flags(front, optimizer, grads, self.window, self.spikes, self.with_norm, self.sharding)
+                spikes = self.spikes if self.parts.on("spikes") else None
+                vector = step_flags(
+                    front,
+                    optimizer,
+                    grads,
+                    self.window,
+                    spikes,
+                    self.with_norm,
+                    self.sharding,
+                    parts=self.parts,
+                    part_failed=self._collective_part_failed(),
+                )
+            except GuardInternalError:
+                raise
             except Exception as error:  # a bug in the guard: this rank says so in the reduce instead of hanging it
                 self.fail(error, "the per-step check")
         if vector is None:
-            vector = local_vector(torch.tensor([0.0, -1.0, 0.0], device=front.device), failed=True)
+            summary = torch.tensor([0.0, -1.0, 0.0], device=front.device)
+            vector = local_vector(summary, failed=True, part_failed=self._collective_part_failed())
+        self._voted = True  # from here on this rank takes part in the step's reduce
         if self.sharding is not None:  # the norm's shares travel with the flags: still one reduce
             return self.sharding.agree(vector, self.agreement, self._collective(front))
         if self._collective(front):
@@ -380,16 +444,22 @@ class StepController:
         deferred = self._resolving
         grad_norm = health.grad_norm
         if self.spikes is not None:  # the values came with the step's one read: nothing more is read
-            self.spikes.accept(True, loss=health.loss, grad_norm=grad_norm)
+            self.parts.run("spikes", self.spikes.accept, True, loss=health.loss, grad_norm=grad_norm)
         if math.isfinite(grad_norm) and grad_norm >= 0:  # -1: not computed this step
-            self.recovery.remember_healthy_norm(grad_norm)
-            threshold = self.recovery.book.clip_threshold
-            if threshold is not None and deferred is None:  # sync-free: clipped on the device already
-                clip_gradients_(grads, grad_norm, threshold)
-        self.window.refresh_reference(front.global_step, REFERENCE_EVERY_N_STEPS, self.diagnosis.batch_slicer)
+            self.parts.run("remedies", self._healthy_norm, grads, grad_norm, clip=deferred is None)
+        if self.diagnosis.diagnoses:
+            step, slicer = front.global_step, self.diagnosis.batch_slicer
+            self.parts.run("diagnosis", self.window.refresh_reference, step, REFERENCE_EVERY_N_STEPS, slicer)
         self.window.forget_batches()
         due = deferred.logging_due if deferred is not None else None
         self.recorder.scalars(front, self.metrics(self.state.counters), due=due)
+
+    def _healthy_norm(self, grads: list[Tensor], grad_norm: float, clip: bool) -> None:
+        """A healthy step's norm for ``clip_grad``; clipped now unless sync-free clipped it on the device."""
+        self.recovery.remember_healthy_norm(grad_norm)
+        threshold = self.recovery.book.clip_threshold
+        if threshold is not None and clip:
+            clip_gradients_(grads, grad_norm, threshold)
 
     # ------------------------------------------------------------------ a step that is bad somewhere
 
@@ -410,12 +480,21 @@ class StepController:
         if self.state.failing:
             return RankVote(rank, failed=True), None
         try:
-            parts = (self.diagnosis, self.window, self.named_params, self.recorder, self.spikes)
-            inspector = inspector_for(*parts, sharding=self.sharding, agreement=self.agreement)
+            spikes = self.spikes if self.parts.on("spikes") else None
+            inspector = inspector_for(
+                self.diagnosis,
+                self.window,
+                self.named_params,
+                self.recorder,
+                spikes,
+                sharding=self.sharding,
+                agreement=self.agreement,
+                parts=self.parts,
+            )
             return inspector.inspect(front, health, grads)
-        except NonFiniteTrainingError:
+        except (NonFiniteTrainingError, GuardInternalError):
             raise
-        except Exception as error:
+        except Exception as error:  # the confirmation of the flags (core): the step is not vouched for
             self.fail(error, "the check of a bad step")
             return RankVote(rank, failed=True), None
 
@@ -430,21 +509,32 @@ class StepController:
         health: StepHealth,
     ) -> None:
         before, self.state.counters = self.state.counters, counters
-        if decision.disable:
-            self.disable_everywhere()
+        if decision.outcome == "failed":  # some rank's core failed: the step is not vouched for
+            self._stop_guarding(front, optimizer, drop=decision.discard, decision=decision)
+            self.recorder.scalars(front, self.metrics(self.state.counters), previous=self.metrics(before))
+            return
+        try:
+            self._act(front, optimizer, decision, before, event, grads, health)
+        finally:
+            if decision.disable:  # an incident somewhere, and a failed core on some rank
+                self._stop_guarding(front, optimizer, drop=False, decision=decision)
+
+    def _act(
+        self,
+        front: FrontEnd,
+        optimizer: Optimizer,
+        decision: StepDecision,
+        before: Counters,
+        event: NanEvent | None,
+        grads: list[Tensor],
+        health: StepHealth,
+    ) -> None:
+        """Carry out a decision that is not ``failed``: drop, roll back, remedies, the event, raising."""
         if decision.outcome == "healthy":  # a finite tensor whose norm overflowed: not an incident
             self._healthy(front, grads, health)
             return
         if self.spikes is not None:
-            self.spikes.accept(False)
-            if decision.rebaseline:
-                self.spikes.rebaseline()
-                self.recorder.notices.warn(
-                    f"rebaseline-{front.global_step}",
-                    f"NanGuard: {self.policy.spike_rebaseline_after} loss spikes in a row at step "
-                    f"{front.global_step}: the loss level shifted for good (a curriculum change?); the spike "
-                    "statistic starts over from the coming steps.",
-                )
+            self.parts.run("spikes", self._spike_seen, front, decision.rebaseline)
         if decision.outcome == "overflow":  # the GradScaler skips this step by itself
             self.recorder.scalars(front, self.metrics(self.state.counters), previous=self.metrics(before))
             return
@@ -455,7 +545,9 @@ class StepController:
         self.window.forget_batches()
         if decision.rollback_due:
             self.state.pending_rollback = True  # done after the optimizer step, when the scaler has updated
-        remedies = self.recovery.apply(
+        remedies = self.parts.run(
+            "remedies",
+            self.recovery.apply,
             training_parts(front),
             cause=decision.cause,
             quarantine=decision.quarantine,
@@ -465,7 +557,7 @@ class StepController:
         )
         event = self._shared_event(front, decision, event)
         if event is not None and self.recovery.book.can_apply("quarantine"):
-            self._tell_quarantine_refusal(event)
+            self.parts.run("remedies", self._tell_quarantine_refusal, event)
         if event is not None:
             action = DONE[decision.action or "warn"]
             if decision.rollback_due and self.recovery.snapshot.available:
@@ -483,6 +575,19 @@ class StepController:
                 stop_history(decision, events, self.policy, event),
             )
 
+    def _spike_seen(self, front: FrontEnd, rebaseline: bool) -> None:
+        """A step that was not healthy: its values stay out of the statistic; several spikes in a row re-baseline."""
+        assert self.spikes is not None
+        self.spikes.accept(False)
+        if rebaseline:
+            self.spikes.rebaseline()
+            self.recorder.notices.warn(
+                f"rebaseline-{front.global_step}",
+                f"NanGuard: {self.policy.spike_rebaseline_after} loss spikes in a row at step "
+                f"{front.global_step}: the loss level shifted for good (a curriculum change?); the spike "
+                "statistic starts over from the coming steps.",
+            )
+
     def _tell_quarantine_refusal(self, event: NanEvent) -> None:
         """Say once per run that quarantine skipped records it could not verify (it acts only on verified ones)."""
         why = quarantine_refusal(event)
@@ -498,6 +603,9 @@ class StepController:
         """This rank's event; a collapsed loss scale (no rank's own NaN/Inf) is recorded by rank zero."""
         if event is not None or decision.outcome != "loss_scale" or front.global_rank != 0:
             return event
+        return self.parts.run("diagnosis", self._loss_scale_event, front)
+
+    def _loss_scale_event(self, front: FrontEnd) -> NanEvent:
         overflows = self.state.counters.consecutive_overflows
         return loss_scale_event(
             front,
@@ -514,11 +622,19 @@ class StepController:
     def after_optimizer_step(self, front: FrontEnd) -> None:
         """The after-step work (rollback, weight check, snapshot, QK-clip), on every rank."""
         front.resume_clipping()
-        self.after_step.run(front, self._collective(front))
+        try:
+            self.after_step.run(front, self._collective(front))
+            self._qk_clip(front)
+        finally:
+            self.report_failures(front)
+
+    def _qk_clip(self, front: FrontEnd) -> None:
         watch = self.precursors
         if watch is not None and watch.projections:
-            if self._collective(front) or not self.agreement.distributed:
-                watch.clip(self.agreement.max if self.agreement.distributed else None)
+            if not self.parts.on("qk_clip"):
+                watch.forget_clip()
+            elif self._collective(front) or not self.agreement.distributed:
+                self.parts.run("qk_clip", watch.clip, self.agreement.max if self.agreement.distributed else None)
             else:  # manual optimisation on several ranks: no collectives, so no rank may rescale alone
                 watch.forget_clip()
                 self.recorder.notices.warn(
@@ -530,7 +646,7 @@ class StepController:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["agreement"] = RankAgreement(None, 1)  # never pickle the strategy or the batches
-        state["window"] = StepWindow()
+        state["window"] = StepWindow(self.parts)
         state["after_step"] = AfterStep(self.state, self.recovery, self.recorder, state["window"])
         state["after_step"].settings = self.after_step.settings
         state["sync"] = SyncFreeSteps()
@@ -553,12 +669,52 @@ class StepController:
     # ------------------------------------------------------------------ failure of the guard itself
 
     def fail(self, error: BaseException, where: str) -> None:
-        """An internal error: disable now (one process) or at the next agreement (every rank together)."""
-        fail(self.state, self.agreement.distributed, error, where)
+        """An error of the core: the next check drops its step and turns the guard off (every rank together)."""
+        fail(self.state, self.parts, self.agreement.distributed, error, where)
 
     def disable_everywhere(self) -> None:
         """Every rank saw some rank's failure in the same reduce: all stop guarding (and joining collectives) now."""
         self.state.disabled, self.state.failing = True, False
+
+    def _stop_guarding(
+        self, front: FrontEnd, optimizer: Optimizer, drop: bool, decision: StepDecision | None = None
+    ) -> None:
+        """The core failed (here or on another rank): drop the step in hand, record why, turn the guard off.
+
+        The ``guard_error`` event is this rank's own failure; rank zero also records one naming the
+        other ranks whose core failed (its TensorBoard is the run's). ``on_internal_error="raise"``:
+        every rank raises :class:`~lightning_nanguard.core.events.GuardInternalError` here, together.
+        """
+        try:
+            if drop:
+                self.window.discard_update(optimizer, front)
+        finally:
+            self.disable_everywhere()
+        action = "skipped" if drop else "warned"
+        if self.parts.mode == "raise":
+            action = "raised"
+        own = self.parts.off.get(CORE)
+        failed_ranks = [r.rank for r in decision.reports if r.failed] if decision is not None else []
+        others = [rank for rank in failed_ranks if rank != front.global_rank]
+        if own is None and others and front.global_rank == 0:
+            own = PartFailure(CORE, f"the guard's core failed on rank(s) {others}", "another rank", front.global_step)
+        if own is not None:
+            other = own.where == "another rank"
+            event = own.event(front.current_epoch, self.window.batch_idx, front.global_rank, action, other=other)
+            if own.step != front.global_step:  # failed in an earlier hook: the event is the dropped step's
+                details = {**event.details, "failed_at_step": own.step}
+                event = event.replace(global_step=front.global_step, details=details)
+            self.recorder.record(front, event)
+        if self.parts.mode == "raise":
+            failure = own or PartFailure(CORE, f"on rank(s) {failed_ranks}", "another rank", front.global_step)
+            raise GuardInternalError(CORE, failure.error, failure.where)
+
+    def report_failures(self, front: FrontEnd) -> None:
+        """Record the ``guard_error`` event of each optional part that failed since the last call."""
+        for failure in self.parts.take_unreported():
+            self.recorder.record(front, failure.event(front.current_epoch, self.window.batch_idx, front.global_rank))
+        if self.parts.off:
+            self.recorder.progress_parts_off(front, len(self.parts.off))
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -1,10 +1,12 @@
-"""The guard's promise: its own failure never kills training, and every rank gives up together.
+"""The last line of the guard's promise: an error that escapes every part reaches the core's failure path.
 
-:func:`failsafe` wraps every hook ``NanGuard`` installs: it times the hook with the guard's
-:class:`~lightning_nanguard.core.timing.GuardClock` and turns an internal error into
-``StepController.fail`` (one process: the guard disables itself; DDP: it keeps joining the per-step
-reduce, which disables every rank at the same step). A ``NonFiniteTrainingError`` is the guard's
-decision, not a failure, and passes through.
+The optional parts fail alone (:mod:`lightning_nanguard.engine.parts`). :func:`failsafe` wraps every
+hook ``NanGuard`` installs: it times the hook with the guard's
+:class:`~lightning_nanguard.core.timing.GuardClock` and turns an error that escaped into
+``StepController.fail``: the rank's next check drops its step and every rank turns its guard off at
+that step (it keeps joining the per-step reduce until then). A ``NonFiniteTrainingError`` is the
+guard's decision, not a failure, and passes through, as does a ``GuardInternalError``
+(``on_internal_error="raise"``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from lightning_nanguard.core.events import NonFiniteTrainingError
+from lightning_nanguard.core.events import GuardInternalError, NonFiniteTrainingError
+from lightning_nanguard.engine.parts import CORE, GuardParts
 
 log = logging.getLogger("lightning_nanguard")
 
@@ -36,25 +39,28 @@ __all__ = ["Guarded", "UnguardableSetupError", "fail", "failsafe"]
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def fail(state: GuardState, distributed: bool, error: BaseException, where: str) -> None:
-    """An internal error in ``where``: log it once with its traceback and give up guarding.
+def fail(state: GuardState, parts: GuardParts, distributed: bool, error: BaseException, where: str) -> None:
+    """An error of the guard's core in ``where``: log it once with its traceback and stop guarding soon.
 
-    One process: the guard disables itself now. Under DDP it only marks itself ``failing``: it
-    keeps joining the per-step reduce, which tells every rank, and every rank disables at that step.
+    The core cannot vouch for a step any more: the rank marks itself ``failing``. Its next check
+    votes "failed", so every rank drops that step and turns its guard off at the same step (the
+    controller records the ``guard_error`` event). With ``on_internal_error="raise"`` one process
+    raises :class:`~lightning_nanguard.core.events.GuardInternalError` now; under DDP every rank raises
+    at that agreed step instead (no rank is left waiting in a collective).
     """
     if state.failing or state.disabled:
         return
+    failure = parts.core_failed(error)
     log.warning(
-        "NanGuard disabled itself after an internal error in %s: %r. Training continues unguarded; "
-        "please report this with the traceback.",
+        "NanGuard's own check failed in %s: %r. The step in hand is dropped and the guard turns itself off "
+        "(every rank at the same step): later steps are not checked. Please report this with the traceback.",
         where,
         error,
         exc_info=(type(error), error, error.__traceback__),
     )
-    if distributed:
-        state.failing = True  # still takes part in the per-step reduce, which disables every rank
-    else:
-        state.disabled = True
+    state.failing = True  # the next check votes "failed" (every rank takes part in its reduce)
+    if parts.mode == "raise" and not distributed and failure is not None:
+        raise GuardInternalError(CORE, failure.error, failure.where) from error
 
 
 class UnguardableSetupError(ValueError):
@@ -71,7 +77,7 @@ def failsafe(hook: _F) -> _F:
         try:
             with self.clock.measure(hook.__name__):
                 return hook(self, *args, **kwargs)
-        except (NonFiniteTrainingError, UnguardableSetupError):
+        except (NonFiniteTrainingError, GuardInternalError, UnguardableSetupError):
             raise
         except Exception as error:
             self.controller.fail(error, hook.__name__)

@@ -3,6 +3,8 @@
 :class:`EventSinks` resolves, once per fit, where events go from the front-end (its log directory,
 its TensorBoard writers, its progress bar); :class:`IncidentRecorder` keeps the run's events,
 sends each to those sinks and logs the ``nanguard/`` scalars through the front-end's loggers.
+Every sink is an optional part of the guard (:mod:`lightning_nanguard.engine.parts`): a full disk,
+a logger that raises or a broken progress bar switches off that sink alone, never the guard.
 
 Example:
     >>> recorder = IncidentRecorder(verbose=False)
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from lightning_nanguard.core.events import NanEvent
+from lightning_nanguard.engine.parts import GuardParts
 from lightning_nanguard.reporting.jsonl import EVENTS_FILENAME, JsonlEventLog
 from lightning_nanguard.reporting.notices import RankNotices
 from lightning_nanguard.reporting.repro import update_bundle_event
@@ -35,6 +38,7 @@ __all__ = ["EVENTS_KEPT_IN_CHECKPOINT", "Count", "EventSinks", "IncidentRecorder
 log = logging.getLogger(__name__)
 
 PROGRESS_BAR_KEY = "nan_skipped"
+PARTS_OFF_KEY = "nanguard_parts_off"  # how many optional parts are off after an error (guard_error events)
 EVENTS_KEPT_IN_CHECKPOINT = 100
 """How many of the last events a checkpoint keeps (:meth:`IncidentRecorder.state_dict`)."""
 
@@ -57,8 +61,9 @@ class EventSinks:
         verbose: print a terminal report per event.
     """
 
-    def __init__(self, verbose: bool = True) -> None:
+    def __init__(self, verbose: bool = True, parts: GuardParts | None = None) -> None:
         self.verbose = verbose
+        self.parts = parts if parts is not None else GuardParts()
         self.log_dir: str | None = None
         self.jsonl: JsonlEventLog | None = None
         self.tensorboard: list[TensorBoardReporter] = []
@@ -73,36 +78,44 @@ class EventSinks:
 
         The log directory is the front-end's (the Trainer's: its first ``TensorBoardLogger``'s, so a
         run's incidents sit with its scalars). ``tags`` are the scalar tags the run can log (the
-        custom-scalars layout shows only those).
+        custom-scalars layout shows only those). A log directory that cannot be found (a logger whose
+        ``log_dir`` raises) switches off the files (``events_file``, and with it the bundles).
         """
-        self.log_dir = front.log_dir()
-        self.jsonl = JsonlEventLog(os.path.join(self.log_dir, "nanguard", EVENTS_FILENAME))
+        self.log_dir = self.parts.run("events_file", front.log_dir)
+        self.jsonl = None
+        if self.log_dir is not None:
+            self.jsonl = JsonlEventLog(os.path.join(self.log_dir, "nanguard", EVENTS_FILENAME))
         self.tensorboard = []
         if front.is_global_zero:
-            for writer in front.tensorboard_writers():
-                reporter = TensorBoardReporter(writer)
-                reporter.register_layout(tags)
-                self.tensorboard.append(reporter)
+            self.parts.run("tensorboard", self._open_tensorboard, front, tags)
+
+    def _open_tensorboard(self, front: FrontEnd, tags: Sequence[str] | None) -> None:
+        for writer in front.tensorboard_writers():
+            reporter = TensorBoardReporter(writer)
+            reporter.register_layout(tags)
+            self.tensorboard.append(reporter)
 
     def event(self, event: NanEvent, rank: int, front: FrontEnd | None = None) -> None:
-        """Send one event everywhere, its repro bundle included (saved before the step's decision)."""
+        """Send one event to every sink still on, its repro bundle included (saved before the step's decision)."""
+        parts = self.parts
         if self.jsonl is not None:
-            self.jsonl.append(event)
-        try:
-            update_bundle_event(event)
-        except OSError as error:  # a bundle must never kill training
-            log.warning("NanGuard: could not update the repro bundle of step %d: %r", event.global_step, error)
+            parts.run("events_file", self.jsonl.append, event)
+        if event.repro_path is not None:
+            parts.run("bundles", update_bundle_event, event)
         if self.verbose:
-            _terminal(rank, front).report(event)
+            parts.run("terminal", lambda: _terminal(rank, front).report(event))
         for reporter in self.tensorboard:
-            reporter.report(event)
+            parts.run("tensorboard", reporter.report, event)
 
-    @staticmethod
-    def write_scalars(front: FrontEnd, metrics: Mapping[str, float], step: int) -> None:
+    def write_scalars(self, front: FrontEnd, metrics: Mapping[str, float], step: int) -> None:
         """Log ``metrics`` at ``step`` through every logger of the front-end (rank zero only)."""
         if front.is_global_zero:
-            for logger in front.loggers:
-                logger.log_metrics(dict(metrics), step=step)
+            self.parts.run("scalars", _log_metrics, front.loggers, dict(metrics), step)
+
+
+def _log_metrics(loggers: Sequence[Any], metrics: dict[str, float], step: int) -> None:
+    for logger in loggers:
+        logger.log_metrics(metrics, step=step)
 
 
 class Count(int):
@@ -130,6 +143,15 @@ class IncidentRecorder:
         self.notices = RankNotices()
         self.rank = 0
         self._scalars: ScalarLog | None = None
+
+    @property
+    def parts(self) -> GuardParts:
+        """The guard's parts (shared with the controller): each sink runs as one, off alone if it fails."""
+        return self.sinks.parts
+
+    @parts.setter
+    def parts(self, parts: GuardParts) -> None:
+        self.sinks.parts = parts
 
     @property
     def events_path(self) -> Any:
@@ -165,14 +187,26 @@ class IncidentRecorder:
         if self._scalars is None or not front.is_global_zero:
             return
         if force or previous is not None or (due if due is not None else front.logging_due()):
-            for step, values in self._scalars.plan(metrics, front.global_step, previous=previous):
-                self.sinks.write_scalars(front, values, step)
+            self.parts.run("scalars", self._write_scalars, front, self._scalars, metrics, previous)
 
     @staticmethod
-    def progress(front: FrontEnd, skipped_total: int) -> None:
+    def _write_scalars(
+        front: FrontEnd,
+        plan: ScalarLog,
+        metrics: Mapping[str, float | None],
+        previous: Mapping[str, float | None] | None,
+    ) -> None:
+        for step, values in plan.plan(metrics, front.global_step, previous=previous):
+            _log_metrics(front.loggers, values, step)
+
+    def progress(self, front: FrontEnd, skipped_total: int) -> None:
         """``nan_skipped`` in the progress bar, as an integer."""
         if skipped_total:
-            front.show_in_progress_bar(PROGRESS_BAR_KEY, skipped_total)
+            self.parts.run("progress_bar", front.show_in_progress_bar, PROGRESS_BAR_KEY, skipped_total)
+
+    def progress_parts_off(self, front: FrontEnd, count: int) -> None:
+        """``nanguard_parts_off`` in the progress bar: how many of the guard's parts an error switched off."""
+        self.parts.run("progress_bar", front.show_in_progress_bar, PARTS_OFF_KEY, count)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"events": [...]}``: the last :data:`EVENTS_KEPT_IN_CHECKPOINT` events, as dicts (primitives)."""

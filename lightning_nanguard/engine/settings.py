@@ -29,6 +29,7 @@ import torch
 from lightning_nanguard.decide.policy import Policy, SpikeAction, StepAction
 from lightning_nanguard.engine.after_step import ParamCheckSettings
 from lightning_nanguard.engine.incident.diagnosis import DiagnosisSettings
+from lightning_nanguard.engine.parts import InternalErrorMode
 from lightning_nanguard.engine.rows.records import RecordSettings
 from lightning_nanguard.engine.step.precursors import PrecursorSettings
 from lightning_nanguard.engine.step.spikes import SpikeSettings
@@ -39,6 +40,7 @@ from lightning_nanguard.reporting.notices import RankNotices
 __all__ = ["ACTIONS", "SPIKE_ACTIONS", "GuardSettings", "Rule", "validate_arguments", "warn_what_cannot_be_skipped"]
 
 ACTIONS: tuple[str, ...] = get_args(StepAction)
+INTERNAL_ERROR_MODES: tuple[str, ...] = get_args(InternalErrorMode)
 SPIKE_ACTIONS: tuple[str, ...] = get_args(SpikeAction)
 
 
@@ -142,6 +144,7 @@ RULES: dict[str, Rule] = {
     ),
     "qk_clip": Rule(lambda v: v is None or (_is_number(v) and 0.0 < float(v) < float("inf")), "null or a number > 0"),
     "loss_fn": Rule(lambda v: v is None or callable(v), "None or a callable(model, batch) returning the loss"),
+    "on_internal_error": choice(INTERNAL_ERROR_MODES),
 }
 
 
@@ -195,6 +198,7 @@ class GuardSettings:
         precursors: the attention precursor watch's parameters (``None``: ``precursors=False``, or a
             sharded strategy: measuring inside FSDP's and ModelParallelStrategy's forwards is not
             proven safe yet).
+        on_internal_error: what the guard's own errors do (:mod:`lightning_nanguard.engine.parts`).
     """
 
     policy: Policy
@@ -207,6 +211,7 @@ class GuardSettings:
     sync_free: bool
     precursors: PrecursorSettings | None = None
     precursors_refused: str | None = None  # why an explicit ``qk_clip`` is off here (a sharded strategy)
+    on_internal_error: InternalErrorMode = "continue"
 
     @classmethod
     def from_arguments(cls, a: Mapping[str, Any], strategy_kind: str = "single") -> GuardSettings:
@@ -263,6 +268,7 @@ class GuardSettings:
             track_batchnorm=a["check_bn_stats"],
             with_norm="clip_grad" in (a["remedies"] or ()),
             sync_free=a["sync_free"],
+            on_internal_error=a.get("on_internal_error", "continue"),
             precursors=PrecursorSettings(
                 every_n_steps=a["precursor_every_n_steps"],
                 min_logit=a["precursor_min_logit"],

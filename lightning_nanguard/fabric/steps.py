@@ -16,7 +16,8 @@ hands them here:
 - after ``optimizer.step()`` (Fabric's ``on_after_optimizer_step``): the after-step work (rollback,
   weight check, snapshot), and the step count moves on.
 
-Every moment runs under the failsafe: an error in the guard disables it, never the loop.
+Every moment runs under the failsafe: an error that escapes the guard's parts reaches its core's failure
+path (the step in hand dropped, then the guard off), never the loop.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_nanguard.core.events import NonFiniteTrainingError
+from lightning_nanguard.core.events import GuardInternalError, NonFiniteTrainingError
 from lightning_nanguard.core.swapped import swapped_subclass
 from lightning_nanguard.engine.controller import StepController
 from lightning_nanguard.engine.data.indices import RecordingBatchSampler, next_recorded_indices, record_batch_indices
@@ -156,7 +157,7 @@ def guarded(steps: FabricSteps | None, moment: Callable[..., Any], *args: Any) -
         return None
     try:
         return moment(*args)
-    except NonFiniteTrainingError:
+    except (NonFiniteTrainingError, GuardInternalError):
         raise
     except Exception as error:
         steps.controller.fail(error, getattr(moment, "__name__", "a Fabric step"))

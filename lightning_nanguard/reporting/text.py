@@ -128,6 +128,31 @@ def _precursor_lines(event: NanEvent, code: str) -> list[tuple[str, str]]:
     return rows
 
 
+def _guard_error_lines(event: NanEvent, code: str) -> list[tuple[str, str]]:
+    """A failure of the guard itself: which part, the error, where, what stops and what still holds.
+
+    Example:
+        >>> e = NanEvent(5, 0, 5, 0, ("guard_error",), "warned", details={"part": "tensorboard",
+        ...              "error": "OSError(28)", "where": "x.py:3 in f", "stops": "no text", "guard_on": True})
+        >>> [label for label, _ in _guard_error_lines(e, "")]
+        ['guard error', 'part', 'error', 'where', 'stops', 'still guarded']
+    """
+    d = event.details
+    on = d.get("guard_on", True)
+    rows = [
+        ("guard error", "a part of NanGuard itself failed"),
+        ("part", f"{code}{d.get('part', '?')}{code}"),
+        ("error", str(d.get("error", "?"))),
+        ("where", str(d.get("where", "?"))),
+        ("stops", str(d.get("stops", ""))),
+    ]
+    if on:
+        rows.append(("still guarded", "yes: NaN/Inf steps are still checked and dropped"))
+    else:
+        rows.append(("still guarded", "no: no later step is checked; restart the run to guard it again"))
+    return rows
+
+
 def event_lines(event: NanEvent, code: str = "") -> list[tuple[str, str]]:
     """The ``(label, value)`` rows shared by the terminal and markdown reports.
 
@@ -145,6 +170,8 @@ def event_lines(event: NanEvent, code: str = "") -> list[tuple[str, str]]:
     d = event.details
     if event.kinds == ("precursor",):
         return _precursor_lines(event, code)
+    if event.kinds == ("guard_error",):
+        return _guard_error_lines(event, code)
     rows: list[tuple[str, str]] = [("non-finite", ", ".join(event.kinds))]
     cause = cause_text(event)
     if cause:

@@ -23,10 +23,12 @@ from lightning_nanguard.core.events import NanEvent, NonFiniteTrainingError
 from lightning_nanguard.core.timing import GuardClock
 from lightning_nanguard.decide.policy import Counters, Policy, SpikeAction, StepAction
 from lightning_nanguard.detect.spikes import SpikeDetector
+from lightning_nanguard.diagnose.combined import CombinedIndices
 from lightning_nanguard.diagnose.diagnosis import diagnose
 from lightning_nanguard.engine.controller import StepController
 from lightning_nanguard.engine.data.indices import indices_from_batch
 from lightning_nanguard.engine.failure import failsafe
+from lightning_nanguard.engine.parts import InternalErrorMode
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.settings import GuardSettings, validate_arguments, warn_what_cannot_be_skipped
 from lightning_nanguard.engine.sharding import own_rank_state
@@ -160,6 +162,14 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             (``model``: the module you gave ``fabric.setup``, run under Fabric's precision; ``batch``: as
             the training loader gave it, moved to the device). Without it a bad step is still skipped
             and reported. Ignored by the Trainer, which re-runs ``training_step``.
+        on_internal_error: what an error of the guard itself does. ``"continue"`` (default): an error
+            in an optional part (spike or precursor watch, QK-clip, diagnosis, bundles, remedies, events
+            file, TensorBoard, terminal, scalars, progress bar, logged-value withdrawal, checkpoint check)
+            switches off that part alone, with a ``guard_error`` event, and every bad step after it is
+            still dropped; an error in the core (the check itself, the ranks' agreement, dropping a step)
+            drops the step in hand and turns the guard off, on every rank at the same step, with a
+            ``guard_error`` event. ``"raise"``: any internal error stops training with
+            :class:`~lightning_nanguard.GuardInternalError` (for CI or a debugging session).
 
     Examples:
         >>> guard = NanGuard(action="skip", max_consecutive_bad_steps=5)
@@ -215,6 +225,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         precursor_max_cost: float | None = default_of(PrecursorSettings, "max_cost"),
         qk_clip: float | None = None,
         loss_fn: Callable[[Any, Any], Any] | None = None,
+        on_internal_error: InternalErrorMode = "continue",
     ) -> None:
         arguments = dict(locals())
         arguments.pop("self")
@@ -259,6 +270,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         self.precursor_max_cost = precursor_max_cost
         self.qk_clip = qk_clip
         self.loss_fn = loss_fn
+        self.on_internal_error: InternalErrorMode = on_internal_error
 
         self.clock = GuardClock()  # `guard.clock.enabled = True` measures the time spent in the guard
         self.recorder = IncidentRecorder(verbose)
@@ -372,7 +384,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         """Find parameters and BatchNorm buffers once the model sits on its device; first snapshot."""
         front = self._front_of(trainer, pl_module)
         self.controller.attach(front)
-        apply_module_eps(pl_module, self.recovery.book.module_eps)  # after a resume
+        self.controller.parts.run("remedies", apply_module_eps, pl_module, self.recovery.book.module_eps)  # resumed
         if self.action == "rollback" and pl_module.automatic_optimization:
             self.controller.after_step.initial_snapshot(front)
 
@@ -388,16 +400,19 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         """Before the monitors read the epoch values: settle a sync-free step and what dropped steps logged."""
         front = self._front_of(trainer, pl_module)
         self.controller.resolve_pending(front)
+        self.controller.parts.run("logged_values", self._settle_logged, front)
+
+    def _settle_logged(self, front: TrainerFrontEnd) -> None:
         front.logged.finish_withdrawals()
-        front.logged.settle_monitors(trainer, last_step_dropped=self.controller.state.step_was_bad)
+        front.logged.settle_monitors(front.trainer, last_step_dropped=self.controller.state.step_was_bad)
 
     @override
     @failsafe
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Find what the model holds again (modules, buffers, metrics may have changed); record this epoch's indices."""
         self.controller.rediscover(self._front_of(trainer, pl_module))
-        if self._hooks is not None:
-            self._hooks.start_epoch(trainer.train_dataloader)  # one loader or several (their keys, quarantines)
+        if self._hooks is not None:  # one loader or several (their keys, quarantines)
+            self.controller.parts.run("dataset_indices", self._hooks.start_epoch, trainer.train_dataloader)
 
     # ------------------------------------------------------------------ per batch
 
@@ -406,10 +421,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Open the step's window at its first micro-batch (every batch in manual optimisation)."""
         window = self.controller.window
-        if self._hooks is not None:  # per loader with several training loaders
-            indices = self._hooks.batch_indices(batch, self.index_key)
-        else:
-            indices = indices_from_batch(batch, self.index_key) if self.index_key is not None else None
+        indices = self.controller.parts.run("dataset_indices", self._batch_indices, batch)
         if forward_only(trainer):  # SWA's BatchNorm epoch: no training step, only statistics to keep finite
             self._forward_only.before_batch(window, indices)
             return
@@ -420,6 +432,11 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             self.controller.begin_step(self._front_of(trainer, pl_module), self.check_every_n_steps)
         readers = self._hooks.readers() if self._hooks is not None else ()  # to check the indices at an incident
         window.add_batch(batch, batch_idx, indices, keep=self.controller.diagnosis.diagnoses, readers=readers)
+
+    def _batch_indices(self, batch: Any) -> list[int] | CombinedIndices | None:
+        if self._hooks is not None:  # per loader with several training loaders
+            return self._hooks.batch_indices(batch, self.index_key)
+        return indices_from_batch(batch, self.index_key) if self.index_key is not None else None
 
     @override
     @failsafe
@@ -435,7 +452,8 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         state = self.controller.state
         if state.dropped_by_check:
             state.dropped_by_check = False
-            self.controller.window.drop_logged(self._front_of(trainer, pl_module))
+            front = self._front_of(trainer, pl_module)
+            self.controller.parts.run("logged_values", self.controller.window.drop_logged, front)
 
     @override
     @failsafe
@@ -531,11 +549,20 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        """Never save non-finite weights: save the last good snapshot instead, or refuse."""
+        """Never save non-finite weights: save the last good snapshot instead, or refuse.
+
+        A check that fails (an optional part) leaves the checkpoint as Lightning made it, with a
+        ``guard_error`` event: while the guard is on, no NaN/Inf reached the weights.
+        """
+        controller = self.controller
         try:
-            substituted = make_checkpoint_finite(self.controller, trainer, pl_module, checkpoint, self.state_key)
+            substituted = controller.parts.run(
+                "checkpoint_check", make_checkpoint_finite, controller, trainer, pl_module, checkpoint, self.state_key
+            )
         except NonFiniteTrainingError as error:
             raise NonFiniteTrainingError(str(error), self.events[-1:]) from None
+        if self._front is not None:
+            self.controller.report_failures(self._front)
         if substituted is not None:
             key = f"checkpoint-{checkpoint.get('nanguard_substituted_step')}"
             self.recorder.notices.warn(key, f"NanGuard: {substituted}.")

@@ -53,6 +53,7 @@ export const KIND_GROUPS = {
   loss_scale: {label: 'loss scale collapsed', kinds: ['loss_scale']},
   spike: {label: 'spike', kinds: ['loss_spike', 'grad_spike']},
   precursor: {label: 'precursor', kinds: ['precursor']},
+  guard: {label: 'guard error', kinds: ['guard_error']},
 };
 
 /** The group of an event's kinds that decides its colour: NaN/Inf first, then loss scale, then spikes. */

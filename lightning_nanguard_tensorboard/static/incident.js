@@ -199,12 +199,29 @@ function precursorSection(event) {
       h('p', {class: 'muted small'}, 'No NaN yet: the step was applied. The usual fixes:'), h('ul', {}, ...fixes));
 }
 
+/** A part of the guard itself failed: which, the error, where, what stops, whether the guard still guards. */
+function guardErrorSection(event) {
+  const d = event.details || {};
+  const on = d.guard_on !== false;
+  return section('The guard\'s own error',
+      row('part', h('code', {}, d.part || '?')),
+      row('error', h('code', {}, d.error || '?')),
+      row('where', h('code', {}, d.where || '?')),
+      row('stops', d.stops || ''),
+      row('still guarded', on ? 'yes: NaN/Inf steps are still checked and dropped'
+          : 'no: no later step is checked; restart the run to guard it again'),
+      h('p', {class: 'muted small'}, 'Please report it with the traceback in the training log.'));
+}
+
 export function incidentView(run, data) {
   const {event, context, bundle} = data;
   const index = event._dashboard.index;
   const details = event.details || {};
   if ((event.kinds || []).includes('precursor')) {
     return h('article', {class: 'incident', dataset: {run, index}}, header(event), precursorSection(event));
+  }
+  if ((event.kinds || []).includes('guard_error')) {
+    return h('article', {class: 'incident', dataset: {run, index}}, header(event), guardErrorSection(event));
   }
   return h('article', {class: 'incident', dataset: {run, index}},
       header(event),

@@ -49,7 +49,7 @@ def run(steps: int, reports: list[RankVote], policy: Policy, counters: Counters 
 
 def test_local_vector_layout() -> None:
     summary = torch.tensor([1.0, 2.5, 1.0], dtype=torch.float64)
-    vector = local_vector(summary, spike=torch.tensor([True]), failed=True, loss=torch.tensor(0.75))
+    vector = local_vector(summary, spike=torch.tensor([True]), failed=True, loss=torch.tensor(0.75), part_failed=True)
     assert vector.dtype == torch.float32 and vector.shape == (len(LOCAL_FIELDS),)
     assert dict(zip(LOCAL_FIELDS, vector.tolist(), strict=True)) == {
         "bad": 1.0,
@@ -58,13 +58,14 @@ def test_local_vector_layout() -> None:
         "spike": 1.0,
         "failed": 1.0,
         "loss": 0.75,
+        "part_failed": 1.0,
     }
 
 
 def test_local_vector_defaults_no_spike_not_failed_and_a_nan_loss() -> None:
     values = local_vector(torch.tensor([0.0, -1.0, 0.0])).tolist()
     assert values[:5] == [0.0, -1.0, 0.0, 0.0, 0.0]
-    assert math.isnan(values[5])
+    assert math.isnan(values[5]) and values[6] == 0.0
 
 
 def test_local_vector_flag_tensors_are_never_written() -> None:
@@ -75,13 +76,13 @@ def test_local_vector_flag_tensors_are_never_written() -> None:
 
 
 def test_shared_part_takes_the_shared_fields_of_the_local_vector() -> None:
-    vector = torch.tensor([1.0, 9.0, 2.0, 3.0, 4.0, 0.5])
-    assert shared_part(vector).tolist() == [1.0, 2.0, 3.0, 4.0]
+    vector = torch.tensor([1.0, 9.0, 2.0, 3.0, 4.0, 0.5, 5.0])
+    assert shared_part(vector).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert [vector[LOCAL_FIELDS.index(name)].item() for name in SHARED_FIELDS] == shared_part(vector).tolist()
 
 
 def test_step_health_without_the_shared_part_counts_this_rank_only() -> None:
-    health = StepHealth.from_values([1.0, 3.5, 1.0, 0.0, 0.0, 0.25])
+    health = StepHealth.from_values([1.0, 3.5, 1.0, 0.0, 0.0, 0.25, 0.0])
     assert (health.bad, health.others_bad, health.spike, health.failed) == (True, True, False, False)
     assert (health.grad_norm, health.loss) == (3.5, 0.25)
     assert (health.ranks_bad, health.ranks_others_bad, health.ranks_spike, health.ranks_failed) == (1, 1, 0, 0)
@@ -90,7 +91,7 @@ def test_step_health_without_the_shared_part_counts_this_rank_only() -> None:
 
 def test_step_health_with_the_shared_part_counts_every_rank() -> None:
     """This rank is fine; two ranks flagged NaN/Inf, one of them in its loss, one spiked."""
-    health = StepHealth.from_values([0.0, 1.5, 0.0, 0.0, 0.0, 0.7, 2.0, 1.0, 1.0, 0.0])
+    health = StepHealth.from_values([0.0, 1.5, 0.0, 0.0, 0.0, 0.7, 0.0, 2.0, 1.0, 1.0, 0.0, 0.0])
     assert (health.bad, health.others_bad, health.spike, health.failed) == (False, False, False, False)
     assert (health.ranks_bad, health.ranks_others_bad, health.ranks_spike, health.ranks_failed) == (2, 1, 1, 0)
     assert not health.healthy
@@ -106,15 +107,16 @@ def test_step_health_round_trips_a_local_vector_and_its_shared_part() -> None:
 @pytest.mark.parametrize(
     ("shared", "healthy"),
     [
-        ([0, 0, 0, 0], True),
-        ([0, 3, 0, 0], True),  # others_bad alone never comes without bad; it does not decide health
-        ([1, 0, 0, 0], False),
-        ([0, 0, 1, 0], False),
-        ([0, 0, 0, 1], False),
+        ([0, 0, 0, 0, 0], True),
+        ([0, 3, 0, 0, 0], True),  # others_bad alone never comes without bad; it does not decide health
+        ([0, 0, 0, 0, 2], True),  # a part switched off elsewhere: the step itself is fine
+        ([1, 0, 0, 0, 0], False),
+        ([0, 0, 1, 0, 0], False),
+        ([0, 0, 0, 1, 0], False),
     ],
 )
 def test_healthy_means_no_rank_flagged_bad_spike_or_failure(shared: list[int], healthy: bool) -> None:
-    assert StepHealth.from_values([0, 1.0, 0, 0, 0, 0.5, *shared]).healthy is healthy
+    assert StepHealth.from_values([0, 1.0, 0, 0, 0, 0.5, 0, *shared]).healthy is healthy
 
 
 # ------------------------------------------------------------------------------------ healthy steps
@@ -351,19 +353,25 @@ def test_spike_cause_and_quarantine_come_from_the_ranks_that_spiked() -> None:
 @pytest.mark.parametrize(
     ("found", "outcome"),
     [
-        ({}, "healthy"),
+        ({}, "failed"),  # a rank that could not check: the step is not vouched for, so it is dropped
         ({"incident": True}, "incident"),
-        ({"overflow": True}, "overflow"),
-        ({"spike": True}, "spike"),
+        ({"overflow": True}, "failed"),
+        ({"spike": True}, "failed"),
     ],
 )
 @pytest.mark.parametrize("failed_rank", [0, 1])
-def test_any_failed_rank_disables_every_guard_whatever_the_outcome(
+def test_any_failed_rank_drops_the_step_and_disables_every_guard(
     found: dict[str, bool], outcome: str, failed_rank: int
 ) -> None:
     reports = [RankVote(rank=0, failed=failed_rank == 0, **found), RankVote(rank=1, failed=failed_rank == 1)]  # type: ignore[arg-type]
-    decision, _ = decide(reports, Counters(), Policy())
+    decision, counters = decide(reports, Counters(), Policy())
     assert decision.outcome == outcome and decision.disable
+    assert decision.discard and decision.action == "skip" and counters.skipped_total == 1
+
+
+def test_a_failed_rank_under_manual_optimisation_cannot_drop_and_says_so() -> None:
+    decision, counters = decide([RankVote(rank=0, failed=True)], Counters(), Policy(can_skip=False))
+    assert (decision.outcome, decision.action, decision.discard, counters.skipped_total) == ("failed", "warn", False, 0)
 
 
 def test_no_failed_rank_disables_nothing() -> None:

@@ -55,6 +55,7 @@ BAD: dict[str, list[Any]] = {
     "qk_clip": [0, -1.0, "50", float("inf")],
     "precursor_max_cost": [0, 1.5, "0.01", float("nan")],
     "loss_fn": ["my_pkg.loss", 3],
+    "on_internal_error": ["crash", "Continue", True, None],
 }
 
 GOOD: dict[str, list[Any]] = {
@@ -98,6 +99,7 @@ GOOD: dict[str, list[Any]] = {
     "qk_clip": [None, 20, 100.0],
     "precursor_max_cost": [None, 0.01, 1],
     "loss_fn": [None, lambda model, batch: model(batch).sum()],
+    "on_internal_error": ["continue", "raise"],
 }
 
 

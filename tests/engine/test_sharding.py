@@ -41,7 +41,7 @@ def _layout(peers: tuple[int, ...] = (0,)) -> ShardingLayout:
 def test_agree_sends_the_norm_share_with_the_flags_in_one_reduce() -> None:
     """Rank 0's share 9, rank 1's 16: the global norm 5 replaces the share; the flags are summed as under DDP."""
     mine = local_vector(torch.tensor([0.0, 9.0, 0.0]), loss=torch.tensor(0.5))
-    other = torch.tensor([1.0, 1.0, 0.0, 0.0, 16.0])  # rank 1: bad, others bad, share 16
+    other = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 16.0])  # rank 1: bad, others bad, share 16
     agreement = SummingAgreement(other)
     vector = _layout().agree(mine, agreement, collective=True)  # type: ignore[arg-type]
     assert len(agreement.sent) == 1
@@ -51,13 +51,13 @@ def test_agree_sends_the_norm_share_with_the_flags_in_one_reduce() -> None:
 
 
 def test_agree_without_other_ranks_takes_the_square_root_of_its_own_share() -> None:
-    vector = _layout().agree(local_vector(torch.tensor([0.0, 4.0, 0.0])), SummingAgreement(torch.zeros(5)), False)  # type: ignore[arg-type]
-    assert vector.tolist()[:2] == [0.0, 2.0] and len(vector) == 6
+    vector = _layout().agree(local_vector(torch.tensor([0.0, 4.0, 0.0])), SummingAgreement(torch.zeros(6)), False)  # type: ignore[arg-type]
+    assert vector.tolist()[:2] == [0.0, 2.0] and len(vector) == 7
 
 
 def test_a_norm_not_computed_stays_minus_one() -> None:
     mine = local_vector(torch.tensor([0.0, -1.0, 0.0]))
-    vector = _layout().agree(mine, SummingAgreement(torch.tensor([0.0, 0.0, 0.0, 0.0, -1.0])), True)  # type: ignore[arg-type]
+    vector = _layout().agree(mine, SummingAgreement(torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -1.0])), True)  # type: ignore[arg-type]
     assert StepHealth.from_values(vector.tolist()).grad_norm == -1.0
 
 

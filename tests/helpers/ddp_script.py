@@ -7,7 +7,8 @@ rate, whether its guard is still active, and the error it stopped with, if any.
 
 Scenarios (``SCENARIOS``): ``skip`` (a NaN sample in batch 1 and a label typo in batch 20 of rank 1),
 ``max_events`` and ``consecutive`` (rank-local faults that escalate), ``lr_backoff`` (a remedy decided on
-rank 1's incident), ``failure`` (an internal error of rank 1's guard), ``sync_free`` (rank 1's NaN skipped
+rank 1's incident), ``failure`` (rank 1's spike watch fails at step 0, then its core check at step 1),
+``sync_free`` (rank 1's NaN skipped
 on the device), ``logged`` (``self.log(..., sync_dist=True)`` with a NaN step and a spike on rank 1: both
 dropped from the epoch values on every rank), ``spawn`` (``strategy="ddp_spawn"``: the workers write
 ``rank<N>.json`` when training ends, the process that called ``fit`` writes ``main.json`` with what its
@@ -43,7 +44,8 @@ class Scenario:
     nan_indices: tuple[int, ...] = ()  # dataset items of rank 1 with a NaN feature (batch = index // 8)
     typo_indices: tuple[int, ...] = ()  # dataset items of rank 1 whose label is 1e4 instead of ~1 (a loss spike)
     guard: dict[str, Any] = field(default_factory=dict)
-    fail_at_step: int | None = None  # rank 1's guard raises an internal error at this step
+    fail_at_step: int | None = None  # rank 1's guard raises an internal error at this step (its core check)
+    part_fails_at_step: int | None = None  # rank 1's spike watch (an optional part) raises at this step
     batches: int = 4
     fused: bool = False  # torch's fused Adam (which can skip a step on the device: sync_free)
     spawn: bool = False  # strategy="ddp_spawn": fit runs in two fresh worker processes
@@ -55,7 +57,7 @@ SCENARIOS: dict[str, Scenario] = {
     "max_events": Scenario(nan_indices=(11, 27, 43, 59), guard={"max_events": 2}, batches=8),
     "consecutive": Scenario(nan_indices=(19, 27), guard={"max_consecutive_bad_steps": 2}),
     "lr_backoff": Scenario(nan_indices=(11,), guard={"remedies": ["lr_backoff"], "bisect": False}),
-    "failure": Scenario(fail_at_step=1),
+    "failure": Scenario(fail_at_step=1, part_fails_at_step=0),
     "sync_free": Scenario(nan_indices=(11,), guard={"sync_free": True}, fused=True),
     "spawn": Scenario(nan_indices=(11,), spawn=True),
     "logged": Scenario(nan_indices=(11,), typo_indices=(8 * 20 + 5,), batches=24, log=True),
@@ -138,12 +140,28 @@ def _inject_failure(guard: NanGuard, rank: int, step: int) -> None:
 
     original = controller_module.step_flags
 
-    def failing(trainer: Any, *args: Any) -> Any:
+    def failing(trainer: Any, *args: Any, **kwargs: Any) -> Any:
         if trainer.global_rank == rank and trainer.global_step == step:
             raise RuntimeError("injected internal failure")
-        return original(trainer, *args)
+        return original(trainer, *args, **kwargs)
 
     controller_module.step_flags = failing  # this process's only guard: the per-step check of its controller
+
+
+def _inject_part_failure(rank: int, step: int) -> None:
+    """Make rank ``rank``'s spike watch (an optional part of its guard) fail at global step ``step``."""
+    from lightning_nanguard.engine.step.spikes import SpikeWatch
+
+    original = SpikeWatch.check
+    calls = {"n": 0}
+
+    def failing(watch: SpikeWatch, *args: Any) -> Any:
+        calls["n"] += 1
+        if torch.distributed.get_rank() == rank and calls["n"] == step + 1:
+            raise RuntimeError("injected failure of the spike watch")
+        return original(watch, *args)
+
+    SpikeWatch.check = failing  # type: ignore[method-assign]
 
 
 class SpawnedResult(pl.Callback):
@@ -217,6 +235,8 @@ def main(name: str, out_dir: str) -> None:
     )
     if scenario.fail_at_step is not None:
         _inject_failure(guard, BAD_RANK, scenario.fail_at_step)
+    if scenario.part_fails_at_step is not None:
+        _inject_part_failure(BAD_RANK, scenario.part_fails_at_step)
     module = Regression(scenario)
     error: dict[str, Any] | None = None
     try:

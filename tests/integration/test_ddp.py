@@ -132,12 +132,21 @@ def test_remedies_are_applied_on_every_rank(run: Any) -> None:
 
 
 def test_an_internal_failure_on_one_rank_disables_every_rank_together(run: Any) -> None:
+    """Rank 1's spike watch fails at step 0 (that part only, rank 1 only), its core check at step 1 (every rank)."""
     ranks = run("failure")  # a hang would time out in _run
     for data in ranks.values():
         assert data["global_step"] == 4  # training went on
         assert not data["active"]
         assert data["active_per_step"] == [True, True, False, False]  # failed at step 1, off from step 2
+        assert data["skipped_steps"] == [1]  # the step rank 1 could not vouch for is dropped on every rank
     _same_on_every_rank(ranks, "weights_sha256")
+    errors = {
+        rank: [(e["global_step"], e["details"]["part"], e["action"]) for e in data["events"]]
+        for rank, data in ranks.items()
+    }
+    assert errors[1] == [(0, "spikes", "warned"), (1, "core", "skipped")]
+    assert errors[0] == [(1, "core", "skipped")]  # rank zero tells its TensorBoard that rank 1's core failed
+    assert "failed on rank(s) [1]" in ranks[0]["events"][0]["details"]["error"]
 
 
 # ------------------------------------------------------------------------------------ sync-free steps

@@ -128,6 +128,54 @@ def test_gradient_accumulation_checks_the_whole_step() -> None:
     assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
 
 
+
+class BodyAndFrozenHead(nn.Module):
+    """A body, and a head frozen (and outside the optimizer) until the loop unfreezes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(4, 4), nn.Linear(4, 1).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        return h, self.head(h.detach()).squeeze(-1)
+
+
+def head_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """A finite loss; a flagged row gives a NaN gradient to the head only (a division masked after the fact)."""
+    x, y, flag = batch
+    h, out = model(x)
+    return (h.sum(-1) - y).pow(2).mean() + torch.where(flag > 0, torch.zeros_like(out), out / (1 - flag)).mean()
+
+
+def test_a_parameter_group_added_mid_loop_is_checked_from_its_first_step() -> None:
+    """The loop adds the head to the optimizer at step 3, whose batch holds the flagged row 13."""
+    g = torch.Generator().manual_seed(0)
+    x, y, flag = torch.randn(32, 4, generator=g), torch.randn(32, generator=g), torch.zeros(32)
+    flag[13] = 1.0
+    guard = NanGuard(verbose=False, save_repro=False)
+    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[guard])
+    torch.manual_seed(0)
+    module = BodyAndFrozenHead()
+    initial_head = clone_state(module.head.state_dict())
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.body.parameters(), lr=0.1))
+    loader = fabric.setup_dataloaders(DataLoader(TensorDataset(x, y, flag), batch_size=4))
+    for step, batch in enumerate(loader):
+        if step == 3:
+            module.head.requires_grad_(True)
+            optimizer.add_param_group({"params": list(module.head.parameters())})
+            before = clone_state(module.state_dict())
+        fabric.backward(head_loss(model, batch))
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 3:
+            after = clone_state(module.state_dict())
+    assert [(e.global_step, e.kinds, e.action) for e in guard.events] == [(3, ("grad",), "skipped")]
+    assert set(guard.events[0].nonfinite_grads) == {"head.weight", "head.bias"}
+    assert _unchanged(before, after)  # the step was dropped: neither the head nor the body moved
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    assert not _unchanged(initial_head, module.head.state_dict())  # the head trained in the steps after
+
 def test_rollback_restores_the_last_good_snapshot() -> None:
     guard = NanGuard(
         verbose=False, action="rollback", rollback_after_consecutive=1, snapshot_every_n_steps=1, save_repro=False
@@ -266,3 +314,56 @@ def test_events_scalars_and_the_dashboard_through_the_fabric_tensorboard_logger(
     assert all(e["_dashboard"]["context"] for e in incidents)  # the incident view's source and thumbnails
     timeline = json.loads(client.get("/timeline?run=fabric/version_0").get_data())
     assert [m["step"] for m in timeline["markers"]] == [0, 2]
+
+
+# ------------------------------------------------------------------------------------ the guard's own failures
+
+
+def test_a_loss_fn_that_fails_on_sub_batches_leaves_the_bad_steps_dropped() -> None:
+    def full_batches_only(model: nn.Module, batch: Any) -> torch.Tensor:
+        if len(batch[0]) != BATCH:
+            raise ValueError("this loss only takes full batches")
+        return loss_fn(model, batch)
+
+    guard = NanGuard(verbose=False, loss_fn=full_batches_only)
+    module, _ = _loop(guard)
+    assert [(e.global_step, e.action, e.offending_samples) for e in guard.events] == [
+        (0, "skipped", None),
+        (2, "skipped", None),
+    ]
+    assert guard.active and guard.controller.parts.off == {}
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+def test_a_broken_part_in_a_fabric_loop_is_switched_off_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_nanguard.reporting.jsonl import JsonlEventLog
+
+    def full_disk(*args: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(JsonlEventLog, "append", full_disk)
+    guard = NanGuard(verbose=False, loss_fn=loss_fn)
+    module, states = _loop(guard)
+    assert guard.active and set(guard.controller.parts.off) == {"events_file"}
+    incidents = [(e.global_step, e.action) for e in guard.events if e.kinds != ("guard_error",)]
+    assert incidents == [(0, "skipped"), (2, "skipped")] and _unchanged(states[1], states[2])
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+def test_a_broken_core_in_a_fabric_loop_drops_the_step_in_hand_then_turns_the_guard_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import lightning_nanguard.engine.step.check as check_module
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("planted core fault")
+
+    monkeypatch.setattr(check_module, "fused_health_check", broken)
+    torch.manual_seed(0)
+    initial = clone_state(Normalised().state_dict())
+    guard = NanGuard(verbose=False)
+    _, states = _loop(guard, clip=False)
+    assert _unchanged(initial, states[0])  # step 0 could not be vouched for: dropped
+    assert not guard.active and not _unchanged(states[0], states[1])  # unguarded from step 1
+    ((step, kinds, part, action),) = [(e.global_step, e.kinds, e.details["part"], e.action) for e in guard.events]
+    assert (step, kinds, part, action) == (0, ("guard_error",), "core", "skipped")

@@ -137,9 +137,13 @@ def test_a_bundle_that_cannot_be_rewritten_only_warns(
     monkeypatch.setattr(reporting, "update_bundle_event", unwritable)
     sinks = EventSinks(verbose=False)
     sinks.attach(trainer(tmp_path))
-    sinks.event(make_event(global_step=12), rank=0)
-    assert "could not update the repro bundle of step 12" in caplog.text
-    assert sinks.jsonl is not None and len(sinks.jsonl.path.read_text(encoding="utf-8").splitlines()) == 1
+    sinks.parts.step = 12
+    sinks.event(make_event(global_step=12, repro_path=str(tmp_path / "step-12")), rank=0)
+    assert "its bundles part failed at step 12 (PermissionError('read-only file system'))" in caplog.text
+    assert not sinks.parts.on("bundles") and sinks.parts.on("events_file")
+    assert [f.part for f in sinks.parts.take_unreported()] == ["bundles"]  # its guard_error event, once
+    sinks.event(make_event(global_step=13, repro_path=str(tmp_path / "step-13")), rank=0)
+    assert sinks.jsonl is not None and len(sinks.jsonl.path.read_text(encoding="utf-8").splitlines()) == 2
 
 
 # ------------------------------------------------------------------------------------ scalars
@@ -162,8 +166,9 @@ def test_logging_due(tmp_path: Path, loggers: list[Any], connector_: Any, due: b
 
 def test_scalars_only_on_rank_zero(tmp_path: Path) -> None:
     logger = RecordingLogger()
-    EventSinks.write_scalars(trainer(tmp_path, loggers=[logger]), {"nanguard/skipped_total": 1.0}, step=4)
-    EventSinks.write_scalars(trainer(tmp_path, loggers=[logger], is_global_zero=False), {"x": 2.0}, step=5)
+    sinks = EventSinks(verbose=False)
+    sinks.write_scalars(trainer(tmp_path, loggers=[logger]), {"nanguard/skipped_total": 1.0}, step=4)
+    sinks.write_scalars(trainer(tmp_path, loggers=[logger], is_global_zero=False), {"x": 2.0}, step=5)
     assert logger.logged == [({"nanguard/skipped_total": 1.0}, 4)]
 
 
@@ -255,9 +260,10 @@ def test_show_in_progress_bar(tmp_path: Path) -> None:
 
 def test_progress_shows_skipped_steps_once_there_are_some(tmp_path: Path) -> None:
     run = trainer(tmp_path, _logger_connector=connector(False))
-    IncidentRecorder.progress(run, 0)
+    recorder = IncidentRecorder(verbose=False)
+    recorder.progress(run, 0)
     assert run.trainer._logger_connector._progress_bar_metrics == {}
-    IncidentRecorder.progress(run, 2)
+    recorder.progress(run, 2)
     assert run.trainer._logger_connector._progress_bar_metrics == {PROGRESS_BAR_KEY: 2}
 
 

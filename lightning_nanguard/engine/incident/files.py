@@ -6,7 +6,6 @@ recorder's ``nanguard/`` directory (:class:`~lightning_nanguard.engine.recording
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,6 @@ from lightning_nanguard.reporting.repro import prune_bundles, save_bundle
 
 __all__ = ["save_incident_files"]
 
-log = logging.getLogger("lightning_nanguard")
-
 
 def save_incident_files(
     recorder: IncidentRecorder,
@@ -36,19 +33,24 @@ def save_incident_files(
 
     ``module_state``: the state to save instead of ``pl_module.state_dict()`` (a sharded model's
     gathered state), or why there is none. Returns the event, with ``repro_path`` when a bundle
-    was saved.
+    was saved. The files are an optional part of the guard (``bundles``): a disk that refuses them
+    switches that part off, with a ``guard_error`` event, and the event goes on without them.
     """
     event, micro = found.event, found.micro_batch
     directory = recorder.sinks.nanguard_dir
-    if directory is None or micro is None:
+    if directory is None or micro is None or not recorder.parts.on("bundles"):
         return event
-    localization = found.diagnosis.localization if found.diagnosis is not None else None
-    source_path = getattr(localization, "source_path", None)
-    context_batch, context_positions = context_samples(event, micro)  # one loader's part with several
-    save_incident_context(directory, event, source_path, context_batch, context_positions)
-    if settings.save_repro and settings.max_repro_bundles > 0:
-        max_bundles, root = settings.max_repro_bundles, settings.source_root
-        event = _save_bundle(pl_module, found, directory, max_bundles, root, module_state)
+    try:
+        localization = found.diagnosis.localization if found.diagnosis is not None else None
+        source_path = getattr(localization, "source_path", None)
+        context_batch, context_positions = context_samples(event, micro)  # one loader's part with several
+        save_incident_context(directory, event, source_path, context_batch, context_positions)
+        if settings.save_repro and settings.max_repro_bundles > 0:
+            max_bundles, root = settings.max_repro_bundles, settings.source_root
+            event = _save_bundle(pl_module, found, directory, max_bundles, root, module_state)
+    except Exception as error:
+        recorder.parts.failed("bundles", error)
+        return found.event
     return event
 
 
@@ -60,7 +62,7 @@ def _save_bundle(
     source_root: str | None,
     module_state: Mapping[str, Any] | str | None = None,
 ) -> NanEvent:
-    """Save the offending samples (or the whole batch) of the step's diagnosed micro-batch; never raises.
+    """Save the offending samples (or the whole batch) of the step's diagnosed micro-batch.
 
     Known-good samples are saved next to them (see
     :func:`~lightning_nanguard.engine.rows.samples.bundle_samples`); with several training loaders
@@ -68,27 +70,23 @@ def _save_bundle(
     """
     event, micro = found.event, found.micro_batch
     assert micro is not None
-    try:
-        chosen = bundle_samples(event, micro, found.diagnosis, found.slicer)
-        full = found.diagnosis.full_details if found.diagnosis is not None else None
-        path = save_bundle(
-            directory,
-            event,
-            pl_module,
-            chosen.samples,
-            micro.batch_idx,
-            chosen.positions,
-            chosen.dataset_indices,
-            chosen.reference,
-            full,
-            source_root,
-            module_state=module_state,
-            layout=chosen.layout,
-            sample_loaders=chosen.sample_loaders,
-            reference_batch=found.reference_batch if event.cause == "batch" else None,  # the cause's evidence
-        )
-        prune_bundles(directory, max_bundles)
-    except Exception as error:  # a bundle must never kill training
-        log.warning("NanGuard: could not save the repro bundle: %r", error)
-        return event
+    chosen = bundle_samples(event, micro, found.diagnosis, found.slicer)
+    full = found.diagnosis.full_details if found.diagnosis is not None else None
+    path = save_bundle(
+        directory,
+        event,
+        pl_module,
+        chosen.samples,
+        micro.batch_idx,
+        chosen.positions,
+        chosen.dataset_indices,
+        chosen.reference,
+        full,
+        source_root,
+        module_state=module_state,
+        layout=chosen.layout,
+        sample_loaders=chosen.sample_loaders,
+        reference_batch=found.reference_batch if event.cause == "batch" else None,  # the cause's evidence
+    )
+    prune_bundles(directory, max_bundles)
     return event.replace(repro_path=str(path)) if Path(path).exists() else event

@@ -22,6 +22,7 @@ from lightning_nanguard.detect.check import grouped_norms
 from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_names
 from lightning_nanguard.engine.incident.diagnosis import DiagnosisSettings, diagnose_micro_batches
 from lightning_nanguard.engine.incident.files import save_incident_files
+from lightning_nanguard.engine.parts import GuardParts
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.step.spikes import SpikeWatch
 from lightning_nanguard.engine.step.window import StepWindow
@@ -153,6 +154,9 @@ class IncidentInspector:
         window: the step's micro-batches, losses and BatchNorm state.
         named_params: the model's named parameters.
         recorder: for warnings and the bundle directory.
+        spikes: the spike watch (``None``: off).
+        parts: the guard's optional parts: the spike event, the diagnosis and the bundle each fail alone
+            (the confirmation of the flags is the core's: its error reaches the caller).
     """
 
     def __init__(
@@ -162,12 +166,14 @@ class IncidentInspector:
         named_params: Sequence[tuple[str, nn.Parameter]],
         recorder: IncidentRecorder,
         spikes: SpikeWatch | None = None,
+        parts: GuardParts | None = None,
     ) -> None:
         self.settings = settings
         self.window = window
         self.named_params = named_params
         self.recorder = recorder
         self.spikes = spikes
+        self.parts = parts if parts is not None else recorder.parts
 
     def inspect(self, front: FrontEnd, health: StepHealth, grads: list[Tensor]) -> tuple[RankVote, NanEvent | None]:
         """This rank's vote and its own event (``None`` when the NaN/Inf is not its own)."""
@@ -190,15 +196,19 @@ class IncidentInspector:
             if event is not None and scaled and not math.isfinite(grad_norm) and _any_inf(grads):
                 event, overflow = None, True
         spiked = False
+        threshold: float | None = None
         if event is None and not overflow and health.spike and self.spikes is not None:
-            event = self._spike_event(front, grad_norm)
-            spiked = event is not None
-        threshold = self.spikes.loss_threshold() if spiked and self.spikes is not None else None
+            found_spike = self.parts.run("spikes", self._spike_event, front, grad_norm)
+            if found_spike is not None:
+                event, threshold = found_spike
+                spiked = True
         if event is not None and self._may_diagnose(front) and (threshold is not None or not spiked):
             scaled = scaled and not spiked
-            event, reproduced = self._diagnose(front, event, loss_threshold=threshold, scaled=scaled)
-            if scaled and not reproduced:  # NaN-only gradients the unscaled re-run does not give
-                event, overflow = None, True
+            diagnosed = self.parts.run("diagnosis", self._diagnose, front, event, threshold, scaled)
+            if diagnosed is not None:  # the diagnosis failed: the event as confirmed, without samples
+                event, reproduced = diagnosed
+                if scaled and not reproduced:  # NaN-only gradients the unscaled re-run does not give
+                    event, overflow = None, True
         event = with_rerun_note(front, event)
         report = RankVote(
             rank,
@@ -222,7 +232,7 @@ class IncidentInspector:
         )
         bn_buffers = self.window.batchnorm_buffers
         bad_buffers = bad_batchnorm_names(bn_buffers)
-        losses = [float(loss.float().sum()) for loss in self.window.losses]
+        losses = [float(loss.double().sum()) for loss in self.window.losses]  # a float64 loss may exceed float32
         kinds: list[EventKind] = []
         if any(not math.isfinite(v) for v in losses):
             kinds.append("loss")
@@ -251,14 +261,14 @@ class IncidentInspector:
             },
         )
 
-    def _spike_event(self, front: FrontEnd, grad_norm: float) -> NanEvent | None:
-        """The event of a finite loss (or gradient-norm) spike; ``None`` when the flag does not hold up."""
+    def _spike_event(self, front: FrontEnd, grad_norm: float) -> tuple[NanEvent, float | None] | None:
+        """The event of a finite loss (or gradient-norm) spike and the loss threshold; ``None``: no spike after all."""
         assert self.spikes is not None
         kinds = self.spikes.spike_kinds()
         if not kinds:
             return None
         details = self.spikes.details()
-        return NanEvent.at_step(
+        event = NanEvent.at_step(
             front,
             self.window.batch_idx,
             kinds,
@@ -266,6 +276,7 @@ class IncidentInspector:
             grad_norm=grad_norm if grad_norm >= 0 else None,
             details=details,
         )
+        return event, self.spikes.loss_threshold()
 
     # ------------------------------------------------------------------ the diagnosis
 
@@ -305,7 +316,8 @@ class IncidentInspector:
             )
             if scaled and loss_threshold is None and not found.reproduced:
                 return found.event, False  # the GradScaler's overflow, not an incident: no bundle, no context
-            event = save_incident_files(self.recorder, front.module, found, self.settings)
+            saved = self.parts.run("bundles", save_incident_files, self.recorder, front.module, found, self.settings)
+            event = saved if saved is not None else found.event
         diagnosis = found.diagnosis
         if diagnosis is not None and diagnosis.error:
             self.recorder.notices.warn(

@@ -93,6 +93,7 @@ class ShardedIncidentInspector(IncidentInspector):
             event, spiked = self._own_event(front, health, grads, grad_norm)
         except Exception as error:  # never skip the collectives below: this rank fails the step instead
             log.warning("NanGuard: the check of a bad step failed on rank %d: %r", rank, error, exc_info=True)
+            self.parts.core_failed(error)  # the confirmation is the core's: every rank drops the step, then stops
             failed = True
         if not together:
             event = with_rerun_note(front, event)
@@ -119,7 +120,7 @@ class ShardedIncidentInspector(IncidentInspector):
         if event is None and health.spike and self.spikes is not None:
             spike = self._spike_event(front, grad_norm)
             if spike is not None:
-                return spike, True
+                return spike[0], True
         return event, False
 
     def _finding(self, rank: int, health: StepHealth, event: NanEvent | None, spiked: bool) -> Finding:
@@ -229,7 +230,7 @@ class ShardedIncidentInspector(IncidentInspector):
         possible: tuple[EventKind, ...] = ("loss", "grad", "bn_stats")
         kinds = [k for k in possible if any(k in f.kinds for f in findings)] or ["grad"]
         names = tuple(sorted({n for f in findings for n in f.nonfinite_grads}))
-        losses = [float(loss.float().sum()) for loss in self.window.losses]
+        losses = [float(loss.double().sum()) for loss in self.window.losses]  # a float64 loss may exceed float32
         return NanEvent.at_step(
             front,
             self.window.batch_idx,
@@ -347,11 +348,13 @@ class ShardedIncidentInspector(IncidentInspector):
         return save_incident_files(self.recorder, front.module, recorded, settings, module_state=module_state)
 
 
-def inspector_for(*parts: Any, sharding: ShardingLayout | None, agreement: RankAgreement) -> IncidentInspector:
+def inspector_for(
+    *arguments: Any, sharding: ShardingLayout | None, agreement: RankAgreement, **keywords: Any
+) -> IncidentInspector:
     """The inspector of a bad step: every rank in lockstep under ``ModelParallelStrategy``, else each rank alone.
 
-    ``parts`` are :class:`~lightning_nanguard.engine.incident.inspector.IncidentInspector`'s arguments.
+    ``arguments`` and ``keywords`` are :class:`~lightning_nanguard.engine.incident.inspector.IncidentInspector`'s.
     """
     if sharding is not None and sharding.diagnoses_together:  # every rank takes part
-        return ShardedIncidentInspector(*parts, layout=sharding, agreement=agreement)
-    return IncidentInspector(*parts)
+        return ShardedIncidentInspector(*arguments, layout=sharding, agreement=agreement, **keywords)
+    return IncidentInspector(*arguments, **keywords)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from lightning_nanguard.engine.frontend import FrontEnd
+    from lightning_nanguard.engine.parts import GuardParts
     from lightning_nanguard.engine.sharding import ShardingLayout
     from lightning_nanguard.engine.step.spikes import SpikeWatch
     from lightning_nanguard.engine.step.window import StepWindow
@@ -40,6 +41,8 @@ def step_flags(
     spikes: SpikeWatch | None,
     with_norm: bool,
     sharding: ShardingLayout | None = None,
+    parts: GuardParts | None = None,
+    part_failed: bool = False,
 ) -> Tensor:
     """This rank's flags from the fused check, laid out as :data:`~lightning_nanguard.decide.policy.LOCAL_FIELDS`.
 
@@ -49,6 +52,8 @@ def step_flags(
     scaler has just tested every gradient for NaN/Inf: its flag is used, and the gradients are not
     read a second time (unless the norm is due). Under sharding (``sharding``) the check reads local
     shards and slot 1 holds this rank's share of the squared norm, completed by the step's reduce.
+    The spike check is an optional part: run through ``parts``, it is switched off alone if it fails
+    (its flag then reads 0). ``part_failed``: see :func:`~lightning_nanguard.decide.policy.local_vector`.
     """
     bn = window.batchnorm_buffers
     norm_due = with_norm or front.logging_due()
@@ -64,12 +69,23 @@ def step_flags(
     if scaler_flag is not None:
         flag = scaler_flag.reshape(1).to(device=summary.device, dtype=summary.dtype)
         summary = torch.cat((summary[0:1] + flag, summary[1:]))
-    spike = loss = None
+    spiked: tuple[Tensor | None, Tensor | None] | None = None
     if spikes is not None and front.automatic_optimization:
-        loss = window.step_loss(loss_scale(front.grad_scaler))
-        # sharded: slot 1 holds this rank's share of the squared norm, not the norm (its spikes are not watched)
-        spike = spikes.check(loss, summary[1:2] if with_norm and sharding is None else None)
-    return local_vector(summary, spike, loss=loss)
+        norm = summary[1:2] if with_norm and sharding is None else None
+        if parts is None:
+            spiked = _spike_flag(spikes, front, window, norm)
+        else:
+            spiked = parts.run("spikes", _spike_flag, spikes, front, window, norm)
+    spike, loss = spiked if spiked is not None else (None, None)
+    return local_vector(summary, spike, loss=loss, part_failed=part_failed)
+
+
+def _spike_flag(
+    spikes: SpikeWatch, front: FrontEnd, window: StepWindow, grad_norm: Tensor | None
+) -> tuple[Tensor | None, Tensor | None]:
+    """The step's spike flag and loss on the device (sharded: no norm, slot 1 holds a share of it)."""
+    loss = window.step_loss(loss_scale(front.grad_scaler))
+    return spikes.check(loss, grad_norm), loss
 
 
 def loss_scale(scaler: Any) -> Tensor | None:
@@ -119,5 +135,5 @@ def check_module(front: Any, module: nn.Module, loss: Tensor | None, batch_idx: 
         nonfinite_grads=bad_grads,
         nonfinite_buffers=bad_buffers,
         nonfinite_params=bad_params,
-        loss=float(loss.detach().float().sum()) if loss is not None else None,
+        loss=float(loss.detach().double().sum()) if loss is not None else None,
     )

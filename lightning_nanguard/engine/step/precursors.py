@@ -182,7 +182,9 @@ class PrecursorWatch:
 
         ``reduce_max`` takes the max over ranks (every rank calls it on a sampled step, with one
         value per head of every module QK-clip knows, in name order; a module not measured on a
-        rank takes part with ``-inf``).
+        rank takes part with ``-inf``). A rank whose values cannot be made still joins that reduce,
+        with a failure flag that makes no rank rescale (the weights stay identical on every rank),
+        and raises afterwards (the guard then switches QK-clip off on every rank at the next check).
         """
         stats, self._to_clip = self._to_clip, None
         cap = self.settings.qk_clip
@@ -190,11 +192,19 @@ class PrecursorWatch:
             return
         modules = sorted(self.projections.items())
         device = modules[0][1].queries[0][0].device
-        parts = [_per_head(stats.get(name), projection, device) for name, projection in modules]
-        values = torch.cat(parts)
+        sizes = [projection.heads or 1 for _, projection in modules]
+        error: Exception | None = None
+        try:
+            values = torch.cat([_per_head(stats.get(name), projection, device) for name, projection in modules])
+        except Exception as failure:
+            error, values = failure, torch.full((sum(sizes),), -math.inf, device=device)
         if reduce_max is not None:
-            values = reduce_max(values)
-        for (_, projection), logit in zip(modules, values.split([p.numel() for p in parts]), strict=True):
+            failed = torch.full((1,), 1.0 if error is not None else 0.0, device=device)
+            reduced = reduce_max(torch.cat((values.float(), failed)))
+            values = torch.where(reduced[-1:] > 0, -math.inf, reduced[:-1])  # a failure anywhere: no rank rescales
+        if error is not None:
+            raise error
+        for (_, projection), logit in zip(modules, values.split(sizes), strict=True):
             qk_clip_(projection, logit if projection.heads is not None else logit[0], cap)
 
     def _govern(self, seconds: float) -> None:

@@ -119,8 +119,8 @@ class SyncFreeSteps:
         optimizer cannot skip on the device (nothing changed: the caller decides on the host).
         """
         shared = vector[len(LOCAL_FIELDS) :] if vector.numel() > len(LOCAL_FIELDS) else shared_part(vector)
-        nonfinite, spike = shared[0:1], shared[2:3]
-        skip = torch.zeros_like(nonfinite)
+        nonfinite, spike, failed = shared[0:1], shared[2:3], shared[3:4]
+        skip = failed  # a rank whose core failed cannot vouch for the step: every rank drops it
         if policy.action != "warn":
             skip = skip + nonfinite
         if policy.spike_action == "skip":

@@ -41,6 +41,7 @@ from lightning_nanguard.detect.batchnorm import batchnorm_running_vars
 from lightning_nanguard.diagnose.batching import slice_batch
 from lightning_nanguard.diagnose.combined import CombinedBatch, CombinedIndices
 from lightning_nanguard.engine.data.readers import RecordReader
+from lightning_nanguard.engine.parts import GuardParts
 from lightning_nanguard.recover.batchnorm import BatchNormSnapshot
 from lightning_nanguard.recover.metrics import MetricStates
 
@@ -76,7 +77,8 @@ class MicroBatch:
 class StepWindow:
     """Micro-batches, losses and BatchNorm state of the optimizer step in progress (see module docs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, parts: GuardParts | None = None) -> None:
+        self.parts = parts if parts is not None else GuardParts()  # what the monitors see is an optional part
         self.open = False
         self.checking = False
         self.batch_idx = 0
@@ -132,6 +134,9 @@ class StepWindow:
             return
         if self._bn is not None:
             self._bn.capture()
+        self.parts.run("logged_values", self._keep_logged, front)
+
+    def _keep_logged(self, front: FrontEnd | None) -> None:
         if self.metrics and self.metrics.capture():
             self.metrics_changed = True
         if front is not None:
@@ -231,9 +236,9 @@ class StepWindow:
             for param in group["params"]:
                 param.grad = None  # optimizers skip parameters without grad: no state change at all
         self.restore_batchnorm()
-        self.drop_logged(front)
         if front is not None:
             front.suspend_clipping()
+        self.parts.run("logged_values", self.drop_logged, front)
 
     def drop_logged(self, front: FrontEnd | None = None) -> None:
         """Undo what the step added to the torchmetrics states and (with a ``front``) what the loop logged."""
