@@ -21,6 +21,7 @@ from lightning_nanguard.engine.sharding import strategy_kind
 from lightning_nanguard.fabric.fabric_class import early_loaders
 from lightning_nanguard.fabric.frontend import FabricFrontEnd, LossFn
 from lightning_nanguard.fabric.litgpt_loops import litgpt_loss_fn
+from lightning_nanguard.fabric.quarantine import quarantine_in_fabric
 from lightning_nanguard.fabric.steps import FabricSteps
 from lightning_nanguard.fabric.strategy import hold_fabric_strategy
 
@@ -60,6 +61,7 @@ def take_hold_of_fabric(
     steps = FabricSteps(controller, front, int(arguments["check_every_n_steps"]), keep_batches=keep)
     hold_fabric_strategy(fabric.strategy, steps)
     for loader in early_loaders(fabric):
+        controller.parts.run("remedies", quarantine_in_fabric, steps, loader)  # first: the batches noted are cut
         steps.watch_loader(loader)
     controller.arm_precursors(front)  # the first step's forward comes next
     return steps

@@ -2,7 +2,8 @@
 
 ``fabric.backward``, ``fabric.clip_gradients`` and ``optimizer.step()`` all go through the live
 strategy object (``fabric.strategy``): ``backward``, ``clip_gradients_norm``/``clip_gradients_value``
-and ``optimizer_step``; ``fabric.setup_dataloaders`` goes through ``process_dataloader``. Fabric
+and ``optimizer_step``; ``fabric.setup_dataloaders`` goes through ``process_dataloader`` (each loader
+then drops or cuts quarantined records, :mod:`.quarantine`, and is watched). Fabric
 checks ``isinstance(strategy, ...)`` in places, so the instance's class is swapped for a generated
 subclass ``NanGuard<Original>`` with :class:`NanGuardFabricMixin` in front (as the Trainer's
 wrapper does), holding a :class:`~lightning_nanguard.fabric.steps.FabricSteps`.
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from lightning_nanguard.fabric.quarantine import quarantine_in_fabric
 from lightning_nanguard.fabric.steps import FabricSteps, guarded, zero_norm
 
 __all__ = ["NanGuardFabricMixin", "hold_fabric_strategy"]
@@ -59,6 +61,8 @@ class NanGuardFabricMixin(abc.ABC):  # ABC: the metaclass and instance layout of
     def process_dataloader(self, dataloader: Any) -> Any:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         steps = self.__dict__.get("_nanguard_steps")
+        if steps is not None:  # first: the batches the guard notes are the ones cut (a failure: remedies off)
+            guarded(steps, steps.controller.parts.run, "remedies", quarantine_in_fabric, steps, dataloader)
         watched = guarded(steps, steps.watch_loader, dataloader) if steps is not None else None
         return watched if watched is not None else dataloader
 

@@ -26,8 +26,10 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from lightning_nanguard.core.dtensor import local_tensors
 
 __all__ = [
+    "NOT_REACHED",
     "REMEDIES",
     "ZERO_EPS_START",
+    "QuarantineReach",
     "Remedy",
     "RemedyBook",
     "clip_gradients_",
@@ -180,6 +182,51 @@ def _by_key(item: tuple[str | int, Any]) -> str:
     return str(item[0])
 
 
+NOT_REACHED = "the guard holds no training loader that removes records (a Trainer fit or a Fabric loop gives it theirs)"
+"""Why a quarantine removes nothing from a loader no front-end registered."""
+
+
+@dataclass
+class QuarantineReach:
+    """Where the quarantine acts: for each training loader, whether it removes quarantined records, or why not.
+
+    The front-end registers every training loader it reads (:meth:`acts` or :meth:`cannot`); a
+    loader is named by its key among several training loaders, ``None`` when there is one. What is
+    not registered removes nothing (:data:`NOT_REACHED`): the book never claims more than a loader does.
+
+    Example:
+        >>> reach = QuarantineReach()
+        >>> reach.why_not(None) == NOT_REACHED
+        True
+        >>> reach.acts(None)
+        >>> reach.cannot("b", "an IterableDataset and no index_key=")
+        >>> reach.why_not(None), reach.why_not("b")
+        (None, 'an IterableDataset and no index_key=')
+    """
+
+    acting: set[str | int | None] = field(default_factory=set)
+    blocked: dict[str | int | None, str] = field(default_factory=dict)
+
+    def acts(self, key: str | int | None = None) -> None:
+        """Loader ``key`` removes quarantined records (by its batch sampler, or by cutting its batches)."""
+        self.blocked.pop(key, None)
+        self.acting.add(key)
+
+    def cannot(self, key: str | int | None, why: str) -> None:
+        """Loader ``key`` cannot remove quarantined records, because ``why``."""
+        self.acting.discard(key)
+        self.blocked[key] = why
+
+    def why_not(self, key: str | int | None) -> str | None:
+        """Why loader ``key`` keeps quarantined records (``None``: it removes them)."""
+        return None if key in self.acting else self.blocked.get(key, NOT_REACHED)
+
+    def clear(self) -> None:
+        """Forget every loader (a new fit, or a new epoch's loaders, registers them again)."""
+        self.acting.clear()
+        self.blocked.clear()
+
+
 @dataclass
 class RemedyBook:
     """Which remedies are enabled, how often each was applied, and their state.
@@ -193,6 +240,8 @@ class RemedyBook:
             loaders, indices every loader drops (a checkpoint of a version that kept one list).
         quarantined_by_loader: with several training loaders, each loader's own quarantine, by the
             loader's key (the same sets are held by the loaders' batch samplers).
+        reach: which training loaders remove quarantined records (registered by the front-end; not
+            saved: each fit registers its own loaders). :meth:`quarantine` says what is really done.
     """
 
     enabled: tuple[str, ...] = ()
@@ -203,19 +252,27 @@ class RemedyBook:
     module_eps: dict[str, float] = field(default_factory=dict)
     healthy_norms: deque[float] = field(default_factory=lambda: deque(maxlen=100))
     quarantined_by_loader: dict[str | int, set[int]] = field(default_factory=dict)
+    reach: QuarantineReach = field(default_factory=QuarantineReach)
 
     def quarantine(self, indices: Iterable[int] = (), items: Iterable[tuple[str | int, int]] = ()) -> str | None:
         """Quarantine dataset ``indices`` (one loader) and ``items`` (``(loader key, index)``, several loaders).
 
-        The sets are changed in place: the batch samplers hold them. Returns what was done, ``None``
-        when everything was quarantined already.
+        The sets are changed in place: the loaders hold them. Returns what is done, ``None`` when
+        everything was quarantined already: "will not be trained on again" only for the loaders that
+        remove the records (:attr:`reach`); for the others, that they will NOT be removed, and why.
+        The indices are kept either way (saved in checkpoints: a later fit whose loader can remove
+        them does).
 
         Example:
             >>> book = RemedyBook(enabled=("quarantine",))
+            >>> book.reach.acts("a"), book.reach.acts("b")
+            (None, None)
             >>> book.quarantine(items=[("b", 7), ("b", 9), ("a", 7)])
             "quarantine: dataset indices [7] of loader 'a', [7, 9] of loader 'b' will not be trained on again"
+            >>> book.reach.cannot(None, "the training loader streams an IterableDataset and no index_key= is set")
             >>> book.quarantine([3])
-            'quarantine: dataset indices [3] will not be trained on again'
+            'quarantine: dataset indices [3] will NOT be removed from training: the training loader streams an \
+IterableDataset and no index_key= is set'
             >>> book.quarantine(items=[("b", 7)]) is None
             True
         """
@@ -227,9 +284,17 @@ class RemedyBook:
             if index not in own:
                 own.add(index)
                 by_loader.setdefault(key, set()).add(index)
-        parts = [f"{sorted(new)}"] if new else []
-        parts += [f"{sorted(found)} of loader {key!r}" for key, found in sorted(by_loader.items(), key=_by_key)]
-        return f"quarantine: dataset indices {', '.join(parts)} will not be trained on again" if parts else None
+        parts: list[tuple[str, str | None]] = [(f"{sorted(new)}", self.reach.why_not(None))] if new else []
+        parts += [
+            (f"{sorted(found)} of loader {key!r}", self.reach.why_not(key))
+            for key, found in sorted(by_loader.items(), key=_by_key)
+        ]
+        if not parts:
+            return None
+        removed = [what for what, why in parts if why is None]
+        said = [f"dataset indices {', '.join(removed)} will not be trained on again"] if removed else []
+        said += [f"dataset indices {what} will NOT be removed from training: {why}" for what, why in parts if why]
+        return "quarantine: " + "; ".join(said)
 
     def can_apply(self, remedy: str) -> bool:
         """Enabled and below its cap."""

@@ -333,7 +333,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         """Whether training loaders should record dataset indices (and drop quarantined ones).
 
         With ``index_key`` too: the indices are read from the batch, but the quarantine drops records
-        in the sampler.
+        in the sampler (or cuts them out of a stream's batches, whose loader has no sampler).
         """
         return self.bisect or "quarantine" in self.remedies
 
@@ -363,6 +363,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
             self.clock,
             exclude_by_loader=self.recovery.book.quarantined_by_loader,
         )
+        self._hooks.enforce_quarantine(self.recovery.book, self.index_key, self.batch_slicer, self.recorder.notices)
         apply_nanguard_strategy(trainer.strategy, self._hooks)
 
     @override

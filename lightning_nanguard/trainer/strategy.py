@@ -16,10 +16,17 @@ The mixin owns what happens around the optimizer step on every rank:
   (one ``reduce`` of the bad flag, every rank, any rank bad means all ranks skip), then runs the
   guard's after-step work (parameter check, snapshot, rollback) on every rank;
 - ``process_dataloader``: makes each *training* loader record the dataset indices of its batches
-  (and drop quarantined items) before Lightning first iterates it; validation, test and predict
-  loaders are left alone, and every swap is undone at teardown. With several training loaders,
-  :meth:`StrategyHooks.start_epoch` then learns each loader's key (and quarantine) from the
-  collection Lightning built (:mod:`~lightning_nanguard.engine.data.loaders`).
+  (and drop quarantined items) before Lightning first iterates it; a loader with no batch sampler to
+  record (an ``IterableDataset``) cuts quarantined records out of its batches instead, when
+  ``index_key`` names their index field (:mod:`~lightning_nanguard.engine.data.streams`); validation,
+  test and predict loaders are left alone, and every swap is undone at teardown. With several
+  training loaders, :meth:`StrategyHooks.start_epoch` then learns each loader's key (and quarantine)
+  from the collection Lightning built (:mod:`~lightning_nanguard.engine.data.loaders`), and tells the
+  remedy book which loaders the quarantine reaches (:meth:`StrategyHooks.enforce_quarantine`);
+- ``batch_to_device``: Lightning fetches one batch ahead of a loader without a length, so the batch
+  about to be trained on was cut before the step that quarantined a record of it: it is cut again
+  here, before it moves to the device (a batch left with no row becomes ``None``, which Lightning
+  skips).
 
 The wrapper touches nothing of the guard's: it is given a :class:`StrategyHooks` with what it needs.
 """
@@ -44,8 +51,16 @@ from lightning_nanguard.engine.data.indices import (
     stop_recording,
 )
 from lightning_nanguard.engine.data.loaders import Exclusion, TrainingLoaders
+from lightning_nanguard.engine.data.reach import QuarantineNotices
 from lightning_nanguard.engine.data.readers import RecordReader
+from lightning_nanguard.engine.data.streams import (
+    StreamQuarantine,
+    cut_quarantined_records,
+    stop_cutting,
+)
 from lightning_nanguard.engine.sharding import strategy_kind
+from lightning_nanguard.recover.remedies import RemedyBook
+from lightning_nanguard.reporting.notices import RankNotices
 
 __all__ = [
     "NanGuardStrategyMixin",
@@ -72,6 +87,12 @@ class StrategyHooks:
         exclude_by_loader: with several training loaders, each loader's own quarantine, by its key
             (shared with the guard).
         loaders: the training loaders of the current epoch (:meth:`start_epoch`).
+        tell: tells the remedy book which loaders the quarantine reaches, and the user once what it
+            cannot do (:meth:`enforce_quarantine`).
+        index_key: the batch field holding each row's dataset index (cuts quarantined records out of
+            the batches of a loader without a batch sampler).
+        batch_slicer: the user's batch slicer (else the module's ``nanguard_slice_batch``, else the built-in one).
+        streams: the loaders made to cut quarantined records out of their batches (undone at teardown).
     """
 
     after_optimizer_step: Callable[[Any], None]
@@ -82,6 +103,27 @@ class StrategyHooks:
     samplers: list[RecordingBatchSampler] = field(default_factory=list)
     exclude_by_loader: dict[LoaderKey, set[int]] = field(default_factory=dict)
     loaders: TrainingLoaders | None = None
+    tell: QuarantineNotices | None = None
+    index_key: int | str | None = None
+    batch_slicer: Callable[[Any, Any], Any] | None = None
+    streams: list[Any] = field(default_factory=list)
+
+    def enforce_quarantine(
+        self,
+        book: RemedyBook,
+        index_key: int | str | None,
+        batch_slicer: Callable[[Any, Any], Any] | None,
+        notices: RankNotices,
+    ) -> None:
+        """Let the quarantine act on every training loader it can, and tell ``book`` which it reaches.
+
+        A loader with a batch sampler drops quarantined records there; one without (an
+        ``IterableDataset``) cuts them out of its batches when ``index_key`` names their index field;
+        for any other, ``book`` learns why it cannot (its quarantine messages say so), and
+        ``notices`` says it once when ``"quarantine"`` is enabled.
+        """
+        self.tell = QuarantineNotices(book, notices)
+        self.index_key, self.batch_slicer = index_key, batch_slicer
 
     def record(self, loader: Any) -> RecordingBatchSampler | None:
         """Make a training ``loader`` record its dataset indices and drop the excluded ones (idempotent)."""
@@ -91,6 +133,33 @@ class StrategyHooks:
         if sampler is not None and sampler not in self.samplers:
             self.samplers.append(sampler)
         return sampler
+
+    def cut_streams(self, loader: Any, module_slicer: Callable[[Any, Any], Any] | None, world_size: int) -> None:
+        """A training ``loader`` with no batch sampler to record: make it cut quarantined records out of its batches.
+
+        Only with ``index_key`` (the rows' dataset indices) and while loaders record (``bisect`` or
+        ``quarantine``). ``world_size > 1``: a batch made only of quarantined records is kept (one
+        rank alone must not skip a batch), and reported.
+        """
+        if self.index_key is None or not self.record_indices or self.record(loader) is not None:
+            return
+        quarantine = StreamQuarantine(
+            self.index_key,
+            self.exclude,
+            self.batch_slicer or module_slicer,
+            drop_empty=world_size <= 1,
+            report=self.tell.problem if self.tell is not None else None,
+        )
+        try:
+            cutting = cut_quarantined_records(loader, quarantine)
+        except Exception as error:  # the guard's own failure, never the fit's: the loader is left as it is
+            cutting = False
+            if self.tell is not None:
+                self.tell.warn(
+                    "quarantine-failed", f"NanGuard: quarantine could not hold a training loader ({error!r})."
+                )
+        if cutting and loader not in self.streams:
+            self.streams.append(loader)
 
     def exclusion(self, key: LoaderKey) -> Exclusion:
         """What loader ``key`` of several must never yield: its own quarantine and the shared one."""
@@ -104,8 +173,41 @@ class StrategyHooks:
         """
         if collection is None:
             return
-        self.loaders = TrainingLoaders.of(collection, self.record, self.exclusion)
+        self.loaders = TrainingLoaders.of(collection, self.record, self.exclusion, self.index_key)
         self.loaders.mark_epoch_end()
+        self._tell_reach(self.loaders)
+
+    def _tell_reach(self, loaders: TrainingLoaders) -> None:
+        """Tell the book which of this epoch's loaders the quarantine reaches (and the user once which it cannot)."""
+        if self.tell is None:
+            return
+        unwatched = "the guard watches no training loader in this fit (bisect=False and no 'quarantine' remedy)"
+        why = loaders.unreachable if self.record_indices else [unwatched] * len(loaders.keys)
+        self.tell.loaders(list(zip(loaders.keys, why, strict=True)))
+
+    def cut_fetched_batch(self, batch: Any) -> Any:
+        """The batch about to be trained on, less the records quarantined since it was fetched (``None``: none left)."""
+        if self.loaders is None:
+            return batch
+        try:
+            keep, cut = self.loaders.cut_quarantined(batch)
+        except Exception as error:  # a batch whose layout cannot be rebuilt: the loaders' own cut stands
+            if self.tell is not None:
+                self.tell.warn(
+                    "quarantine-fetched-ahead-failed",
+                    f"NanGuard: quarantine could not check a batch fetched ahead ({type(error).__name__}: {error}); "
+                    "records quarantined by the step before it may be trained on once more.",
+                )
+            return batch
+        if keep:
+            return cut
+        if self.tell is not None:
+            self.tell.warn(
+                "quarantine-fetched-ahead",
+                "NanGuard: the batch Lightning had fetched ahead held only records quarantined since; it is skipped "
+                "(Lightning's warning 'train_dataloader yielded None' is about it).",
+            )
+        return None
 
     def batch_indices(self, batch: Any, index_key: int | str | None) -> list[int] | CombinedIndices | None:
         """The dataset indices of the training batch that starts now (see :meth:`TrainingLoaders.batch_indices`)."""
@@ -122,6 +224,7 @@ class StrategyHooks:
         state = self.__dict__.copy()
         state["samplers"] = []  # loaders belong to the process that iterates them
         state["loaders"] = None
+        state["streams"] = []
         return state
 
 
@@ -153,11 +256,24 @@ class NanGuardStrategyMixin(abc.ABC):  # ABC: same metaclass and layout as Light
     def process_dataloader(self, dataloader: Any) -> Any:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         hooks = getattr(self, "_nanguard", None)
-        trainer = getattr(getattr(self, "lightning_module", None), "_trainer", None)
+        module = getattr(self, "lightning_module", None)
+        trainer = getattr(module, "_trainer", None)
         training = bool(getattr(trainer, "training", False))  # Lightning also processes val/test/predict loaders
         if hooks is not None and training:
             hooks.record(dataloader)
+            world_size = int(getattr(self, "world_size", 1) or 1)
+            hooks.cut_streams(dataloader, getattr(module, "nanguard_slice_batch", None), world_size)
         return dataloader
+
+    def batch_to_device(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        hooks = getattr(self, "_nanguard", None)
+        if hooks is not None and hooks.streams and hooks.active():
+            trainer = getattr(getattr(self, "lightning_module", None), "_trainer", None)
+            if bool(getattr(trainer, "training", False)):  # not a validation, test or predict batch
+                batch = hooks.cut_fetched_batch(batch)
+                if batch is None:
+                    return None  # Lightning skips a None batch ("train_dataloader yielded None")
+        return super().batch_to_device(batch, *args, **kwargs)  # type: ignore[misc]
 
 
 def supported_strategy_kind(strategy: Any) -> str:
@@ -220,6 +336,9 @@ def remove_nanguard_strategy(strategy: Any) -> None:
         for sampler in hooks.samplers:
             stop_recording(sampler)
         hooks.samplers.clear()
+        for loader in hooks.streams:
+            stop_cutting(loader)
+        hooks.streams.clear()
     original = getattr(strategy, "_nanguard_original_class", None)
     if original is not None and isinstance(strategy, NanGuardStrategyMixin):
         strategy.__class__ = original

@@ -218,6 +218,42 @@ def test_clip_grad_remedy_without_a_logger(tmp_path: Path) -> None:
     assert guard.remedy_book.clip_threshold is not None
 
 
+class StepGradNorms(*CALLBACK_BASES):  # type: ignore[misc]
+    """The global gradient norm each optimizer step really uses (a step pre-hook: after the guard's clipping)."""
+
+    def __init__(self) -> None:
+        self.norms: dict[int, float] = {}
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        def record(optimizer: Any, args: Any, kwargs: Any) -> None:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            if grads:  # a skipped step has none
+                self.norms[trainer.global_step] = float(
+                    torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+                )
+
+        trainer.optimizers[0].register_step_pre_hook(record)
+
+
+def test_clip_grad_clips_every_later_step_at_the_threshold_it_announces(tmp_path: Path) -> None:
+    """ "clip_grad: gradient norm clipped at X", checked by its effect: no applied step after it goes above X."""
+    guard, norms = _quiet(remedies=["clip_grad"], bisect=False, localize=False), StepGradNorms()
+    trainer = build_trainer("lightning", tmp_path, callbacks=[guard, norms], max_epochs=3)
+    trainer.fit(Regressor(optimizer="sgd"), _loader(Indexed(nan_at=(11,))))
+    announced = {
+        e.global_step: float(r.rsplit(" ", 1)[1]) for e in guard.events for r in e.remedies if "clip_grad" in r
+    }
+    assert sorted(announced) == [1, 5, 9] and announced[5] == pytest.approx(announced[1] / 2, rel=1e-3)
+    clipped = 0
+    for step, norm in norms.norms.items():
+        since = [s for s in announced if s < step]
+        if since:
+            threshold = announced[max(since)]
+            assert norm <= threshold * (1 + 1e-3), (step, norm, threshold)
+            clipped += norm == pytest.approx(threshold, rel=1e-3)
+    assert clipped >= 3  # the clip did act (the steps' own norms were above it)
+
+
 # ------------------------------------------------------------------------------------ raise_eps
 
 
@@ -436,20 +472,25 @@ def _boom(*args: Any, **kwargs: Any) -> None:
     raise RuntimeError("boom inside the guard")
 
 
-@pytest.mark.parametrize("where", ["_healthy", "after_optimizer_step", "check_step"])
-def test_internal_failure_never_kills_training(where: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(("where", "dropped"), [("_healthy", 0), ("after_optimizer_step", 1), ("_check_step", 0)])
+def test_internal_failure_never_kills_training(
+    where: str, dropped: int, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug in the core: the step it could not vouch for is dropped (at its check), then the guard is off."""
     guard = NanGuard(verbose=False)
-    setattr(guard.controller, where, _boom)  # a bug in the guard's own per-step code
+    setattr(guard.controller, where, _boom)  # a bug in the guard's own per-step code (inside its failsafe)
     recorder = StepRecorder()
     trainer = build_trainer("lightning", tmp_path, callbacks=[guard, recorder])
     with caplog.at_level(logging.WARNING, logger="lightning_nanguard"):
         trainer.fit(Regressor(), _loader(Indexed()))
     assert trainer.global_step == 4
     assert not guard.active
-    disabled = [r for r in caplog.records if "NanGuard disabled itself" in r.getMessage()]
+    disabled = [r for r in caplog.records if "NanGuard's own check failed" in r.getMessage()]
     assert len(disabled) == 1
     assert "boom" in disabled[0].getMessage()
-    assert all(r.changed_params() for r in recorder.records)  # every step trained normally
+    assert [r.global_step for r in recorder.records if not r.changed_params()] == [dropped]  # the rest trained
+    ((step, part, action),) = [(e.global_step, e.details["part"], e.action) for e in guard.events]
+    assert (step, part, action) == (dropped, "core", "skipped")
 
 
 def test_lbfgs_is_detected_and_reported_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -519,6 +560,20 @@ def test_manual_optimisation_check_api(tmp_path: Path, caplog: pytest.LogCapture
     assert _finite(module)  # the user skipped the bad steps
     assert guard.skipped_total == 0
     assert sum("manual optimisation" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_manual_optimisation_reports_bad_steps_but_does_not_skip_them_by_itself(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The notice says bad steps are "detected and reported but not skipped ... automatically": the NaN goes in."""
+    guard = _quiet()
+    module = ManualRegressor(guard, skip_bad=False)
+    with caplog.at_level(logging.WARNING, logger="lightning_nanguard"):
+        build_trainer("lightning", tmp_path, callbacks=[guard]).fit(module, _loader(Indexed(nan_at=(11,))))
+    (told,) = [r.getMessage() for r in caplog.records if "manual optimisation" in r.getMessage()]
+    assert "not skipped" in told
+    assert module.checks[1] is not None and guard.skipped_total == 0
+    assert not _finite(module)  # the user stepped anyway, and the guard did not drop the update
 
 
 def test_manual_optimisation_user_skip_leaves_no_stale_event(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -106,10 +106,12 @@ def test_a_state_of_another_type_is_named_and_left_alone() -> None:
     assert captured.unsupported == [("custom", "total", "float")]
     assert [name for name, _ in captured.metrics] == ["mse"]
     net["mse"].update(torch.full((2,), float("nan")), torch.zeros(2))
+    net["custom"].update(torch.ones(2))  # the skipped step updates the unsupported metric too
     captured.restore()  # the other metrics are still restored
     assert float(net["mse"].compute()) == 1.0
+    assert float(net["custom"].compute()) == 4.0  # as the notice says: its value includes the skipped step
     sentence = captured.describe_unsupported()
-    assert sentence is not None and "custom.total (float)" in sentence
+    assert sentence is not None and "custom.total (float)" in sentence and "include skipped steps" in sentence
 
 
 def test_a_module_without_metrics_has_nothing_to_do() -> None:

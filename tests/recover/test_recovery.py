@@ -30,6 +30,7 @@ def test_recovery_picks_remedies_by_incident() -> None:
     module = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2, eps=1e-5))
     parts = training_parts(_stand_in(module), module)
     recovery = Recovery(("clip_grad", "raise_eps", "lr_backoff", "quarantine"), max_remedy_applications=2)
+    recovery.book.reach.acts(None)  # the training loader removes quarantined records (the front-end says so)
     for norm in (4.0, 1.0, 2.0):
         recovery.remember_healthy_norm(norm)
 
@@ -54,6 +55,23 @@ def test_recovery_picks_remedies_by_incident() -> None:
     assert recovery.apply(parts, cause="state") == []  # every cap reached
     assert recovery.book.applied == {"quarantine": 2, "raise_eps": 1, "clip_grad": 2, "lr_backoff": 2}
     assert recovery.book.quarantined == {9, 10}
+
+
+def test_a_quarantine_no_loader_acts_on_says_its_records_are_not_removed() -> None:
+    """The claim follows the loaders: none registered (a loop the guard has no loader of), or one that cannot act."""
+    module = nn.Linear(2, 1)
+    parts = training_parts(_stand_in(module), module)
+    recovery = Recovery(("quarantine",))
+    assert recovery.apply(parts, cause="data", quarantine=(9,)) == [
+        "quarantine: dataset indices [9] will NOT be removed from training: the guard holds no training loader that "
+        "removes records (a Trainer fit or a Fabric loop gives it theirs)"
+    ]
+    recovery.book.reach.cannot(None, "the training loader streams an IterableDataset and no index_key= is set")
+    assert recovery.apply(parts, cause="data", quarantine=(3,)) == [
+        "quarantine: dataset indices [3] will NOT be removed from training: the training loader streams an "
+        "IterableDataset and no index_key= is set"
+    ]
+    assert recovery.book.quarantined == {3, 9}  # kept (and saved): a later fit whose loader can remove them does
 
 
 def test_recovery_keeps_optimizer_remedies_through_rollbacks() -> None:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lightning_nanguard.recover.remedies import (
+    NOT_REACHED,
     REMEDIES,
     ZERO_EPS_START,
     RemedyBook,
@@ -237,6 +238,8 @@ def test_a_checkpoint_with_the_old_flat_quarantine_list_still_loads() -> None:
 
 def test_quarantine_reports_only_what_is_new() -> None:
     book = RemedyBook(enabled=("quarantine",))
+    for key in (None, "a", "b"):
+        book.reach.acts(key)
     assert book.quarantine([9], [("b", 9)]) == (
         "quarantine: dataset indices [9], [9] of loader 'b' will not be trained on again"
     )
@@ -245,6 +248,35 @@ def test_quarantine_reports_only_what_is_new() -> None:
         book.quarantine(items=[("a", 9)])
         == "quarantine: dataset indices [9] of loader 'a' will not be trained on again"
     )
+
+
+def test_quarantine_says_which_loaders_remove_the_records_and_why_the_others_do_not() -> None:
+    book = RemedyBook(enabled=("quarantine",))
+    book.reach.acts("a")
+    book.reach.cannot("b", "training loader 'b' streams an IterableDataset and no index_key= is set")
+    assert book.quarantine(items=[("a", 1), ("b", 2), ("c", 3)]) == (
+        "quarantine: dataset indices [1] of loader 'a' will not be trained on again; "
+        "dataset indices [2] of loader 'b' will NOT be removed from training: training loader 'b' streams an "
+        "IterableDataset and no index_key= is set; "
+        f"dataset indices [3] of loader 'c' will NOT be removed from training: {NOT_REACHED}"
+    )
+    book.reach.acts("b")  # a later epoch's loader 'b' removes them (e.g. reloaded as a map-style loader)
+    assert (
+        book.quarantine(items=[("b", 5)])
+        == "quarantine: dataset indices [5] of loader 'b' will not be trained on again"
+    )
+    book.reach.clear()
+    assert book.reach.why_not("a") == NOT_REACHED
+
+
+def test_the_reach_is_not_saved_in_checkpoints() -> None:
+    """Each fit registers its own loaders: a checkpoint's quarantine list applies where the new fit's loaders act."""
+    book = RemedyBook(enabled=("quarantine",))
+    book.reach.acts(None)
+    assert "reach" not in book.state_dict()
+    fresh = RemedyBook(enabled=("quarantine",))
+    fresh.load_state_dict(book.state_dict())
+    assert fresh.reach.why_not(None) == NOT_REACHED
 
 
 def test_remedy_book_loads_an_empty_state_with_defaults() -> None:

@@ -1,16 +1,21 @@
-"""The fit's training loaders: their keys, the indices popped per loader, per-loader quarantine, the FIFOs' passes."""
+"""The fit's training loaders: keys, indices popped per loader, per-loader quarantine (sampled or streamed), passes."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 from lightning.pytorch.utilities import CombinedLoader
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_nanguard.diagnose.combined import CombinedIndices
 from lightning_nanguard.engine.data.indices import mark_epoch_end, record_batch_indices
 from lightning_nanguard.engine.data.loaders import Exclusion, TrainingLoaders, loader_paths
+from lightning_nanguard.recover.remedies import RemedyBook
+from lightning_nanguard.reporting.notices import RankNotices
 from lightning_nanguard.trainer.strategy import StrategyHooks
 
 
@@ -95,6 +100,85 @@ def test_one_loader_keeps_the_shared_quarantine_and_a_plain_index_list() -> None
     batch = next(iter(loader))
     assert batch["idx"].tolist() == [0, 1] and hooks.batch_indices(batch, None) == [0, 1]
     assert hooks.exclude_by_loader == {}
+
+
+# ------------------------------------------------------------------------------------ streams: no batch sampler
+
+
+class Stream(IterableDataset):
+    """``Items`` as an ``IterableDataset`` in ``order``: no batch sampler to drop records from."""
+
+    def __init__(self, order: list[int]) -> None:
+        self.order = order
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter([{"x": torch.full((2,), float(i)), "idx": i} for i in self.order])
+
+
+def _streaming_hooks(index_key: str | None) -> tuple[StrategyHooks, RemedyBook, RankNotices]:
+    book, notices = RemedyBook(enabled=("quarantine",)), RankNotices()
+    hooks = StrategyHooks(
+        lambda optimizer: None, lambda: True, exclude=book.quarantined, exclude_by_loader=book.quarantined_by_loader
+    )
+    hooks.enforce_quarantine(book, index_key, None, notices)
+    return hooks, book, notices
+
+
+def test_each_stream_of_several_cuts_its_own_quarantine_and_the_book_knows_which_loaders_act() -> None:
+    hooks, book, _ = _streaming_hooks("idx")
+    a, b = DataLoader(Stream([0, 4, 1, 2]), batch_size=2), DataLoader(Stream([4, 5, 6, 4]), batch_size=2)
+    mapped = DataLoader(Items(4), batch_size=2)
+    for loader in (a, b, mapped):
+        hooks.record(loader)  # what process_dataloader does for each training loader
+        hooks.cut_streams(loader, None, world_size=1)
+    assert hooks.streams == [a, b]  # the map-style loader keeps its batch sampler path
+    hooks.start_epoch({"a": a, "b": b, "m": mapped})
+    assert hooks.loaders is not None and hooks.loaders.unreachable == [None, None, None]
+    assert book.reach.acting == {"a", "b", "m"}
+    assert (
+        book.quarantine(items=[("b", 4)])
+        == "quarantine: dataset indices [4] of loader 'b' will not be trained on again"
+    )
+    assert [batch["idx"].tolist() for batch in a] == [[0, 4], [1, 2]]  # loader a's record 4 is another record
+    assert [batch["idx"].tolist() for batch in b] == [[5], [6]]  # each batch cut down to its other rows
+    book.quarantined.add(1)  # an older checkpoint's flat list: every loader
+    assert [batch["idx"].tolist() for batch in a] == [[0, 4], [2]]
+
+
+def test_a_batch_fetched_before_the_quarantine_is_cut_when_it_is_about_to_be_trained_on() -> None:
+    hooks, book, _ = _streaming_hooks("idx")
+    a, b = DataLoader(Stream([0, 1]), batch_size=2), DataLoader(Stream([3, 4]), batch_size=2)
+    for loader in (a, b):
+        hooks.cut_streams(loader, None, world_size=1)
+    hooks.start_epoch({"a": a, "b": b})
+    fetched = {"a": next(iter(a)), "b": next(iter(b))}
+    assert hooks.cut_fetched_batch(fetched) is fetched  # nothing quarantined: the batch itself
+    book.quarantine(items=[("b", 4)])
+    cut = hooks.cut_fetched_batch(fetched)
+    assert cut["a"]["idx"].tolist() == [0, 1] and cut["b"]["idx"].tolist() == [3]
+    book.quarantine(items=[("b", 3)])
+    assert hooks.cut_fetched_batch(fetched) is None  # loader b's part has no row left: Lightning skips the batch
+    hooks.start_epoch(a)
+    book.quarantined.add(0)
+    assert hooks.cut_fetched_batch(next(iter(a)))["idx"].tolist() == [1]
+
+
+def test_a_stream_without_index_key_is_left_alone_and_the_book_and_a_notice_say_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    hooks, book, _ = _streaming_hooks(None)
+    stream = DataLoader(Stream([0, 1]), batch_size=2)
+    hooks.cut_streams(stream, None, world_size=1)
+    assert hooks.streams == [] and type(stream) is DataLoader
+    with caplog.at_level(logging.WARNING, logger="lightning_nanguard"):
+        hooks.start_epoch(stream)
+    why = book.reach.why_not(None)
+    assert why is not None and "IterableDataset" in why and "index_key=" in why
+    assert book.quarantine([0]) == f"quarantine: dataset indices [0] will NOT be removed from training: {why}"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"NanGuard: quarantine cannot act here: {why}. Records it names at an incident will NOT be removed from "
+        "training (each event says so)."
+    ]
 
 
 # ------------------------------------------------------------------------------------ passes of a recording sampler

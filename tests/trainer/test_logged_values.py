@@ -68,9 +68,12 @@ def test_a_key_the_dropped_step_logged_first_is_withdrawn_after_its_step_value(t
 
 
 def test_an_unexpected_layout_is_named_once_and_left_alone() -> None:
-    trainer = SimpleNamespace(_results={"training_step.loss": object()})
+    """The notice says a skipped step's values "stay in the epoch aggregates": they are not touched."""
+    aggregate = object()
+    trainer = SimpleNamespace(_results={"training_step.loss": aggregate})
     logged = LoggedValues()
     logged.capture(trainer)
     assert logged.unsupported is not None and "'training_step.loss'" in logged.unsupported
     logged.restore(trainer)  # no error
+    assert trainer._results == {"training_step.loss": aggregate}  # what the skipped step logged stays
     assert LoggedValues().capture(SimpleNamespace()) is None  # no result collection at all: nothing raised

@@ -20,7 +20,7 @@ or a 2-D field of the records each row holds (:func:`records_from_batch`).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Container, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -48,12 +48,13 @@ class RecordingBatchSampler(Protocol):
     """A batch sampler whose class :func:`record_batch_indices` swapped: it records what it yields.
 
     ``nanguard_exclude`` (dataset indices, shared with the guard's quarantine) is dropped from every
-    batch it yields from then on.
+    batch it yields from then on; ``nanguard_on_pass``, when set, is called as each pass starts.
     """
 
     nanguard_fifo: deque[list[int] | None]
     nanguard_exclude: Container[int]
     nanguard_clock: GuardClock
+    nanguard_on_pass: Callable[[], None] | None
 
     def __iter__(self) -> Iterator[list[int]]: ...
 
@@ -67,6 +68,9 @@ def _as_ints(indices: Any) -> list[int] | None:
 
 
 def _recording_iter(self: Any) -> Iterator[list[int]]:
+    on_pass = getattr(self, "nanguard_on_pass", None)
+    if on_pass is not None:  # a front-end learns which loader a pass draws from (a Fabric loop)
+        on_pass()
     fifo = self.nanguard_fifo
     if not getattr(self, "nanguard_pass_done", True) or getattr(self, "nanguard_stale", False):
         fifo.clear()  # the last pass was cut short, or an epoch ended since: its leftovers will never be trained on
@@ -181,7 +185,15 @@ def stop_recording(sampler: Any) -> None:
     original = next((base for base, recording in _RECORDING_CLASSES.items() if type(sampler) is recording), None)
     if original is not None:
         sampler.__class__ = original
-    for attr in ("nanguard_fifo", "nanguard_exclude", "nanguard_clock", "nanguard_pass_done", "nanguard_stale"):
+    attrs = (
+        "nanguard_fifo",
+        "nanguard_exclude",
+        "nanguard_clock",
+        "nanguard_pass_done",
+        "nanguard_stale",
+        "nanguard_on_pass",
+    )
+    for attr in attrs:
         vars(sampler).pop(attr, None)
 
 

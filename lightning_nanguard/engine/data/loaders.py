@@ -12,7 +12,9 @@ fetched:
   of a batch are popped from the FIFO of the loader that gave that part, and only when it gave
   one (an exhausted loader of ``CombinedLoader(mode="max_size")`` gives ``None``);
 - each loader's quarantine: the indices quarantined for that loader, and those of an older
-  checkpoint's flat list (which applied to every loader);
+  checkpoint's flat list (which applied to every loader), dropped by its batch sampler or, for a
+  loader without one whose batches carry an index field, cut out of its batches
+  (:mod:`~lightning_nanguard.engine.data.streams`); or why the quarantine cannot act on it;
 - each loader's :class:`~lightning_nanguard.engine.data.readers.RecordReader`, which reads a record again
   at an incident to check that an index names the record really in its row.
 
@@ -55,8 +57,9 @@ from lightning_nanguard.engine.data.indices import (
     next_recorded_indices,
 )
 from lightning_nanguard.engine.data.readers import RecordReader
+from lightning_nanguard.engine.data.streams import StreamQuarantine, stream_quarantine_of
 
-__all__ = ["Exclusion", "TrainingLoaders", "loader_paths"]
+__all__ = ["Exclusion", "TrainingLoaders", "loader_paths", "quarantine_unreachable"]
 
 
 class Exclusion(Container[int]):
@@ -124,6 +127,37 @@ def _unknown_reason(loader: Any) -> str:
     return "its batch sampler cannot be recorded (name an index field with index_key=)"
 
 
+def quarantine_unreachable(loader: Any, index_key: int | str | None = None) -> str:
+    """Why the quarantine cannot remove records from a training ``loader`` that neither drops nor cuts them.
+
+    Example:
+        >>> from torch.utils.data import IterableDataset
+        >>> class Stream(IterableDataset):
+        ...     def __iter__(self):
+        ...         return iter(range(3))
+        >>> print(quarantine_unreachable(DataLoader(Stream())))  # doctest: +NORMALIZE_WHITESPACE
+        the training loader streams an IterableDataset, which has no batch sampler to drop records from, and no
+        index_key= names the batch field holding each row's dataset index (to cut them out of its batches)
+    """
+    if not isinstance(loader, DataLoader):
+        return (
+            f"the training loader is a {type(loader).__name__}, not a torch DataLoader: the guard can neither drop "
+            "records in its sampler nor cut them out of its batches"
+        )
+    if isinstance(loader.dataset, IterableDataset):
+        what = "streams an IterableDataset, which has no batch sampler to drop records from"
+    elif loader.batch_sampler is None:
+        what = "has batch_size=None, so no batch sampler to drop records from"
+    else:
+        what = "has a batch sampler the guard cannot swap for one that drops records"
+    if index_key is None:
+        return (
+            f"the training loader {what}, and no index_key= names the batch field holding each row's dataset "
+            "index (to cut them out of its batches)"
+        )
+    return f"the training loader {what}, and its batches could not be made to pass through the quarantine"
+
+
 def _field_reason(part: Any, index_key: int | str) -> str:
     if index_field(part, index_key) is None:
         return f"no index field {index_key!r} in its batch"
@@ -139,12 +173,18 @@ class TrainingLoaders:
         samplers: each loader's recording batch sampler (``None``: not recordable), in layout order.
         reasons: why a loader's indices are unknown, in layout order (empty when recordable).
         readers: each loader's record reader, in layout order.
+        streams: each loader's stream quarantine (``None``: its batch sampler drops records, or nothing
+            does), in layout order.
+        unreachable: why the quarantine cannot remove records from each loader (``None``: it does),
+            in layout order.
     """
 
     layout: CombinedLayout | None
     samplers: list[RecordingBatchSampler | None] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     readers: tuple[RecordReader, ...] = ()
+    streams: list[StreamQuarantine | None] = field(default_factory=list)
+    unreachable: list[str | None] = field(default_factory=list)
 
     @classmethod
     def of(
@@ -152,6 +192,7 @@ class TrainingLoaders:
         collection: Any,
         record: Callable[[Any], RecordingBatchSampler | None],
         exclusions: Callable[[LoaderKey], Container[int]] | None = None,
+        index_key: int | str | None = None,
     ) -> TrainingLoaders:
         """Read ``trainer.train_dataloader``: make every loader record (``record``), and set its quarantine.
 
@@ -159,20 +200,70 @@ class TrainingLoaders:
             collection: one loader or a collection of them.
             record: makes a loader record its indices; returns its recording sampler (or ``None``).
             exclusions: the indices a loader of a given key must never yield (several loaders only;
-                a bare loader keeps the exclusion ``record`` gave it).
+                a bare loader keeps the exclusion ``record`` gave it, its batch sampler's or its stream's).
+            index_key: the batch field naming each row's dataset index (only to say why the
+                quarantine cannot act on a loader).
         """
         paths = loader_paths(collection)
         combined = not (len(paths) == 1 and paths[0][0] == ())
         layout = CombinedLayout.from_paths(path for path, _ in paths) if combined else None
         samplers: list[RecordingBatchSampler | None] = []
         reasons: list[str] = []
+        streams: list[StreamQuarantine | None] = []
+        unreachable: list[str | None] = []
         for index, (_, loader) in enumerate(paths):
             sampler = record(loader)
-            if sampler is not None and layout is not None and exclusions is not None:
-                sampler.nanguard_exclude = exclusions(layout.parts[index].key)
+            stream = stream_quarantine_of(loader) if sampler is None else None
+            if layout is not None:
+                if stream is not None:
+                    stream.key = layout.parts[index].key
+                if exclusions is not None and sampler is not None:
+                    sampler.nanguard_exclude = exclusions(layout.parts[index].key)
+                elif exclusions is not None and stream is not None:
+                    stream.exclusion = exclusions(layout.parts[index].key)
             samplers.append(sampler)
             reasons.append("" if sampler is not None else _unknown_reason(loader))
-        return cls(layout, samplers, reasons, tuple(RecordReader.of(loader) for _, loader in paths))
+            streams.append(stream)
+            unreachable.append(
+                None if sampler is not None or stream is not None else quarantine_unreachable(loader, index_key)
+            )
+        readers = tuple(RecordReader.of(loader) for _, loader in paths)
+        return cls(layout, samplers, reasons, readers, streams, unreachable)
+
+    @property
+    def keys(self) -> tuple[LoaderKey | None, ...]:
+        """Each loader's key in layout order (``(None,)`` for one bare loader)."""
+        return self.layout.keys if self.layout is not None else (None,)
+
+    def cut_quarantined(self, batch: Any) -> tuple[bool, Any]:
+        """Cut the records quarantined since a batch was fetched out of it, as its loaders' streams would now.
+
+        For the batch a loop fetched ahead (Lightning prefetches one batch of a loader without a
+        length): its stream passed it through the quarantine before the step that quarantined a
+        record of it. Only stream parts are cut; an index field that cannot be read here (changed by
+        a batch hook) leaves the part as it is, quietly (the stream reports what it cannot read).
+
+        Returns:
+            ``(keep, batch)``: ``keep`` is ``False`` when a part is left with no row.
+        """
+        if not any(stream is not None and stream.exclusion for stream in self.streams):
+            return True, batch
+        if self.layout is None:
+            stream = self.streams[0]
+            return stream(batch, quiet=True) if stream is not None else (True, batch)
+        if not self.layout.matches(batch):
+            return True, batch
+        replaced: dict[int, Any] = {}
+        for index, stream in enumerate(self.streams):
+            part = self.layout.part(batch, index) if stream is not None else None
+            if stream is None or part is None:
+                continue
+            keep, cut = stream(part, quiet=True)
+            if not keep:
+                return False, None
+            if cut is not part:
+                replaced[index] = cut
+        return True, self.layout.with_parts(batch, replaced) if replaced else batch
 
     def mark_epoch_end(self) -> None:
         """An epoch starts: indices recorded ahead and never trained on are dropped at each loader's next pass.
