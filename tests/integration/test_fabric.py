@@ -128,7 +128,6 @@ def test_gradient_accumulation_checks_the_whole_step() -> None:
     assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
 
 
-
 class BodyAndFrozenHead(nn.Module):
     """A body, and a head frozen (and outside the optimizer) until the loop unfreezes it."""
 
@@ -175,6 +174,7 @@ def test_a_parameter_group_added_mid_loop_is_checked_from_its_first_step() -> No
     assert _unchanged(before, after)  # the step was dropped: neither the head nor the body moved
     assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
     assert not _unchanged(initial_head, module.head.state_dict())  # the head trained in the steps after
+
 
 def test_rollback_restores_the_last_good_snapshot() -> None:
     guard = NanGuard(

@@ -392,4 +392,3 @@ def test_a_progress_bar_that_cannot_print_switches_off_the_panels_only(tmp_path:
     recorder = run(tmp_path, guard, module, enable_progress_bar=True, callbacks=[BrokenBar()])
     assert guard.active and set(guard.controller.parts.off) == {"terminal"}
     assert_bad_steps_dropped(guard, recorder, module)
-
