@@ -18,9 +18,11 @@ The evidence, cheapest first:
    guard keeps), joined to the named samples, when no sample of the batch ran finite.
 
 When that joint pass is bad and several samples are named, each is run beside the company on its
-own (one pass each, within the pass budget) so that only the samples at fault stay named. When it
-runs finite, the named samples fail only without healthy company: the batch as a whole is at fault
-(cause ``"batch"``). Typically the check adds 0 passes (a sample in a batch of healthy ones) or 1.
+own (one pass each, within the pass budget) so that only the samples at fault stay named; those the
+budget leaves unchecked stay named, unverified (their group fails beside healthy samples, each of
+them may not). When the joint pass runs finite, the named samples fail only without healthy
+company: the batch as a whole is at fault (cause ``"batch"``). Typically the check adds 0 passes (a
+sample in a batch of healthy ones) or 1.
 
 Example:
     >>> import torch
@@ -50,12 +52,18 @@ from typing import Literal
 from lightning_nanguard.diagnose.batching import join_batches
 from lightning_nanguard.diagnose.runner import SubBatchRunner
 
-__all__ = ["COMPANY", "BlameCheck", "check_blame", "fails_beside_healthy"]
+__all__ = ["COMPANY", "UNCHECKED", "BlameCheck", "check_blame", "fails_beside_healthy"]
 
 log = logging.getLogger("lightning_nanguard")
 
 COMPANY = 2
 """Known-healthy samples run beside the named ones (two: BatchNorm in train mode, a batch statistic)."""
+
+UNCHECKED = (
+    "the pass budget (max_bisect_passes) ran out after their group failed beside healthy samples, "
+    "before each was run beside them on its own"
+)
+"""Why named samples left unchecked when the budget runs out part-way stay unverified."""
 
 RunnerFactory = Callable[..., SubBatchRunner]
 Company = Literal["search", "batch", "reference", ""]
@@ -163,15 +171,17 @@ def check_blame(
         return BlameCheck((*evident, *rest), (), (), passes, company)
     at_fault: list[int] = []
     alone: list[int] = []
+    unchecked: list[int] = []
     for position in rest:  # several named: each beside the company, while the budget lasts
         if passes >= budget:
-            at_fault.append(position)  # unchecked on its own, but its group fails beside healthy samples
+            unchecked.append(position)  # its group fails beside healthy samples, but it may not: unverified
             continue
         passes += 1
         (at_fault if run_with([position]) else alone).append(position)
-    if not at_fault:  # each is fine beside healthy samples, the group is not: they fail together
+    if not at_fault and not unchecked:  # each is fine beside healthy samples, the group is not: they fail together
         at_fault, alone = alone, []
-    return BlameCheck(tuple(sorted([*evident, *at_fault])), tuple(alone), (), passes, company)
+    reason = UNCHECKED if unchecked else ""
+    return BlameCheck(tuple(sorted([*evident, *at_fault])), tuple(alone), tuple(unchecked), passes, company, reason)
 
 
 def _reference_runner(

@@ -224,7 +224,9 @@ def verify_rows(
     """Which record each named row of ``batch`` holds, checked by re-reading (see the module docs).
 
     A row whose claimed record matches costs one read; a row that does not, one more (is the read
-    random?) and one per other record of the batch (each record is read once per call).
+    random?) and one per other record of the batch (each record is read once per call). A row matched
+    by content while reads may be random (no claim, or random reads) costs one more read of its
+    record: a match that the record's next read does not repeat is chance, and names no index.
 
     Args:
         batch: the batch as ``training_step`` received it.
@@ -242,8 +244,8 @@ def verify_rows(
         >>> records = {i: torch.tensor([[float(i)]]) for i in (3, 4, 5)}
         >>> dropped = torch.tensor([[3.0], [5.0]])  # the collate dropped record 4
         >>> check = verify_rows(dropped, [1], [None], [3, 4, 5], records.__getitem__)
-        >>> check.indices, check.broken, check.reads
-        ((5,), 'rows_not_records', 3)
+        >>> check.indices, check.broken, check.reads  # each record once, then record 5 again (not random)
+        ((5,), 'rows_not_records', 4)
     """
     cut = slicer or slice_batch
     reads = _Reads(read)
@@ -285,6 +287,8 @@ def verify_rows(
                     broken = _worse(broken, "random_reads")
                 continue
         found, note, failed = _search(got, distinct, reads, claim)
+        if found is not None and random is not False and not _reads_alike(found, reads):
+            random, found = True, None  # a match by chance among random reads: no index is guessed
         if found is not None:
             moved = claim is not None and found != claim
             out.append(RowRecord(row, found, True, claim, note, "reorders" if moved else None))
@@ -333,10 +337,15 @@ def _stable_match(row: Any, distinct: Sequence[int], reads: _Reads, claim: int |
     found, note, _ = _search(row, distinct, reads, claim)
     if found is None or note:  # no match, or several records of the same values: no guess
         return None
+    return found if _reads_alike(found, reads) else None
+
+
+def _reads_alike(index: int, reads: _Reads) -> bool:
+    """Whether record ``index`` reads the same again (a match by content among random reads may be chance)."""
     try:
-        return found if same_reads(reads.get(found), reads.fresh(found)) else None
+        return same_reads(reads.get(index), reads.fresh(index))
     except Exception:
-        return None
+        return False
 
 
 def _random_reads(distinct: Sequence[int], reads: _Reads) -> bool:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_nanguard import NanEvent
-from lightning_nanguard.diagnose.blame import COMPANY, BlameCheck, check_blame, fails_beside_healthy
+from lightning_nanguard.diagnose.blame import COMPANY, UNCHECKED, BlameCheck, check_blame, fails_beside_healthy
 from lightning_nanguard.diagnose.diagnosis import diagnose
 from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
 from lightning_nanguard.diagnose.runner import SubBatchRunner
@@ -168,3 +168,70 @@ def test_batches_that_cannot_be_joined_leave_the_blame_unverified_with_the_reaso
     found = check_blame(runner, [0, 1], reference, SubBatchRunner, budget=8)
     assert found.unverified == (0, 1) and found.passes == 0
     assert "cannot be joined" in found.reason and "(6,)" in found.reason
+
+
+class LogBesideKept(nn.Module):
+    """Row ``(value, kept)``: the mean of ``log(value)`` over the kept rows (a negative value is NaN beside anything,
+    a row that keeps nothing is 0/0 alone but fine beside kept rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        values, kept = batch[:, 0], batch[:, 1]
+        return (self.w * values.log() * kept).sum() / kept.sum()
+
+
+# rows 0 and 1 are corrupt (log of a negative value), row 2 keeps no target: each fails alone, so no row
+# of the batch is known healthy and the reference samples are the company; only rows 0 and 1 are at fault
+SEVERAL_NAMED = torch.tensor([[-1.0, 1.0], [-2.0, 1.0], [1.0, 0.0]])
+HEALTHY_REFERENCE = torch.tensor([[2.0, 1.0], [3.0, 1.0]])
+
+
+def test_the_ground_truth_of_the_several_named_samples() -> None:
+    model = LogBesideKept()
+    for row in range(3):
+        assert not reference_loss_finite(model, SEVERAL_NAMED[row : row + 1])  # each fails alone
+    beside = [
+        reference_loss_finite(model, torch.cat([SEVERAL_NAMED[row : row + 1], HEALTHY_REFERENCE])) for row in range(3)
+    ]
+    assert beside == [False, False, True]  # rows 0 and 1 are at fault, row 2 only fails without company
+
+
+@pytest.mark.parametrize(
+    ("budget", "verified", "failed_alone", "unverified"),
+    [
+        (1, (), (), (0, 1, 2)),  # the group beside the reference only: no sample checked on its own
+        (2, (0,), (), (1, 2)),  # the budget runs out after the first sample
+        (3, (0, 1), (), (2,)),  # ... after the second: row 2, not at fault, is left unchecked
+        (4, (0, 1), (2,), ()),  # every sample checked
+    ],
+)
+def test_samples_the_budget_leaves_unchecked_stay_unverified(
+    budget: int, verified: tuple[int, ...], failed_alone: tuple[int, ...], unverified: tuple[int, ...]
+) -> None:
+    runner = SubBatchRunner(LogBesideKept(), SEVERAL_NAMED)
+    assert all(runner.is_bad([p]) for p in range(3))  # the search's passes: each sample fails on its own
+    reference = SubBatchRunner(LogBesideKept(), HEALTHY_REFERENCE)
+    found = check_blame(runner, [0, 1, 2], reference, SubBatchRunner, budget=budget)
+    assert (found.verified, found.failed_alone, found.unverified) == (verified, failed_alone, unverified)
+    assert found.passes == min(budget, 4) and found.company == "reference"
+    assert (found.reason == UNCHECKED) == bool(unverified) and not found.batch_fault
+
+
+@pytest.mark.parametrize("left", [1, 2, 3, 4])
+def test_a_diagnosis_whose_budget_runs_out_part_way_claims_no_unchecked_blame(left: int) -> None:
+    """``max_passes`` leaves ``left`` passes to the check after the search: verified means checked, each sample."""
+    model = LogBesideKept()
+    searched = diagnose(model, SEVERAL_NAMED, reference_batch=HEALTHY_REFERENCE)
+    assert (searched.offending, searched.blame_verified, searched.verify_passes) == ([0, 1], True, 4)
+    found = diagnose(model, SEVERAL_NAMED, reference_batch=HEALTHY_REFERENCE, max_passes=searched.passes + left)
+    assert found.passes == searched.passes and found.verify_passes == left
+    if left < 4:  # some sample left unchecked: all stay named, and the blame is not called verified
+        assert found.offending == [0, 1, 2] and found.blame_verified is False
+        assert UNCHECKED in found.blame_note
+        event = event_with_diagnosis(EVENT, found, dataset_indices=[30, 31, 32])
+        assert event.blame_verified is False and UNCHECKED in event.details["blame_unverified"]
+    else:
+        assert found.offending == [0, 1] and found.blame_verified is True

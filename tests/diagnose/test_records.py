@@ -191,3 +191,55 @@ def test_any_order_of_a_batch_is_undone(order: tuple[int, ...]) -> None:
     batch = collate([RECORDS[sampled[k]] for k in order])
     check = verify_rows(batch, [0, 1, 2, 3], sampled, sampled, reader())
     assert check.indices == tuple(sampled[k] for k in order) and check.verified
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_rows_padded_with_nan_are_matched_to_their_records_by_value(left: bool) -> None:
+    """A sorting collate pads float records with NaN: each named row gets the record it holds, not its position's."""
+
+    def read(index: int) -> Tensor:
+        return RECORDS[index].float()[None]
+
+    def nan_collate(indices: Sequence[int]) -> Tensor:
+        width = max(len(RECORDS[i]) for i in indices)
+        rows = torch.full((len(indices), width), float("nan"))
+        for k, i in enumerate(indices):
+            rows[k, slice(width - len(RECORDS[i]), width) if left else slice(0, len(RECORDS[i]))] = RECORDS[i].float()
+        return rows
+
+    by_length = sorted(SAMPLED, key=lambda i: -len(RECORDS[i]))  # the rows no longer in the sampler's order
+    batch = nan_collate(by_length)
+    rows = list(range(len(SAMPLED)))
+    check = verify_rows(batch, rows, SAMPLED, SAMPLED, read)
+    assert check.indices == tuple(by_length) and check.verified and check.broken == "reorders"
+    in_place = verify_rows(nan_collate(SAMPLED), rows, SAMPLED, SAMPLED, read)  # the sampler's order kept
+    assert in_place.indices == tuple(SAMPLED) and in_place.verified and in_place.broken is None
+    assert in_place.reads == len(SAMPLED)  # each row matched its claimed record at the first read
+
+
+@pytest.mark.parametrize("dropped", [False, True], ids=["reordered", "dropped"])
+def test_a_random_read_that_matches_the_row_by_chance_is_not_verified(dropped: bool) -> None:
+    """Modality dropout: a record reads as zeros at random. Row 0 holds record 5 dropped out (zeros); the re-read of
+    record 7 happens to be dropped out too, so it matches row 0 by chance, but its next read differs: no index.
+
+    ``reordered``: the sampler's order claims record 6 for row 0; ``dropped``: the collate dropped record 6, so
+    the rows are matched by content alone (no claim).
+    """
+    scripted = {  # each record's reads, in order: 7 is dropped out at its first read only
+        5: [torch.full((1, 3), 5.0), torch.full((1, 3), 5.1)],
+        6: [torch.full((1, 3), 6.0), torch.full((1, 3), 6.1)],
+        7: [torch.zeros(1, 3), torch.full((1, 3), 7.1)],
+    }
+    reads: list[int] = []
+
+    def dropout(index: int) -> Tensor:
+        reads.append(index)
+        return scripted[index].pop(0)
+
+    rows = [torch.zeros(1, 3), *([] if dropped else [torch.full((1, 3), 6.3)]), torch.full((1, 3), 7.3)]
+    check = verify_rows(torch.cat(rows), [0], [None if dropped else 6], [6, 5, 7], dropout)
+    assert check.indices == (None,) and not check.verified
+    assert check.rows[0].broke == "random_reads" and check.reason == RANDOM_READS
+    # reordered: the claim twice (random), then the others once, then the chance match again;
+    # dropped: every record once, then the chance match again
+    assert reads == ([6, 5, 7, 7] if dropped else [6, 6, 5, 7, 7])

@@ -50,3 +50,27 @@ def test_numpy_leaves_are_compared_as_tensors() -> None:
     row = {"x": np.array([[1.0, 2.0, 0.0]]), "k": np.int64(3)}
     assert record_matches(row, {"x": np.array([[1.0, 2.0]]), "k": np.int64(3)})
     assert not record_matches(row, {"x": np.array([[1.0, 2.5]]), "k": np.int64(3)})
+
+
+def nan_padded(records: list[torch.Tensor], left: bool = False) -> torch.Tensor:
+    """Float records padded with NaN to the longest (a time series whose model masks NaN), right or ``left``."""
+    width = max(len(r) for r in records)
+    rows = torch.full((len(records), width), float("nan"))
+    for k, r in enumerate(records):
+        rows[k, slice(width - len(r), width) if left else slice(0, len(r))] = r
+    return rows
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_a_record_padded_with_nan_matches_its_row_only(left: bool) -> None:
+    records = {i: RECORDS[i].float() for i in (20, 21, 24, 23)}  # 20 and 24 have 2 tokens, 21 has 3, 23 has 5
+    records[21] = torch.tensor([210.0, float("nan"), 212.0])  # a bad record: NaN among its own values
+    rows = nan_padded(list(records.values()), left=left)
+    for k, (index, record) in enumerate(records.items()):
+        row = rows[k : k + 1]
+        assert record_matches(row, record[None]), index  # NaN padding is one padding value
+        others = [i for i in records if i != index]
+        assert not any(record_matches(row, records[i][None]) for i in others), index  # by value, not by position
+    mixed = rows[0:1].clone()
+    mixed[0, -1 if not left else 0] = 0.0  # a padding region of NaN and 0 is not padding
+    assert not record_matches(mixed, records[20][None])

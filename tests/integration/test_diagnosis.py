@@ -13,12 +13,13 @@ from typing import Any
 
 import fitting
 import forensics_models as fm
+import lightning.pytorch as pl
 import pytest
 import torch
 from fitting import StepRecorder
 from forensics_models import EXPECTED, FUNCTIONS, one_thread  # noqa: F401 (fixture)
 from models import BATCH_SIZE, KINDS, make_case, make_loader, make_module, origin_line
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_nanguard import NanEvent, NanGuard, read_events
@@ -432,6 +433,57 @@ def test_max_bisect_passes_cap(tmp_path: Path) -> None:
     assert (event.culprit_module, event.culprit_op) == ("net.norm", "SqrtBackward0")  # localised on [0..3]
     assert_skipped(recorder, 1)
     assert torch.load(Path(event.repro_path) / "batch.pt", weights_only=True)[0].shape[0] == 8
+
+
+class KeptLog(pl.LightningModule):
+    """Rows ``(value, kept)``: the mean of ``log(value)`` over the kept rows.
+
+    A negative value is NaN beside any rows (a record at fault); a row that keeps nothing is 0/0 alone
+    but fine beside kept rows (it fails only without healthy company: not at fault).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        (rows,) = batch
+        values, kept = rows[:, 0], rows[:, 1]
+        return (self.w * values.log() * kept).sum() / kept.sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+# batch 0 healthy (the reference samples); batch 1: records 3 and 4 corrupt, record 5 keeps no target, so no
+# sample of batch 1 runs finite and each named sample is checked beside the reference, one pass each
+KEPT_ROWS = torch.tensor([[2.0, 1.0], [3.0, 1.0], [4.0, 1.0], [-1.0, 1.0], [-2.0, 1.0], [1.0, 0.0], [5.0, 1.0]])
+
+
+def _kept_log_event(root: Path, **guard_kwargs: Any) -> NanEvent:
+    guard, _, recorder = fit(
+        KeptLog(), DataLoader(TensorDataset(KEPT_ROWS), batch_size=3), root, remedies=["quarantine"], **guard_kwargs
+    )
+    event = only_event(guard)
+    assert event.global_step == 1
+    assert_skipped(recorder, 1)
+    return event
+
+
+@pytest.mark.parametrize("left", [1, 2, 3])
+def test_a_blame_check_cut_short_by_max_bisect_passes_quarantines_nothing(tmp_path: Path, left: int) -> None:
+    """The pass budget runs out part-way through the named samples: those left unchecked are not verified.
+
+    Record 5 is not at fault (it fails only alone); left unchecked, it must not be called verified nor quarantined.
+    """
+    full = _kept_log_event(tmp_path / "full")
+    assert (full.offending_samples, full.dataset_indices, full.blame_verified) == ((0, 1), (3, 4), True)
+    assert full.details["verify_passes"] == 4  # the three together beside the reference, then each on its own
+    event = _kept_log_event(tmp_path / "cut", max_bisect_passes=full.details["bisect_passes"] + left)
+    assert event.details["verify_passes"] == left
+    assert (event.offending_samples, event.dataset_indices) == ((0, 1, 2), (3, 4, 5))
+    assert event.blame_verified is False and "max_bisect_passes" in event.details["blame_unverified"]
+    assert not any(remedy.startswith("quarantine") for remedy in event.remedies), event.remedies
 
 
 def test_bundle_contents_and_pruning(tmp_path: Path) -> None:

@@ -100,11 +100,16 @@ def test_a_model_without_known_projections_is_told_once(tmp_path: Path, caplog: 
 
     caplog.set_level(logging.WARNING, logger="lightning_nanguard")
     batches = [torch.randn(2, 3, 4) for _ in range(3)]
-    build_trainer("lightning", tmp_path, callbacks=[NanGuard(verbose=False, qk_clip=CAP)]).fit(
-        Manual(), DataLoader(batches, batch_size=None)
-    )
+    trained = {}
+    for cap in (CAP, None):
+        torch.manual_seed(0)
+        trained[cap] = Manual()
+        build_trainer("lightning", tmp_path, callbacks=[NanGuard(verbose=False, qk_clip=cap)]).fit(
+            trained[cap], DataLoader(batches, batch_size=None)
+        )
     told = [r.getMessage() for r in caplog.records if "qk_clip" in r.getMessage()]
-    assert len(told) == 1 and "nanguard_qk_projections" in told[0]
+    assert len(told) == 1 and "nanguard_qk_projections" in told[0] and "nothing will be rescaled" in told[0]
+    assert torch.equal(trained[CAP].mix.weight, trained[None].mix.weight)  # nothing was rescaled indeed
 
 
 def test_qk_clip_needs_the_precursor_watch() -> None:
@@ -132,7 +137,7 @@ def test_a_collapsing_run_keeps_its_max_logit_an_order_of_magnitude_lower(tmp_pa
 
 @pytest.mark.slow
 def test_under_ddp_every_rank_rescales_by_the_max_over_ranks(tmp_path: Path) -> None:
-    run = launch(HELPERS / "qk_clip_ddp_script.py", str(tmp_path), tmp_path, nprocs=2, out_dir=tmp_path, timeout=180)
+    run = launch(HELPERS / "qk_clip_ddp_script.py", str(tmp_path), nprocs=2, out_dir=tmp_path, timeout=180)
     ranks = run.results(ranks=(0, 1))
     assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]  # the ranks agree: the same weights
     assert ranks[0]["global_step"] == 4
@@ -141,3 +146,24 @@ def test_under_ddp_every_rank_rescales_by_the_max_over_ranks(tmp_path: Path) -> 
     # set it, and rank 0's end far below it (rank 0 rescaled by rank 1's values)
     assert ranks[0]["head_max_rank1"] == pytest.approx([3.0, 3.0], rel=1e-4)
     assert max(ranks[0]["head_max_rank0"]) < 1.0
+
+
+LONG_RUN = 12  # steps: enough for the precursor cost limit to act (it needs 3 measured and 3 timed steps)
+
+
+@pytest.mark.slow
+def test_under_ddp_a_run_long_enough_for_the_cost_limit_ends_with_the_ranks_in_step(tmp_path: Path) -> None:
+    """Each rank times its own steps: were the cost limit to widen the sampling interval on each rank by its own
+    timing, the ranks would sample (and join QK-clip's collective on) different steps, and the run would hang."""
+    run = launch(HELPERS / "qk_clip_ddp_script.py", str(tmp_path), LONG_RUN, nprocs=2, out_dir=tmp_path, timeout=120)
+    ranks = run.results(ranks=(0, 1))
+    assert [ranks[r]["global_step"] for r in (0, 1)] == [LONG_RUN, LONG_RUN]
+    assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]
+    assert ranks[0]["cost_warnings"] == ranks[1]["cost_warnings"] == []  # the interval stays fixed (every step)
+    # every step sampled and clipped by the max over ranks: with the final weights no batch of either rank is
+    # above the cap (a step left unsampled would leave its batch above it), and the largest is at it
+    cap = 3.0
+    per_batch = ranks[0]["head_max_per_batch"]
+    assert len(per_batch) == 2 * LONG_RUN
+    assert max(max(heads) for heads in per_batch) == pytest.approx(cap, rel=1e-4)
+    assert all(value <= cap * (1 + 1e-4) for heads in per_batch for value in heads), per_batch

@@ -10,6 +10,7 @@ the expected dataset index is read off the values of the row the event names
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,38 @@ def test_a_sampler_order_kept_is_verified_without_a_warning(tmp_path: Path) -> N
     (event,) = guard.events
     assert event.dataset_indices == (held(keeper, event),) == (13,) and event.indices_verified is True
     assert told == []
+
+
+def nan_padded(items: Any, longest_first: bool) -> dict[str, torch.Tensor]:
+    """Records sorted by length and right-padded with NaN instead of 0 (a model that masks NaN)."""
+    out = rp.pad(sorted(items, key=len, reverse=longest_first))
+    return {**out, "x": out["x"].masked_fill(~out["mask"], float("nan"))}
+
+
+def test_rows_padded_with_nan_name_the_record_they_hold(tmp_path: Path) -> None:
+    """Shortest first: a healthy step's first rows (the reference) are padded too, so the NaN padding is deliberate."""
+    collate = partial(nan_padded, longest_first=False)
+    guard, keeper, _ = fit(loader(rp.TokenRecords(24, bad=(9, 17)), collate), tmp_path)
+    assert [e.batch_idx for e in guard.events] == [1, 2]
+    for event, bad in zip(guard.events, (9, 17), strict=True):
+        assert event.offending_samples is not None and len(event.offending_samples) == 1
+        batch = keeper.batches[(event.epoch, event.batch_idx)]
+        x, mask = batch["x"][event.offending_samples[0]], batch["mask"][event.offending_samples[0]]
+        assert bool((~mask).any()) and torch.isnan(x[~mask]).all()  # the row is padded, with NaN
+        assert event.dataset_indices == (rp.record_of(x[mask]),) == (bad,)  # not the sampler's record at that row
+        assert event.indices_verified is True and event.cause == "data"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="longest first, the reference rows (a healthy step's first two) hold no padding, so check_input takes the "
+    "NaN padding for input data and names every padded row (cause 'input', blame verified)",
+)
+def test_rows_padded_with_nan_longest_first_are_not_an_input_fault(tmp_path: Path) -> None:
+    collate = partial(nan_padded, longest_first=True)
+    guard, _, _ = fit(loader(rp.TokenRecords(24, bad=(9, 17)), collate), tmp_path)
+    event = guard.events[0]
+    assert event.cause == "data" and event.dataset_indices == (9,)
 
 
 def test_a_dropping_collate_matches_rows_by_content(tmp_path: Path) -> None:

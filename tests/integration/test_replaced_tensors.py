@@ -113,6 +113,55 @@ def test_a_parameter_group_added_mid_run_is_checked(tmp_path: Path) -> None:
     assert event.offending_samples == (2,) and event.dataset_indices == (6,)
 
 
+class FrozenHead(HeadBuiltMidRun):
+    """:class:`HeadBuiltMidRun` with the head built up front, frozen and outside the optimizer until unfrozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 1).requires_grad_(False)
+
+    def on_train_epoch_start(self) -> None:
+        pass
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.body.parameters(), lr=0.01)
+
+
+class UnfreezeMidEpoch(pl.Callback):
+    """Unfreezes the head at one batch of the epoch and adds it to the optimizer, as ``BackboneFinetuning`` does."""
+
+    def __init__(self, at_batch: int) -> None:
+        self.at_batch = at_batch
+        self.around: dict[str, dict[str, Tensor]] = {}
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.at_batch:
+            pl_module.head.requires_grad_(True)
+            trainer.optimizers[0].add_param_group({"params": list(pl_module.head.parameters())})
+            self.around["before"] = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.at_batch:
+            self.around["after"] = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+
+def test_a_parameter_group_added_mid_epoch_is_checked_from_its_first_step(tmp_path: Path) -> None:
+    """The head joins the optimizer at batch 3 of the first epoch; its gradient is NaN at that very step (row 13)."""
+    guard, model, unfreeze = NanGuard(verbose=False), FrozenHead(), UnfreezeMidEpoch(at_batch=3)
+    initial_head = {k: v.clone() for k, v in model.head.state_dict().items()}
+    trainer = build_trainer("lightning", tmp_path, callbacks=[guard, unfreeze])
+    trainer.fit(model, loader(flag_rows=(13,)))
+    assert len(trainer.optimizers[0].param_groups) == 2
+    assert [(e.epoch, e.batch_idx, e.kinds, e.action) for e in guard.events] == [(0, 3, ("grad",), "skipped")]
+    event = guard.events[0]
+    assert set(event.nonfinite_grads) == {"head.weight", "head.bias"}
+    assert event.offending_samples == (1,) and event.dataset_indices == (13,)
+    before, after = unfreeze.around["before"], unfreeze.around["after"]
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the step was skipped: nothing moved
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert not torch.equal(model.head.weight, initial_head["weight"])  # the head trained in the steps after
+
+
 class LoadAssigned(pl.Callback):
     """Loads a state with ``assign=True`` at epoch 1: the model's parameters become new tensors the optimizer lacks."""
 
@@ -120,14 +169,18 @@ class LoadAssigned(pl.Callback):
         if trainer.current_epoch == 1:
             state = {k: v.clone() for k, v in pl_module.state_dict().items()}
             pl_module.load_state_dict(state, assign=True)
+            self.assigned = {name: p.detach().clone() for name, p in pl_module.named_parameters()}
 
 
 def test_parameters_replaced_by_assign_are_told_once(tmp_path: Path, caplog: Any) -> None:
-    guard, model = NanGuard(verbose=False), Normed()
+    guard, model, assign = NanGuard(verbose=False), Normed(), LoadAssigned()
     with caplog.at_level("WARNING", logger="lightning_nanguard"):
-        build_trainer("lightning", tmp_path, max_epochs=3, callbacks=[LoadAssigned(), guard]).fit(model, loader())
+        build_trainer("lightning", tmp_path, max_epochs=3, callbacks=[assign, guard]).fit(model, loader())
     told = [r.getMessage() for r in caplog.records if "no longer the model's parameters" in r.getMessage()]
     assert len(told) == 1 and "6 tensor(s)" in told[0] and "assign=False" in told[0]  # weight and bias of lin, bn, out
+    assert "training no longer changes those weights of the model" in told[0]
+    for name, tensor in model.named_parameters():  # ... and by its effect: two epochs later, not one changed
+        assert torch.equal(tensor, assign.assigned[name]), name
     assert guard.events == []
 
 
