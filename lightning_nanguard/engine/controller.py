@@ -352,8 +352,8 @@ class StepController:
     ) -> None:
         """Decide the step from its flags (read to the host) together with the other ranks, and act."""
         health = StepHealth.from_values(values)
-        if health.ranks_part_failed and self.parts.on("qk_clip"):  # before this step's QK-clip collective
-            self.parts.off_elsewhere("qk_clip", health.ranks_part_failed)
+        if health.ranks_part_failed and self.precursors is not None and self.parts.on("qk_clip"):
+            self.parts.off_elsewhere("qk_clip")  # another rank's QK-clip is off: no rank joins its collective now
         if health.grad_norm >= 0 or math.isnan(health.grad_norm):
             self.state.last_grad_norm = health.grad_norm
         if health.healthy:

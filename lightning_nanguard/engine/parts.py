@@ -197,11 +197,11 @@ class GuardParts:
         if self.mode == "raise":
             raise GuardInternalError(part, failure.error, failure.where) from error
 
-    def off_elsewhere(self, part: OptionalPart, ranks: int) -> None:
-        """Switch ``part`` off because it failed on ``ranks`` other rank(s) (a part that joins collectives)."""
+    def off_elsewhere(self, part: OptionalPart) -> None:
+        """Switch ``part`` off because it went off on another rank (a part that joins collectives)."""
         if part in self.off:
             return
-        failure = PartFailure(part, f"it failed on {ranks} other rank(s)", "another rank", self.step)
+        failure = PartFailure(part, "it went off on another rank", "another rank", self.step)
         self.off[part] = failure
         self._unreported.append(failure)
         log.warning("NanGuard: its %s part failed on another rank; off on every rank from step %d.", part, failure.step)

@@ -8,8 +8,9 @@ weights, the max logit per head over each rank's batches and of each batch, meas
 weights, and the guard's warnings about the precursor watch's cost (``precursor_max_cost`` keeps its
 default: with enough steps the cost limit would widen the sampling interval, each rank by its own timing).
 
-Usage: ``python qk_clip_ddp_script.py OUT_DIR [STEPS]`` under :func:`launcher.launch` (two ranks; 4 steps
-by default).
+Usage: ``python qk_clip_ddp_script.py OUT_DIR [STEPS] [FAULT]`` under :func:`launcher.launch` (two ranks; 4
+steps by default). ``FAULT=precursors``: rank 1's precursor watch fails at step 2 (its QK-clip goes with it, so
+rank 0 must stop joining QK-clip's collective at that very step).
 """
 
 from __future__ import annotations
@@ -86,7 +87,23 @@ class Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def main(out_dir: str, steps: int = STEPS) -> None:
+def break_rank_1_precursors_at_step_2() -> None:
+    """Rank 1's precursor watch raises when step 2 begins (an optional part failing on one rank only)."""
+    from lightning_nanguard.engine.step.precursors import PrecursorWatch
+
+    original = PrecursorWatch.arm
+
+    def arm(watch: PrecursorWatch, step: int) -> None:
+        if torch.distributed.get_rank() == 1 and step == 2:
+            raise RuntimeError("planted fault in rank 1's precursor watch")
+        original(watch, step)
+
+    PrecursorWatch.arm = arm  # type: ignore[method-assign]
+
+
+def main(out_dir: str, steps: int = STEPS, fault: str | None = None) -> None:
+    if fault == "precursors":
+        break_rank_1_precursors_at_step_2()
     module = Attending(steps)
     guard = NanGuard(verbose=False, save_repro=False, qk_clip=CAP, precursor_every_n_steps=1)
     trainer = build_trainer(
@@ -111,4 +128,4 @@ def main(out_dir: str, steps: int = STEPS) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *(int(a) for a in sys.argv[2:3]))
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:3]), *sys.argv[3:4])

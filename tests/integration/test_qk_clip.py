@@ -167,3 +167,18 @@ def test_under_ddp_a_run_long_enough_for_the_cost_limit_ends_with_the_ranks_in_s
     assert len(per_batch) == 2 * LONG_RUN
     assert max(max(heads) for heads in per_batch) == pytest.approx(cap, rel=1e-4)
     assert all(value <= cap * (1 + 1e-4) for heads in per_batch for value in heads), per_batch
+
+
+@pytest.mark.slow
+def test_under_ddp_qk_clip_failing_on_one_rank_goes_off_on_every_rank_in_step(tmp_path: Path) -> None:
+    """Rank 1's precursor watch (and with it its QK-clip) fails at step 2: rank 0 must stop joining the clip's
+    collective at that very step, or it waits there alone. The step's reduce tells it (``part_failed``)."""
+    run = launch(
+        HELPERS / "qk_clip_ddp_script.py", str(tmp_path), 6, "precursors", nprocs=2, out_dir=tmp_path, timeout=120
+    )
+    ranks = run.results(ranks=(0, 1))
+    assert [ranks[r]["global_step"] for r in (0, 1)] == [6, 6]
+    assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]  # clipped together, then not at all
+    errors = {r: [(e["global_step"], e["details"]["part"]) for e in ranks[r]["events"]] for r in (0, 1)}
+    assert errors == {0: [(2, "qk_clip")], 1: [(2, "precursors")]}
+    assert ranks[0]["events"][0]["details"]["error"] == "it went off on another rank"
