@@ -130,6 +130,7 @@ class StepController:
         if self.precursors is not None:
             self.parts.when_off("precursors", self._drop_precursors)
         current = self.spikes
+        self.parts.when_off("spikes", self._drop_spikes)
         unchanged = current is not None and current.settings == settings.spikes
         if settings.spikes is None:
             self.spikes = None
@@ -173,6 +174,12 @@ class StepController:
     def _collective_part_failed(self) -> bool:
         """QK-clip joins a collective on every rank (DDP) and is off here: the step's reduce says so."""
         return self._qk_collective and (self.precursors is None or not self.parts.on("qk_clip"))
+
+    def _drop_spikes(self) -> None:
+        """The spike watch failed: no spike is checked from now on (its history is kept for the checkpoint)."""
+        watch, self.spikes = self.spikes, None
+        if watch is not None:
+            self.spike_state = watch.state_dict()
 
     def _drop_precursors(self) -> None:
         """The precursor watch failed: remove its hooks from the model (QK-clip goes with it)."""
@@ -246,7 +253,8 @@ class StepController:
     def begin_step(self, front: FrontEnd, every_n_steps: int) -> None:
         """The first micro-batch of an optimizer step: resolve a sync-free step still pending, open the window."""
         self.parts.step = front.global_step
-        self.report_failures(front)  # of parts that failed since the last check (e.g. at the epoch's end)
+        if self.parts.unreported:  # parts that failed since the last check (e.g. at the epoch's end)
+            self.report_failures(front)
         self.resolve_pending(front)
         front.resume_clipping()  # in case no after-step hook ran since a discarded step
         checking = self.checking(front, every_n_steps)
@@ -324,7 +332,8 @@ class StepController:
             elif not self.agreement.distributed:
                 self._stop_guarding(front, optimizer, drop=True)
         finally:
-            self.report_failures(front)
+            if self.parts.unreported:
+                self.report_failures(front)
 
     def _check_step(self, front: FrontEnd, optimizer: Optimizer) -> None:
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
@@ -379,17 +388,16 @@ class StepController:
         vector: Tensor | None = None
         if not self.state.failing:
             try:
-                spikes = self.spikes if self.parts.on("spikes") else None
                 vector = step_flags(
                     front,
                     optimizer,
                     grads,
                     self.window,
-                    spikes,
+                    self.spikes,  # None once its part is off
                     self.with_norm,
                     self.sharding,
                     parts=self.parts,
-                    part_failed=self._collective_part_failed(),
+                    part_failed=self._qk_collective and self._collective_part_failed(),
                 )
             except GuardInternalError:
                 raise
@@ -397,7 +405,8 @@ class StepController:
                 self.fail(error, "the per-step check")
         if vector is None:
             summary = torch.tensor([0.0, -1.0, 0.0], device=front.device)
-            vector = local_vector(summary, failed=True, part_failed=self._collective_part_failed())
+            part_failed = self._qk_collective and self._collective_part_failed()
+            vector = local_vector(summary, failed=True, part_failed=part_failed)
         self._voted = True  # from here on this rank takes part in the step's reduce
         if self.sharding is not None:  # the norm's shares travel with the flags: still one reduce
             return self.sharding.agree(vector, self.agreement, self._collective(front))
@@ -447,9 +456,8 @@ class StepController:
             self.parts.run("spikes", self.spikes.accept, True, loss=health.loss, grad_norm=grad_norm)
         if math.isfinite(grad_norm) and grad_norm >= 0:  # -1: not computed this step
             self.parts.run("remedies", self._healthy_norm, grads, grad_norm, clip=deferred is None)
-        if self.diagnosis.diagnoses:
-            step, slicer = front.global_step, self.diagnosis.batch_slicer
-            self.parts.run("diagnosis", self.window.refresh_reference, step, REFERENCE_EVERY_N_STEPS, slicer)
+        step, slicer = front.global_step, self.diagnosis.batch_slicer
+        self.parts.run("diagnosis", self.window.refresh_reference, step, REFERENCE_EVERY_N_STEPS, slicer)
         self.window.forget_batches()
         due = deferred.logging_due if deferred is not None else None
         self.recorder.scalars(front, self.metrics(self.state.counters), due=due)
@@ -480,13 +488,12 @@ class StepController:
         if self.state.failing:
             return RankVote(rank, failed=True), None
         try:
-            spikes = self.spikes if self.parts.on("spikes") else None
             inspector = inspector_for(
                 self.diagnosis,
                 self.window,
                 self.named_params,
                 self.recorder,
-                spikes,
+                self.spikes,
                 sharding=self.sharding,
                 agreement=self.agreement,
                 parts=self.parts,
@@ -626,7 +633,8 @@ class StepController:
             self.after_step.run(front, self._collective(front))
             self._qk_clip(front)
         finally:
-            self.report_failures(front)
+            if self.parts.unreported:
+                self.report_failures(front)
 
     def _qk_clip(self, front: FrontEnd) -> None:
         watch = self.precursors

@@ -152,7 +152,7 @@ class GuardParts:
         self.mode: InternalErrorMode = mode
         self.step = 0  # the global step, kept current by the controller (for the events)
         self.off: dict[str, PartFailure] = {}
-        self._unreported: list[PartFailure] = []
+        self.unreported: list[PartFailure] = []  # failures whose event is not recorded yet (read on every step)
         self._when_off: dict[str, Callable[[], None]] = {}
 
     def on(self, part: str) -> bool:
@@ -203,7 +203,7 @@ class GuardParts:
             return
         failure = PartFailure(part, "it went off on another rank", "another rank", self.step)
         self.off[part] = failure
-        self._unreported.append(failure)
+        self.unreported.append(failure)
         log.warning("NanGuard: its %s part failed on another rank; off on every rank from step %d.", part, failure.step)
         self._release(part)
 
@@ -229,15 +229,13 @@ class GuardParts:
 
     def take_unreported(self) -> list[PartFailure]:
         """The failures whose ``guard_error`` event is not recorded yet (each is handed out once)."""
-        if not self._unreported:  # every healthy step asks: nothing allocated then
-            return []
-        taken, self._unreported = self._unreported, []
+        taken, self.unreported = self.unreported, []
         return taken
 
     def _note(self, part: str, error: BaseException) -> PartFailure:
         failure = PartFailure(part, repr(error), _where(error), self.step)
         self.off[part] = failure
-        self._unreported.append(failure)
+        self.unreported.append(failure)
         return failure
 
     def __getstate__(self) -> dict[str, Any]:
