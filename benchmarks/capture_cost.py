@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/capture_cost.py
+    python -m benchmarks.capture_cost
 
 A module that logs four values (mean, sum, max, min; ``on_epoch=True``) and updates two torchmetrics
 metrics (``MeanSquaredError``, ``MeanAbsoluteError``) every step: the guard captures, at the start

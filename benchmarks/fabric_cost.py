@@ -2,9 +2,9 @@
 
 Run from the repository root::
 
-    python benchmarks/fabric_cost.py               # 1,000 steps of a Linear(2, 1), 5 alternating repetitions
-    python benchmarks/fabric_cost.py --steps 500 --repeat 3
-    python benchmarks/fabric_cost.py --accelerator cuda   # on a GPU
+    python -m benchmarks.fabric_cost               # 1,000 steps of a Linear(2, 1), 5 alternating repetitions
+    python -m benchmarks.fabric_cost --steps 500 --repeat 3
+    python -m benchmarks.fabric_cost --accelerator cuda   # on a GPU
 
 The loop is Fabric's plain one (``fabric.backward``, ``fabric.clip_gradients``, ``optimizer.step()``)
 on batches of 4, where a step costs little besides Python: what the guard adds there is its own

@@ -2,9 +2,9 @@
 
 Run from the repository root::
 
-    python benchmarks/fixed_cost.py            # 2,000 steps of a Linear(2, 1), 5 repetitions
-    python benchmarks/fixed_cost.py --steps 500 --repeat 3
-    python benchmarks/fixed_cost.py --logging  # also 4 logged values and 2 torchmetrics metrics a step
+    python -m benchmarks.fixed_cost            # 2,000 steps of a Linear(2, 1), 5 repetitions
+    python -m benchmarks.fixed_cost --steps 500 --repeat 3
+    python -m benchmarks.fixed_cost --logging  # also 4 logged values and 2 torchmetrics metrics a step
 
 A ``Linear(2, 1)`` trained on batches of 4 has three tiny tensors to check (two gradients and the
 loss): what the guard spends per step there is its own Python and the handful of kernels it
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,10 +36,10 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import benchmark_trainer
-
+from benchmarks.models import benchmark_trainer
 from lightning_nanguard import NanGuard
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class _Tiny(LightningModule):
@@ -82,17 +83,23 @@ def run(steps: int, logging: bool = False, accelerator: str = "cpu") -> tuple[fl
 
 
 def _one_process(checkout: str, args: argparse.Namespace) -> float:
-    """One repetition in a fresh process importing the package of ``checkout``: guard microseconds per step."""
-    command = [sys.executable, __file__, "--steps", str(args.steps), "--repeat", "1", "--json"]
+    """One repetition in a fresh process importing the package of ``checkout``: guard microseconds per step.
+
+    The process runs this checkout's ``benchmarks`` (copied into its working directory, which ``python -m``
+    puts first on the path) and imports ``lightning_nanguard`` from ``checkout`` (``PYTHONPATH``).
+    """
+    command = [sys.executable, "-m", "benchmarks.fixed_cost", "--steps", str(args.steps), "--repeat", "1", "--json"]
     command += ["--accelerator", args.accelerator, *(["--logging"] if args.logging else [])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    with tempfile.TemporaryDirectory() as cwd:
+        shutil.copytree(ROOT / "benchmarks", Path(cwd) / "benchmarks", ignore=shutil.ignore_patterns("__pycache__"))
+        done = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, check=True)
     return float(json.loads(done.stdout.strip().splitlines()[-1])["per_step_us"])
 
 
 def compare(args: argparse.Namespace) -> None:
     """Alternate this checkout and ``args.against``, one fresh process per repetition; print the ratio."""
-    here = str(Path(__file__).resolve().parent.parent)
+    here = str(ROOT)
     times: dict[str, list[float]] = {"this checkout": [], "against": []}
     for _ in range(args.repeat):
         times["this checkout"].append(_one_process(here, args))

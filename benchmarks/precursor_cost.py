@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python benchmarks/precursor_cost.py                    # 3 models, 60 alternating pairs each
-    python benchmarks/precursor_cost.py --pairs 30 --accelerator cuda
+    python -m benchmarks.precursor_cost                    # 3 models, 60 alternating pairs each
+    python -m benchmarks.precursor_cost --pairs 30 --accelerator cuda
 
 The watch works inside the forward pass of one optimizer step in ``precursor_every_n_steps`` (10):
 module hooks on the attention modules and, inside them, one ``q @ k^T`` of the guard's 4 batch rows
@@ -21,19 +21,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import MODELS, make
-
+from benchmarks.models import MODELS, make
 from lightning_nanguard.detect.attention import AttentionProbe
-from lightning_nanguard.engine.step.precursors import PrecursorSettings
+from lightning_nanguard.detect.precursors import PrecursorSettings
 
 EVERY_N_STEPS = PrecursorSettings().every_n_steps  # NanGuard's precursor_every_n_steps default
 ROWS = PrecursorSettings().rows  # the batch rows the guard measures per attention call

@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python benchmarks/profile_guard.py                      # the 1,500-small-tensor model, 60 steps
-    python benchmarks/profile_guard.py --model ResNet --steps 100
+    python -m benchmarks.profile_guard                      # the 1,500-small-tensor model, 60 steps
+    python -m benchmarks.profile_guard --model ResNet --steps 100
 
 Prints ``guard.clock`` per callable (milliseconds per step, wall time without the profiler) and
 the functions of ``lightning_nanguard`` with the most cumulative time under cProfile (which adds
@@ -16,15 +16,11 @@ import argparse
 import cProfile
 import io
 import pstats
-import sys
 import tempfile
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import MODELS, benchmark_trainer, make
-
+from benchmarks.models import MODELS, benchmark_trainer, make
 from lightning_nanguard import NanGuard
 
 

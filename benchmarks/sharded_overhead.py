@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python benchmarks/sharded_overhead.py               # both strategies, prints a Markdown table
-    python benchmarks/sharded_overhead.py --rounds 5    # more rounds (the median is reported)
+    python -m benchmarks.sharded_overhead               # both strategies, prints a Markdown table
+    python -m benchmarks.sharded_overhead --rounds 5    # more rounds (the median is reported)
 
 Each strategy runs in its own pair of processes (gloo). In them, fits alternate between no guard
 and ``NanGuard()`` (the order rotated per round), ``--steps`` steps each; the mean step time of the

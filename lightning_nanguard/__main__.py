@@ -21,8 +21,8 @@ import sys
 from collections.abc import Sequence
 
 from lightning_nanguard.core.defaults import default_of
+from lightning_nanguard.diagnose.batch_diagnosis import diagnose
 from lightning_nanguard.diagnose.combined import CombinedLayout
-from lightning_nanguard.diagnose.diagnosis import diagnose
 from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
 from lightning_nanguard.reporting import TerminalReporter
 from lightning_nanguard.reporting.repro import BundleMissingError, UntrustedBundleError, load_bundle

@@ -2,7 +2,7 @@
 # Set up .venv (first run only) and run the whole test suite plus ruff, mypy and the import contracts.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 ensure_browser
-echo "== ruff"; ruff check lightning_nanguard lightning_nanguard_tensorboard tests examples benchmarks
+echo "== ruff"; ruff check lightning_nanguard lightning_nanguard_tensorboard tests examples benchmarks studies
 echo "== mypy"; mypy
 echo "== import contracts"; lint-imports
 echo "== pytest"; python -m pytest "$@"

@@ -2,10 +2,15 @@
 
 Run from the repository root::
 
-    python benchmarks/attention_collapse.py           # the default grid (88 runs), writes the JSON traces
-    python benchmarks/attention_collapse.py --quick   # smoke run: 6 runs of 150 steps, under a minute
-    python benchmarks/attention_collapse.py --attention sdpa --qk-norm off --lr 0.1 --seed 3 --layers 2
-    python benchmarks/attention_collapse.py --replay benchmarks/attention_collapse_runs.json  # rules only
+    python -m studies.attention_collapse           # the default grid (88 runs), writes the JSON traces
+    python -m studies.attention_collapse --quick   # smoke run: 6 runs of 150 steps, under a minute
+    python -m studies.attention_collapse --attention sdpa --qk-norm off --lr 0.1 --seed 3 --layers 2
+    python -m studies.attention_collapse --replay studies/traces/attention_collapse_runs.json  # rules only
+
+The traces go to ``studies/traces/attention_collapse_runs.json`` (not committed; ``precursor_rule.py``,
+``precursor_rows.py`` and ``qk_clip.py`` read them). The task, the model, the schedule and the side
+measurement are ``tests/helpers/collapse_gpt.py``'s; the training loop, the onset, stall and class
+definitions below are ``studies/common.py``'s.
 
 Plain torch on CPU, ``torch.set_num_threads(1)`` in each of ``--workers`` processes (default 2). The
 default grid took 528 s of wall time on a 2-core machine shared with other jobs (load average ~2;
@@ -73,7 +78,7 @@ level; (b) a level and a growth factor over 20 steps; (c) k x the layer's own ba
 (d) the min-entropy bound below a fraction of its baseline; (e) combinations; then a sweep of level x
 growth rules, of which the Pareto front (in time, false alarms, median lead) is printed.
 
-**Findings** (the committed run; see the printed tables): 30 collapsing runs (15 pairs), 30 healthy +
+**Findings** (the run the docs cite, 528 s; see the printed tables): 30 collapsing runs (15 pairs), 30 healthy +
 12 references, 16 borderline; no NaN/Inf and no loss spike anywhere (largest step-to-step loss ratio
 ~1.25, the same in healthy runs). Collapse: the max logit of ``blocks.1.attn`` (2 layers) or
 ``blocks.2.attn`` (3 layers) grows to 880-32000 while ``blocks.0`` goes uniform; the 0.2x entropy
@@ -89,374 +94,39 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = ROOT / "benchmarks" / "attention_collapse_runs.json"
+from studies.common import (
+    BASELINE_STEPS,
+    DEFAULT_LRS_OFF,
+    DEFAULT_SEEDS,
+    LEAD_NEEDED,
+    LayerTrace,
+    Row,
+    RunResult,
+    baseline_median,
+    classify_all,
+    collapse_grid,
+    first_warning,
+    read_runs,
+    traces_file,
+    train,
+    with_references,
+    write_runs,
+)
+from tests.helpers.collapse_gpt import RunConfig
 
-VOCAB = 64
-TASK_SEED = 0
-BASELINE_STEPS = range(5, 16)  # steps 5..15
-ONSET_FRACTION = 0.2
-STALL_RATIO = 1.5
-STALL_STEPS = 20
-SMOOTH = 10
-LEAD_NEEDED = 10
+DEFAULT_OUT = traces_file("attention_collapse")
 SAMPLE_EVERY = (1, 5, 10)
-
-# The default grid, by number of layers: both implementations at each seed; QK-norm off at every
-# learning rate, on at a few. 0.01 is the reference learning rate.
-DEFAULT_SEEDS = {2: (0, 1, 2, 3), 3: (0, 1)}
-DEFAULT_LRS_OFF = {2: (0.01, 0.03, 0.05, 0.07, 0.1, 0.15), 3: (0.01, 0.05, 0.07, 0.1, 0.15)}
-DEFAULT_LRS_ON = {2: (0.03, 0.1), 3: (0.1,)}
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """One training run."""
-
-    attention: str
-    qk_norm: bool
-    lr: float
-    seed: int
-    steps: int = 300
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    seq_len: int = 32
-    batch_size: int = 32
-    warmup: int = 30
-    final_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-
-    @property
-    def name(self) -> str:
-        return f"{self.attention}/qk{'on' if self.qk_norm else 'off'}/lr{self.lr:g}/s{self.seed}"
-
-
-@dataclass
-class LayerTrace:
-    """Per-step signals of one attention module."""
-
-    max_logit: list[float] = field(default_factory=list)
-    entropy: list[float] = field(default_factory=list)
-    min_entropy: list[float] = field(default_factory=list)
-
-
-@dataclass
-class RunResult:
-    """The traces of one run."""
-
-    config: RunConfig
-    loss: list[float]
-    layers: dict[str, LayerTrace]
-    seconds: float
-
-
-# --------------------------------------------------------------------------------------------------
-# Task and model
-# --------------------------------------------------------------------------------------------------
-
-
-def transition_matrix() -> Tensor:
-    """The fixed bigram chain of the task (the same for every run)."""
-    gen = torch.Generator().manual_seed(TASK_SEED)
-    return torch.softmax(3.0 * torch.randn(VOCAB, VOCAB, generator=gen), dim=-1)
-
-
-def make_batch(chain: Tensor, gen: torch.Generator, batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
-    """Inputs and next-token targets: a Markov first half, then a copy of it (period ``seq_len // 2``)."""
-    half = seq_len // 2
-    tokens = torch.empty(batch_size, half, dtype=torch.long)
-    tokens[:, 0] = torch.randint(VOCAB, (batch_size,), generator=gen)
-    for t in range(1, half):
-        tokens[:, t] = torch.multinomial(chain[tokens[:, t - 1]], 1, generator=gen).squeeze(1)
-    reps = (seq_len + 1 + half - 1) // half
-    seq = tokens.repeat(1, reps)[:, : seq_len + 1]
-    return seq[:, :-1], seq[:, 1:]
-
-
-@torch.no_grad()
-def attention_signals(q: Tensor, k: Tensor) -> tuple[float, float, float]:
-    """Max logit, mean entropy, mean min-entropy bound of causal attention, from q and k (B, H, T, D)."""
-    q64, k64 = q.detach().double(), k.detach().double()
-    length, dim = q.shape[-2], q.shape[-1]
-    logits = (q64 @ k64.transpose(-2, -1)) / math.sqrt(dim)
-    allowed = torch.ones(length, length, dtype=torch.bool).tril()
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    row_max = logits.amax(dim=-1)
-    lse = torch.logsumexp(logits, dim=-1)
-    probs = torch.exp(logits - lse.unsqueeze(-1))
-    entropy = lse - (probs * logits.masked_fill(~allowed, 0.0)).sum(dim=-1)
-    return float(row_max.max()), float(entropy.mean()), float((lse - row_max).mean())
-
-
-class Attention(nn.Module):
-    """Causal multi-head self-attention, hand-written or through SDPA, optionally with QK-LayerNorm."""
-
-    def __init__(self, d_model: int, n_heads: int, qk_norm: bool, implementation: str) -> None:
-        super().__init__()
-        if implementation not in ("manual", "sdpa"):
-            raise ValueError(implementation)
-        self.n_heads, self.head_dim = n_heads, d_model // n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.out = nn.Linear(d_model, d_model)
-        self.q_norm: nn.Module = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
-        self.k_norm: nn.Module = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
-        self.implementation = implementation
-        self.measure = True
-        self.last: tuple[float, float, float] | None = None
-
-    def nanguard_qk_projections(self) -> tuple[list[Tensor], list[Tensor]]:
-        """The query and key rows of the fused ``qkv`` projection (NanGuard's QK-clip rescales them)."""
-        width = self.n_heads * self.head_dim
-        weight, bias = self.qkv.weight, self.qkv.bias
-        return [weight[:width], bias[:width]], [weight[width : 2 * width], bias[width : 2 * width]]
-
-    def forward(self, x: Tensor) -> Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = self.q_norm(q), self.k_norm(k)
-        if self.measure:
-            self.last = attention_signals(q, k)
-        if self.implementation == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            mask = torch.full((length, length), float("-inf"), device=x.device).triu(1)
-            scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim) + mask
-            y = torch.softmax(scores, dim=-1) @ v
-        return self.out(y.transpose(1, 2).reshape(batch, length, width))
-
-
-class Block(nn.Module):
-    """Pre-LN transformer block."""
-
-    def __init__(self, d_model: int, n_heads: int, qk_norm: bool, implementation: str) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.attn = Attention(d_model, n_heads, qk_norm, implementation)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class TinyGPT(nn.Module):
-    """Token + position embeddings, pre-LN blocks, final LN, linear head."""
-
-    def __init__(self, config: RunConfig) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, config.d_model)
-        self.pos = nn.Embedding(config.seq_len, config.d_model)
-        self.blocks = nn.ModuleList(
-            Block(config.d_model, config.n_heads, config.qk_norm, config.attention) for _ in range(config.n_layers)
-        )
-        self.ln_f = nn.LayerNorm(config.d_model)
-        self.head = nn.Linear(config.d_model, VOCAB, bias=False)
-
-    def forward(self, idx: Tensor) -> Tensor:
-        h = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.ln_f(h))
-
-
-def lr_at(config: RunConfig, step: int) -> float:
-    """Linear warm-up, then cosine decay to ``final_lr_ratio`` of the peak."""
-    warm = min(1.0, (step + 1) / config.warmup) if config.warmup else 1.0
-    progress = max(0, step - config.warmup) / max(1, config.steps - 1 - config.warmup)
-    decay = config.final_lr_ratio + (1 - config.final_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return config.lr * warm * decay
-
-
-def train(config: RunConfig, watch: Any = None, after_update: Callable[[int], float] | None = None) -> RunResult:
-    """Train one tiny GPT and record the loss and every layer's attention signals at every step.
-
-    ``watch`` (NanGuard's ``PrecursorWatch``, for ``benchmarks/qk_clip.py``) is attached to the
-    model, armed before each step's forward and finished after its backward; ``after_update(step)``
-    runs after ``optimizer.step()`` and returns the factor on the learning rate of the steps after it.
-    """
-    torch.set_num_threads(1)
-    chain = transition_matrix()
-    torch.manual_seed(config.seed)
-    model = TinyGPT(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
-    data_gen = torch.Generator().manual_seed(10_000 + config.seed)
-    if watch is not None:
-        watch.attach(model)
-    names = {name: m for name, m in model.named_modules() if isinstance(m, Attention)}  # blocks.{i}.attn
-    layers = {name: LayerTrace() for name in names}
-    losses: list[float] = []
-    scale = 1.0
-    start = time.perf_counter()
-    for step in range(config.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(config, step) * scale
-        x, y = make_batch(chain, data_gen, config.batch_size, config.seq_len)
-        if watch is not None:
-            watch.arm(step)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if watch is not None:
-            watch.finish(step)
-        optimizer.step()
-        if after_update is not None:
-            scale = after_update(step)
-        losses.append(loss.item())
-        for name, attn in names.items():
-            assert attn.last is not None
-            trace = layers[name]
-            trace.max_logit.append(attn.last[0])
-            trace.entropy.append(attn.last[1])
-            trace.min_entropy.append(attn.last[2])
-    return RunResult(config, losses, layers, time.perf_counter() - start)
-
-
-# --------------------------------------------------------------------------------------------------
-# Onset, stall, class
-# --------------------------------------------------------------------------------------------------
-
-
-def smooth(values: Sequence[float], window: int = SMOOTH) -> list[float]:
-    """Trailing mean over ``window`` steps."""
-    out: list[float] = []
-    total = 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
-def entropy_onset(run: RunResult, fraction: float = ONSET_FRACTION) -> tuple[int | None, str | None]:
-    """First step > 15 where some layer's entropy < ``fraction`` x its mean over steps 5-15, and that layer."""
-    thresholds = {
-        name: fraction * statistics.fmean(trace.entropy[s] for s in BASELINE_STEPS)
-        for name, trace in run.layers.items()
-    }
-    for step in range(BASELINE_STEPS.stop, len(run.loss)):
-        for name, trace in run.layers.items():
-            if trace.entropy[step] < thresholds[name]:
-                return step, name
-    return None, None
-
-
-def loss_stall(run: RunResult, reference: RunResult | None) -> int | None:
-    """First step t with the smoothed loss > 1.5x the reference's at every step t..t+19."""
-    if reference is None or reference is run:
-        return None
-    mine, ref = smooth(run.loss), smooth(reference.loss)
-    above = [m > STALL_RATIO * r for m, r in zip(mine, ref, strict=True)]
-    for t in range(len(above) - STALL_STEPS + 1):
-        if all(above[t : t + STALL_STEPS]):
-            return t
-    return None
-
-
-def final_loss(run: RunResult) -> float:
-    return statistics.fmean(run.loss[-SMOOTH:])
-
-
-def baseline_median(values: Sequence[float], steps: Iterable[int]) -> float:
-    return statistics.median(values[s] for s in steps)
-
-
-@dataclass
-class Row:
-    """One line of the per-run table."""
-
-    config: RunConfig
-    cls: str
-    why: str
-    onset: int | None
-    onset_layer: str | None
-    onset_strict: int | None
-    stall: int | None
-    final_loss: float
-    reference_final_loss: float | None
-    layer: str
-    logit_at: dict[str, float | None]
-    peak_logit: float
-    min_entropy_ratio: float
-    max_loss_ratio: float
-    finite: bool
-    seconds: float
-
-
-def classify(run: RunResult, reference: RunResult | None, is_reference: bool) -> Row:
-    """Onset, stall and class of one run (see the module docstring)."""
-    onset, onset_layer = entropy_onset(run)
-    onset_strict, _ = entropy_onset(run, ONSET_FRACTION / 2)
-    stall = loss_stall(run, reference)
-    fin = final_loss(run)
-    ref_fin = final_loss(reference) if reference is not None else None
-    # the collapsing layer, or else the layer whose max logit peaked highest
-    layer = onset_layer or max(run.layers, key=lambda n: max(run.layers[n].max_logit))
-    trace = run.layers[layer]
-    logit_at: dict[str, float | None] = {
-        str(s): (trace.max_logit[s] if s < len(run.loss) else None) for s in (10, 20, 50)
-    }
-    logit_at["onset"] = trace.max_logit[onset] if onset is not None else None
-    grew = any(
-        max(t.max_logit) >= max(100.0, 10 * baseline_median(t.max_logit, BASELINE_STEPS)) for t in run.layers.values()
-    )
-    fin_ok = ref_fin is None or fin <= STALL_RATIO * ref_fin
-    if is_reference:
-        cls, why = "reference", "the healthy reference"
-    elif onset is not None and stall is not None and not fin_ok:
-        cls, why = "collapse", "entropy onset, loss stalled to the end"
-    elif stall is None and fin_ok and not (grew and onset is not None):
-        cls = "healthy"
-        why = "learns; no entropy onset" if onset is None else "learns; entropy fell without logit growth (sharp head)"
-    else:
-        cls = "borderline"
-        if onset is not None and grew and fin_ok:
-            why = "logits grew, entropy fell, then recovered" + (" (stalled a while)" if stall is not None else "")
-        elif onset is None and not fin_ok:
-            why = "stalled, no entropy onset, no logit growth (slow)" if not grew else "stalled, logits grew, no onset"
-        else:
-            why = "onset without a lasting stall" if fin_ok else "stall without onset"
-    values = [run.loss, *(v for t in run.layers.values() for v in (t.max_logit, t.entropy, t.min_entropy))]
-    finite = all(math.isfinite(x) for seq in values for x in seq)
-    ratios = [b / a for a, b in itertools.pairwise(run.loss) if a > 0]
-    min_ent_ratio = min(
-        min(t.entropy[BASELINE_STEPS.stop :]) / statistics.fmean(t.entropy[s] for s in BASELINE_STEPS)
-        for t in run.layers.values()
-    )
-    return Row(
-        config=run.config,
-        cls=cls,
-        why=why,
-        onset=onset,
-        onset_layer=onset_layer,
-        onset_strict=onset_strict,
-        stall=stall,
-        final_loss=fin,
-        reference_final_loss=ref_fin,
-        layer=layer,
-        logit_at=logit_at,
-        peak_logit=max(trace.max_logit),
-        min_entropy_ratio=min_ent_ratio,
-        max_loss_ratio=max(ratios[BASELINE_STEPS.start :]) if len(ratios) > BASELINE_STEPS.start else math.nan,
-        finite=finite,
-        seconds=run.seconds,
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -564,16 +234,6 @@ SWEEP_LEVELS = (30, 40, 50, 60, 70, 80, 100, 150)
 SWEEP_FACTORS = (1.0, 1.5, 2.0, 3.0)
 
 
-def first_warning(views: dict[str, Sampled], rule: RuleFn) -> tuple[int | None, str | None]:
-    """First sampled step where ``rule`` holds in some layer, and that layer."""
-    some = next(iter(views.values()))
-    for i, step in enumerate(some.steps):
-        for name, view in views.items():
-            if rule(view, i):
-                return step, name
-    return None, None
-
-
 @dataclass
 class RuleScore:
     """One rule at one sampling interval, over the grid."""
@@ -604,7 +264,7 @@ def score_rule(
     score = RuleScore(label, every, 0, 0, 0, 0, [], [], [], 0, 0, 0, 0, [])
     for cfg, layer_views in views.items():
         row = rows[cfg]
-        warn, layer = first_warning(layer_views, rule)
+        warn, layer = first_warning(layer_views, rule) or (None, None)
         if row.cls == "collapse":
             assert row.onset is not None and row.stall is not None and row.onset_strict is not None
             score.collapses += 1
@@ -669,10 +329,6 @@ def pareto(scores: list[RuleScore]) -> list[RuleScore]:
 # --------------------------------------------------------------------------------------------------
 
 
-def sig4(x: float) -> float:
-    return float(f"{x:.4g}") if math.isfinite(x) else x
-
-
 def fmt(x: float | None, spec: str = ".3g") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -700,13 +356,8 @@ def build_grid(args: argparse.Namespace) -> tuple[list[RunConfig], set[RunConfig
         for att, q, lr, seed in itertools.product(attentions, qk, lrs, seeds):
             configs.append(RunConfig(att, q, lr, seed, n_layers=args.layers or 2, **size))
     else:
-        for layers in (2, 3):
-            for att, seed in itertools.product(attentions, DEFAULT_SEEDS[layers]):
-                configs += [RunConfig(att, False, lr, seed, n_layers=layers, **size) for lr in DEFAULT_LRS_OFF[layers]]
-                configs += [RunConfig(att, True, lr, seed, n_layers=layers, **size) for lr in DEFAULT_LRS_ON[layers]]
-    references = {replace(c, qk_norm=False, lr=args.reference_lr) for c in configs}
-    configs += sorted(references - set(configs), key=lambda c: (c.n_layers, c.attention, c.seed))
-    return configs, references
+        configs = collapse_grid(attentions, **size)
+    return with_references(configs, args.reference_lr)
 
 
 def run_all(configs: list[RunConfig], workers: int) -> dict[RunConfig, RunResult]:
@@ -803,38 +454,6 @@ def pair_agreement(runs: dict[RunConfig, RunResult], rows: dict[RunConfig, Row])
     )
 
 
-def write_json(path: Path, runs: dict[RunConfig, RunResult], rows: dict[RunConfig, Row], meta: dict[str, Any]) -> None:
-    out: dict[str, Any] = {"meta": meta, "runs": []}
-    for cfg, run in runs.items():
-        row = rows[cfg]
-        row_dict = {k: (sig4(v) if isinstance(v, float) else v) for k, v in asdict(row).items() if k != "config"}
-        row_dict["logit_at"] = {k: (None if v is None else sig4(v)) for k, v in row.logit_at.items()}
-        out["runs"].append(
-            {
-                "config": asdict(cfg),
-                "name": cfg.name,
-                "row": row_dict,
-                "loss": [sig4(x) for x in run.loss],
-                "layers": {
-                    name: {key: [sig4(x) for x in values] for key, values in asdict(trace).items()}
-                    for name, trace in run.layers.items()
-                },
-            }
-        )
-    path.write_text(json.dumps(out, separators=(",", ":")) + "\n")
-
-
-def read_json(path: Path) -> tuple[dict[RunConfig, RunResult], dict[str, Any]]:
-    """The runs of a traces file written by :func:`write_json` (values rounded to 4 significant digits)."""
-    data = json.loads(path.read_text())
-    runs: dict[RunConfig, RunResult] = {}
-    for item in data["runs"]:
-        cfg = RunConfig(**item["config"])
-        layers = {name: LayerTrace(**values) for name, values in item["layers"].items()}
-        runs[cfg] = RunResult(cfg, item["loss"], layers, item["row"]["seconds"])
-    return runs, data["meta"]
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a ~1 minute smoke run (150 steps, seed 0, lr 0.1)")
@@ -862,13 +481,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = args.out or (None if args.quick or custom or args.replay else DEFAULT_OUT)
 
     if args.replay is not None:
-        runs, meta = read_json(args.replay)
+        runs, meta = read_runs(args.replay)
         args.reference_lr, args.workers, wall = meta["reference_lr"], meta["workers"], meta["wall_seconds"]
         args.steps = max(len(r.loss) for r in runs.values())
-        references = {replace(c, qk_norm=False, lr=args.reference_lr) for c in runs}
         print(f"replaying {len(runs)} runs from {args.replay}")
     else:
-        configs, references = build_grid(args)
+        configs, _ = build_grid(args)
         print(
             f"{len(configs)} runs of {args.steps} steps, {args.workers} worker(s), torch {torch.__version__}, "
             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}",
@@ -879,10 +497,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         wall = time.perf_counter() - start
         print(f"load average after: {os.getloadavg()[0]:.2f}")
 
-    rows = {
-        cfg: classify(run, runs.get(replace(cfg, qk_norm=False, lr=args.reference_lr)), cfg in references)
-        for cfg, run in runs.items()
-    }
+    rows = classify_all(runs, args.reference_lr)
     order = sorted(
         rows.values(),
         key=lambda r: (r.config.n_layers, r.config.attention, r.config.qk_norm, r.config.lr, r.config.seed),
@@ -930,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     if out is not None:
         meta = {
-            "command": "python benchmarks/attention_collapse.py" + ("" if out == DEFAULT_OUT else " (custom)"),
+            "command": "python -m studies.attention_collapse" + ("" if out == DEFAULT_OUT else " (custom)"),
             "torch": torch.__version__,
             "wall_seconds": round(wall, 1),
             "workers": args.workers,
@@ -941,7 +556,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "reference_lr": args.reference_lr,
             "signals": "max_logit, entropy (nats), min_entropy (logsumexp - max), per step, 4 significant digits",
         }
-        write_json(out, runs, rows, meta)
+        write_runs(out, runs, rows, meta)
         print(f"traces: {out} ({out.stat().st_size / 1e6:.2f} MB)")
 
 

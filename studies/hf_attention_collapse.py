@@ -2,9 +2,11 @@
 
 Run from the repository root::
 
-    python benchmarks/hf_attention_collapse.py           # the default grid, writes the JSON traces
-    python benchmarks/hf_attention_collapse.py --quick   # smoke run: 4 runs of 150 steps
-    python benchmarks/hf_attention_collapse.py --attention sdpa --lr 0.1 --seed 3
+    python -m studies.hf_attention_collapse           # the default grid, writes the JSON traces
+    python -m studies.hf_attention_collapse --quick   # smoke run: 4 runs of 150 steps
+    python -m studies.hf_attention_collapse --attention sdpa --lr 0.1 --seed 3
+
+The traces go to ``studies/traces/hf_attention_collapse_runs.json`` (not committed).
 
 Plain torch + ``transformers`` on CPU, one process, ``torch.set_num_threads(1)``; no download
 (``GPT2LMHeadModel(GPT2Config(...))``, random init). The default grid (36 runs of 300 steps) took
@@ -16,13 +18,14 @@ Plain torch + ``transformers`` on CPU, one process, ``torch.set_num_threads(1)``
 own init (std 0.02); ``attn_implementation`` ``eager`` (a softmax in ``eager_attention_forward``) or
 ``sdpa`` (``F.scaled_dot_product_attention``). The attention modules are ``transformer.h.{i}.attn``.
 
-**Task and training**: those of ``attention_collapse.py`` (imported from it): the Markov + copy task
+**Task and training**: those of ``attention_collapse.py`` (``studies/common.py``'s ``fit`` on the task of
+``tests/helpers/collapse_gpt.py``, where the model and its side measurement live too): the Markov + copy task
 (batch 32, 32 tokens, the same task seed), AdamW betas (0.9, 0.95), weight decay 0, warm-up over 30
 steps then cosine to 0.1x, 300 steps; a seed fixes the init and the batches.
 
 **Measured** every step, every layer, on the side: a forward hook on ``c_attn`` splits its output into
 q and k and computes, in float64 under ``no_grad``, the causal logits ``q.k * attn.scaling``
-(``1/sqrt(16)``) as ``attention_collapse.attention_signals`` does: the max logit (over batch, heads
+(``1/sqrt(16)``) as ``collapse_gpt.attention_signals`` does: the max logit (over batch, heads
 and unmasked positions), the mean entropy, the mean min-entropy bound; also the max logit of batch
 row 0 alone, which is what ``NanGuard``'s probe measures (``rows=1``); and the loss.
 
@@ -37,7 +40,7 @@ Also replayed every 5 and every 1 steps.
 **Grid**: eager at lr 0.01 (reference), 0.02, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, seeds 0-3; sdpa
 twins at lr 0.01 and 0.05, seeds 0-1 (the same run up to rounding: same class and warning step).
 
-**Findings** (the committed run, ``hf_attention_collapse_runs.json``). Tiny GPT-2 does collapse:
+**Findings** (the run the docs cite, ``hf_attention_collapse_runs.json``). Tiny GPT-2 does collapse:
 14 runs (13 distinct), 11 borderline, 5 healthy + 6 references; no NaN/Inf, no loss spike anywhere
 (largest step-to-step loss ratio 1.26, the same in healthy runs). It learns the task more slowly
 than the hand-written GPT: the references end at loss 0.83 (seed 1, copy learned) to 1.32 (seeds 0
@@ -71,11 +74,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -83,92 +84,31 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import attention_collapse as bench  # the task, schedule, onset, stall and class definitions
-from attention_collapse import LayerTrace, Row, RunConfig, RunResult
+from studies.common import (
+    GUARD_EVERY,
+    LEAD_NEEDED,
+    REFERENCE_LR,
+    LayerTrace,
+    Row,
+    RunResult,
+    classify,
+    dump_traces,
+    fit,
+    guard_warning,
+    row_json,
+    sig4,
+    traces_file,
+    with_references,
+)
+from tests.helpers.collapse_gpt import RunConfig, SideMeasurement, gpt2
 
-from lightning_nanguard.detect.precursors import LogitGrowthRule
-
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = ROOT / "benchmarks" / "hf_attention_collapse_runs.json"
-
-# The guard's defaults (NanGuard's precursor_* arguments): sampled every 10 steps (global steps 0, 10,
-# 20, ...), max logit > 80 and >= 2x its value 20 steps before, at most one warning per module per 100.
-GUARD_EVERY = 10
-GUARD_RULE = (80.0, 2.0, 20, 100)
+DEFAULT_OUT = traces_file("hf_attention_collapse")
 
 DEFAULT_LRS = (0.01, 0.02, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15)
 DEFAULT_SEEDS = (0, 1, 2, 3)
 SDPA_LRS = (0.01, 0.05)  # sdpa twins of the eager runs at these learning rates, seeds SDPA_SEEDS
 SDPA_SEEDS = (0, 1)
-REFERENCE_LR = 0.01
-
-
-def gpt2(config: RunConfig) -> nn.Module:
-    """A tiny ``GPT2LMHeadModel`` (random init from ``config.seed``; dropout off, no cache)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    hf_config = GPT2Config(
-        vocab_size=bench.VOCAB,
-        n_positions=config.seq_len,
-        n_embd=config.d_model,
-        n_layer=config.n_layers,
-        n_head=config.n_heads,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    hf_config._attn_implementation = config.attention  # "eager" or "sdpa"
-    torch.manual_seed(config.seed)
-    return GPT2LMHeadModel(hf_config)
-
-
-class SideMeasurement:
-    """Per step and per ``transformer.h.{i}.attn``: the attention signals from its ``c_attn`` output (q, k).
-
-    Float64 under ``no_grad``, causal mask, scale ``attn.scaling`` (``1/sqrt(head_dim)`` for GPT-2):
-    the max logit over batch, heads and unmasked positions, the mean entropy and the mean min-entropy
-    bound (as ``attention_collapse.attention_signals``), and the max logit of batch row 0 alone (what
-    ``NanGuard``'s probe sees with its default ``rows=1``).
-    """
-
-    def __init__(self, model: nn.Module, prefix: str = "") -> None:
-        self.last: dict[str, tuple[float, float, float, float]] = {}
-        self.handles = []
-        for name, module in model.named_modules():
-            if type(module).__name__ == "GPT2Attention":
-                hook = self._hook(prefix + name, module)
-                self.handles.append(module.c_attn.register_forward_hook(hook))
-
-    def _hook(self, name: str, attn: Any) -> Any:  # attn: a GPT2Attention
-        def hook(module: nn.Module, args: Any, output: Tensor) -> None:
-            if not torch.is_grad_enabled():
-                return
-            self.last[name] = signals(output, int(attn.split_size), int(attn.head_dim), float(attn.scaling))
-
-        return hook
-
-
-@torch.no_grad()
-def signals(qkv: Tensor, split: int, head_dim: int, scaling: float) -> tuple[float, float, float, float]:
-    """Max logit, mean entropy, mean min-entropy bound, row-0 max logit of GPT-2's causal attention."""
-    q, k, _ = qkv.detach().double().split(split, dim=2)
-    batch, length, _ = q.shape
-    q = q.view(batch, length, -1, head_dim).transpose(1, 2)
-    k = k.view(batch, length, -1, head_dim).transpose(1, 2)
-    allowed = torch.ones(length, length, dtype=torch.bool).tril()
-    logits = ((q @ k.transpose(-2, -1)) * scaling).masked_fill(~allowed, -math.inf)
-    row_max = logits.amax(dim=-1)
-    lse = torch.logsumexp(logits, dim=-1)
-    probs = torch.exp(logits - lse.unsqueeze(-1))
-    entropy = lse - (probs * logits.masked_fill(~allowed, 0.0)).sum(dim=-1)
-    return float(row_max.max()), float(entropy.mean()), float((lse - row_max).mean()), float(row_max[0].max())
 
 
 @dataclass
@@ -180,33 +120,21 @@ class HFRun:
 
 
 def train(config: RunConfig) -> HFRun:
-    """Train one tiny GPT-2 on the task of ``attention_collapse.py`` and record every step's signals."""
-    torch.set_num_threads(1)
-    chain = bench.transition_matrix()
+    """Train one tiny GPT-2 on the collapse task (:func:`~studies.common.fit`) and record every step's signals."""
     model = gpt2(config)
     side = SideMeasurement(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
-    data_gen = torch.Generator().manual_seed(10_000 + config.seed)
     layers: dict[str, LayerTrace] = {}
     row0: dict[str, list[float]] = {}
     losses: list[float] = []
-    start = time.perf_counter()
-    for step in range(config.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = bench.lr_at(config, step)
-        x, y = bench.make_batch(chain, data_gen, config.batch_size, config.seq_len)
-        loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        for name, (max_logit, entropy, min_entropy, first_row) in side.last.items():
-            trace = layers.setdefault(name, LayerTrace())
-            trace.max_logit.append(max_logit)
-            trace.entropy.append(entropy)
-            trace.min_entropy.append(min_entropy)
-            row0.setdefault(name, []).append(first_row)
-    return HFRun(RunResult(config, losses, layers, time.perf_counter() - start), row0)
+
+    def record(step: int, loss: float) -> None:
+        losses.append(loss)
+        for name, signals in side.last.items():
+            layers.setdefault(name, LayerTrace()).append(signals)
+            row0.setdefault(name, []).append(signals[3])
+
+    seconds = fit(config, model, record, logits=lambda x: model(input_ids=x).logits)
+    return HFRun(RunResult(config, losses, layers, seconds), row0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,21 +142,9 @@ def train(config: RunConfig) -> HFRun:
 # --------------------------------------------------------------------------------------------------
 
 
-def guard_warning(traces: dict[str, list[float]], every: int = GUARD_EVERY) -> tuple[int | None, str | None]:
-    """The first finding of the guard's own ``LogitGrowthRule`` on max logits sampled at steps 0, every, ..."""
-    rule = LogitGrowthRule(*GUARD_RULE)
-    steps = len(next(iter(traces.values())))
-    for step in range(0, steps, every):
-        for name, values in traces.items():
-            finding = rule.observe(name, step, values[step])
-            if finding is not None:
-                return finding.step, finding.module
-    return None, None
-
-
 @dataclass
 class Scored:
-    """A run's class (``attention_collapse.classify``) and the guard's replayed warning."""
+    """A run's class (``common.classify``) and the guard's replayed warning (``common.guard_warning``)."""
 
     row: Row
     warning: int | None
@@ -247,12 +163,12 @@ class Scored:
 
 
 def score(run: HFRun, reference: HFRun | None, is_reference: bool) -> Scored:
-    row = bench.classify(run.result, reference.result if reference else None, is_reference)
+    row = classify(run.result, reference.result if reference else None, is_reference)
     nan = not all(math.isfinite(x) for x in run.result.loss)
     if nan:
         row = replace(row, cls="nan", why="the loss went NaN/Inf")
-    warning, layer = guard_warning({n: t.max_logit for n, t in run.result.layers.items()})
-    warning0, layer0 = guard_warning(run.row0)
+    warning, layer = guard_warning({n: t.max_logit for n, t in run.result.layers.items()}) or (None, None)
+    warning0, layer0 = guard_warning(run.row0) or (None, None)
     return Scored(row, warning, layer, warning0, layer0, nan)
 
 
@@ -279,9 +195,7 @@ def build_grid(args: argparse.Namespace) -> tuple[list[RunConfig], set[RunConfig
         for seed in DEFAULT_SEEDS:
             configs += [RunConfig("eager", False, lr, seed, **size) for lr in DEFAULT_LRS]
         configs += [RunConfig("sdpa", False, lr, seed, **size) for seed in SDPA_SEEDS for lr in SDPA_LRS]
-    references = {replace(c, lr=REFERENCE_LR) for c in configs}
-    configs += sorted(references - set(configs), key=lambda c: (c.attention, c.seed))
-    return configs, references
+    return with_references(configs, REFERENCE_LR)
 
 
 def print_table(scored: list[Scored], runs: dict[RunConfig, HFRun]) -> None:
@@ -342,7 +256,7 @@ def summary(scored: list[Scored], runs: dict[RunConfig, HFRun]) -> None:
             f"{'before stall':>12s} {'layer ok':>8s}  leads before the onset"
         )
         for row0, every in ((False, GUARD_EVERY), (True, GUARD_EVERY), (False, 5), (True, 5), (False, 1)):
-            found = [(s, *guard_warning(_view(runs[s.row.config], row0), every)) for s in group]
+            found = [(s, *(guard_warning(_view(runs[s.row.config], row0), every) or (None, None))) for s in group]
             hits = [(s, w, layer) for s, w, layer in found if w is not None]
             leads = sorted(s.row.onset - w for s, w, _ in hits if s.row.onset is not None)
             strict = [s.row.onset_strict - w for s, w, _ in hits if s.row.onset_strict is not None]
@@ -350,8 +264,8 @@ def summary(scored: list[Scored], runs: dict[RunConfig, HFRun]) -> None:
             right = sum(layer == s.row.onset_layer for s, _, layer in hits)
             label = f"{'batch row 0' if row0 else 'whole batch'}, every {every}"
             print(
-                f"  {label:26s} {len(hits):>3d}/{len(group):<2d} {sum(x >= bench.LEAD_NEEDED for x in leads):>14d}/"
-                f"{len(group):<2d} {sum(x >= bench.LEAD_NEEDED for x in strict):>13d}/{len(group):<2d} "
+                f"  {label:26s} {len(hits):>3d}/{len(group):<2d} {sum(x >= LEAD_NEEDED for x in leads):>14d}/"
+                f"{len(group):<2d} {sum(x >= LEAD_NEEDED for x in strict):>13d}/{len(group):<2d} "
                 f"{sum(x > 0 for x in stall):>9d}/{len(group):<2d} {right:>5d}/{len(hits):<2d}  {leads}"
             )
         by_lr: dict[float, list[str]] = {}
@@ -377,17 +291,14 @@ def summary(scored: list[Scored], runs: dict[RunConfig, HFRun]) -> None:
 
 
 def write_json(path: Path, runs: dict[RunConfig, HFRun], scored: list[Scored], meta: dict[str, Any]) -> None:
-    sig4 = bench.sig4
     out: dict[str, Any] = {"meta": meta, "runs": []}
     for s in scored:
         run = runs[s.row.config]
-        row = {k: (sig4(v) if isinstance(v, float) else v) for k, v in asdict(s.row).items() if k != "config"}
-        row["logit_at"] = {k: (None if v is None else sig4(v)) for k, v in s.row.logit_at.items()}
         out["runs"].append(
             {
                 "config": asdict(s.row.config),
                 "name": s.row.config.name,
-                "row": row,
+                "row": row_json(s.row),
                 "guard": {
                     "warning": s.warning,
                     "layer": s.warned_layer,
@@ -406,7 +317,7 @@ def write_json(path: Path, runs: dict[RunConfig, HFRun], scored: list[Scored], m
                 },
             }
         )
-    path.write_text(json.dumps(out, separators=(",", ":")) + "\n")
+    dump_traces(path, out)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -451,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     if out is not None:
         meta = {
-            "command": "python benchmarks/hf_attention_collapse.py",
+            "command": "python -m studies.hf_attention_collapse",
             "model": "transformers.GPT2LMHeadModel, n_layer 2, n_head 4, n_embd 64, vocab 64, n_positions 32, "
             "dropout 0, random init",
             "torch": torch.__version__,

@@ -2,24 +2,25 @@
 
 Run from the repository root::
 
-    python benchmarks/other_precursors.py            # 44 runs (8-11 min, 1 process), writes the traces JSON
-    python benchmarks/other_precursors.py --quick    # smoke run: 6 runs of 150 steps, under a minute
-    python benchmarks/other_precursors.py --replay benchmarks/other_precursors_runs.json   # rules only, ~10 s
-    python benchmarks/other_precursors.py --attention manual sdpa   # both implementations (88 runs)
+    python -m studies.other_precursors            # 44 runs (8-11 min, 1 process), writes the traces JSON
+    python -m studies.other_precursors --quick    # smoke run: 6 runs of 150 steps, under a minute
+    python -m studies.other_precursors --replay studies/traces/other_precursors_runs.json   # rules only, ~10 s
+    python -m studies.other_precursors --attention manual sdpa   # both implementations (88 runs)
 
 Plain torch on CPU, one process, ``torch.set_num_threads(1)``.
 
-**Runs.** ``benchmarks/attention_collapse.py``'s tiny pre-LN GPTs on its Markov + copy task (read its
+**Runs.** ``studies/attention_collapse.py``'s tiny pre-LN GPTs on its Markov + copy task (read its
 docstring), its default grid restricted to ``manual`` attention (the ``sdpa`` twins are the same
 computation up to rounding): 2 layers, seeds 0-3, QK-norm off at lr 0.01-0.15 and on at 0.03, 0.1; 3
 layers, seeds 0-1, off at 0.01-0.15 and on at 0.1; 44 runs, the lr-0.01 ones are the references. The
-training loop is its ``train()`` (same init, batches, AdamW betas 0.9/0.95, eps 1e-8, no weight decay,
-warm-up and cosine schedule, 300 steps) with the extra signals measured on the side, under ``no_grad``,
-from detached tensors: the re-trained loss and max logits match the benchmark's committed traces to
-their 4 significant digits (checked and printed), so the classes, onsets and stalls are the
-benchmark's (its ``classify``).
+training loop is its ``train()`` (``studies/common.py``'s: same init, batches, AdamW betas 0.9/0.95,
+eps 1e-8, no weight decay, warm-up and cosine schedule, 300 steps) with the extra signals measured on
+the side, under ``no_grad``, from detached tensors: the re-trained loss and max logits match the
+benchmark's traces (``studies/traces/attention_collapse_runs.json``, when it is there) to their 4
+significant digits (checked and printed), so the classes, onsets and stalls are the benchmark's (its
+``classify``).
 
-**Signals**, every step (``benchmarks/other_precursors_runs.json``, 4 significant digits):
+**Signals**, every step (``studies/traces/other_precursors_runs.json``, not committed; 4 significant digits):
 
 - output-logit drift: ``logz_mean`` and ``logz_max``, the mean and the max over the batch's tokens
   of ``logsumexp`` of the LM head's logits (log Z);
@@ -68,7 +69,7 @@ warns >= 2 more than the lr control alone (or has fewer false alarms), i.e. it k
 learning rate does not. (The guard's rule passes that last test: +3.) One run more is not enough: the
 runs come in seeds and learning rates, not independent samples.
 
-**Findings** (the committed run). Classes: 15 collapse (0.1x onsets at steps 52-120, stalls 79-92), 15
+**Findings** (the run the docs cite). Classes: 15 collapse (0.1x onsets at steps 52-120, stalls 79-92), 15
 healthy + 6 references, 8 borderline. The guard's rule, every 10 steps: 12/15 in time for the 0.1x
 onset (median lead 22, -4..40), 4/15 for the 0.2x onset, 14/15 before the stall, 0/21 false alarms
 (sampled every step: 15/15, 8/15, 15/15, 0/21). The lr control's best rule (lr > 0.0529 and 3x in 20
@@ -120,7 +121,7 @@ Cost, were one kept: log Z needs the head's output (one logsumexp over the vocab
 update norms a copy of the parameters before the step (or AdamW's state: m and v give the update), the
 gradient norm is free where clipping computes it.
 
-Wall time: 494 s of training for the 44 runs of the committed traces (1 process; 11.2 s per run median,
+Wall time: 494 s of training for the 44 runs of the traces the docs cite (1 process; 11.2 s per run median,
 on a 2-core machine at load average 3-4.5 from other jobs; an identical earlier run took 637 s at load
 ~7), replay ~10 s; ``--quick`` ~50 s.
 """
@@ -128,30 +129,47 @@ on a 2-core machine at load average 3-4.5 from other jobs; an identical earlier 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-BENCHMARKS = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCHMARKS))
-import attention_collapse as bench  # noqa: E402
+from studies.common import (
+    BASELINE_STEPS,
+    LEAD_NEEDED,
+    REFERENCE_LR,
+    LayerTrace,
+    Row,
+    RunResult,
+    adamw,
+    attention_modules,
+    baseline_median,
+    classify_all,
+    collapse_grid,
+    dump_traces,
+    first_warning,
+    fit,
+    guard_warning,
+    load_traces,
+    lr_at,
+    read_runs,
+    sig4,
+    tiny_gpt,
+    traces_file,
+    with_references,
+)
+from tests.helpers.collapse_gpt import RunConfig
 
-from lightning_nanguard.detect.precursors import LogitGrowthRule  # noqa: E402
-
-DEFAULT_OUT = BENCHMARKS / "other_precursors_runs.json"
-REFERENCE_TRACES = BENCHMARKS / "attention_collapse_runs.json"
-REFERENCE_LR = 0.01
+DEFAULT_OUT = traces_file("other_precursors")
+REFERENCE_TRACES = traces_file("attention_collapse")
 QUICK_LRS = (REFERENCE_LR, 0.05, 0.15)  # --quick: these, 2 layers, seeds 0 and 1, 150 steps
 SPIKE_WINDOW = 20  # trailing window (steps) of the per-step spike ratios
 EPS = 1e-8  # AdamW's default eps, the one the runs use
@@ -165,20 +183,20 @@ LAYER_SIGNALS = ("max_logit", "entropy", "min_entropy", "qkv_update_rel", "qkv_a
 class Trace:
     """Every per-step signal of one run."""
 
-    config: bench.RunConfig
+    config: RunConfig
     loss: list[float]
     signals: dict[str, list[float]]  # GLOBAL_SIGNALS
     layers: dict[str, dict[str, list[float]]]  # module -> LAYER_SIGNALS
     lr: list[float] = field(default_factory=list)
     seconds: float = 0.0
 
-    def as_result(self) -> bench.RunResult:
+    def as_result(self) -> RunResult:
         """The benchmark's view of the run (loss and attention signals), for its :func:`classify`."""
         layers = {
-            name: bench.LayerTrace(values["max_logit"], values["entropy"], values["min_entropy"])
+            name: LayerTrace(values["max_logit"], values["entropy"], values["min_entropy"])
             for name, values in self.layers.items()
         }
-        return bench.RunResult(self.config, self.loss, layers, self.seconds)
+        return RunResult(self.config, self.loss, layers, self.seconds)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -217,64 +235,56 @@ def _adam_signals(optimizer: torch.optim.AdamW, weight: Tensor) -> tuple[float, 
     return float(normalized.pow(2).mean().sqrt()), float(stable.mean().sqrt())
 
 
-def train(config: bench.RunConfig) -> Trace:
-    """``attention_collapse.train`` (same init, batches and updates), plus the output, optimizer and update signals."""
-    torch.set_num_threads(1)
-    chain = bench.transition_matrix()
-    torch.manual_seed(config.seed)
-    model = bench.TinyGPT(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
-    data_gen = torch.Generator().manual_seed(10_000 + config.seed)
-    names = {name: m for name, m in model.named_modules() if isinstance(m, bench.Attention)}
+def train(config: RunConfig) -> Trace:
+    """``common.train``'s run (same init, batches and updates), plus the output, optimizer and update signals."""
+    model = tiny_gpt(config)
+    optimizer = adamw(model, config)
+    names = attention_modules(model)
     params = [p for p in model.parameters() if p.requires_grad]
+    index = {id(p): i for i, p in enumerate(params)}
     trace = Trace(
         config,
         [],
         {key: [] for key in GLOBAL_SIGNALS},
         {name: {key: [] for key in LAYER_SIGNALS} for name in names},
     )
-    start = time.perf_counter()
-    for step in range(config.steps):
-        lr = bench.lr_at(config, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = bench.make_batch(chain, data_gen, config.batch_size, config.seq_len)
-        logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        with torch.no_grad():
-            logz = torch.logsumexp(logits.detach().double(), dim=-1)  # (batch, positions): log Z per token
-            grad_norm = _norm([p.grad for p in params if p.grad is not None])
-            before = [p.detach().clone() for p in params]
-        optimizer.step()
-        trace.loss.append(loss.item())
-        trace.lr.append(lr)
-        with torch.no_grad():
-            delta = [p.detach() - b for p, b in zip(params, before, strict=True)]
-            update_norm = _norm(delta)
-            sig = trace.signals
-            sig["logz_mean"].append(float(logz.mean()))
-            sig["logz_max"].append(float(logz.max()))
-            sig["grad_norm"].append(grad_norm)
-            sig["update_norm"].append(update_norm)
-            sig["update_rel"].append(update_norm / _norm(before))
-            sig["update_spike"].append(_trailing_ratio(sig["update_norm"]))
-            sig["grad_spike"].append(_trailing_ratio(sig["grad_norm"]))
-            index = {id(p): i for i, p in enumerate(params)}
-            for name, attn in names.items():
-                assert attn.last is not None
-                layer = trace.layers[name]
-                layer["max_logit"].append(attn.last[0])
-                layer["entropy"].append(attn.last[1])
-                layer["min_entropy"].append(attn.last[2])
-                weight = attn.qkv.weight
-                i = index[id(weight)]
-                layer["qkv_update_rel"].append(_norm([delta[i]]) / _norm([before[i]]))
-                normalized, stable = _adam_signals(optimizer, weight)
-                layer["qkv_adam_rms"].append(normalized)
-                layer["qkv_stable_rms"].append(stable)
-    trace.seconds = time.perf_counter() - start
+    step_before: dict[str, Any] = {}  # what after_update needs of the step before the update
+
+    @torch.no_grad()
+    def after_backward(step: int, logits: Tensor) -> None:
+        step_before["logz"] = torch.logsumexp(logits.detach().double(), dim=-1)  # (batch, positions): log Z per token
+        step_before["grad_norm"] = _norm([p.grad for p in params if p.grad is not None])
+        step_before["params"] = [p.detach().clone() for p in params]
+
+    @torch.no_grad()
+    def after_update(step: int, loss: float) -> None:
+        trace.loss.append(loss)
+        trace.lr.append(lr_at(config, step))
+        logz, before = step_before["logz"], step_before["params"]
+        delta = [p.detach() - b for p, b in zip(params, before, strict=True)]
+        update_norm = _norm(delta)
+        sig = trace.signals
+        sig["logz_mean"].append(float(logz.mean()))
+        sig["logz_max"].append(float(logz.max()))
+        sig["grad_norm"].append(step_before["grad_norm"])
+        sig["update_norm"].append(update_norm)
+        sig["update_rel"].append(update_norm / _norm(before))
+        sig["update_spike"].append(_trailing_ratio(sig["update_norm"]))
+        sig["grad_spike"].append(_trailing_ratio(sig["grad_norm"]))
+        for name, attn in names.items():
+            assert attn.last is not None
+            layer = trace.layers[name]
+            layer["max_logit"].append(attn.last[0])
+            layer["entropy"].append(attn.last[1])
+            layer["min_entropy"].append(attn.last[2])
+            weight = attn.qkv.weight
+            i = index[id(weight)]
+            layer["qkv_update_rel"].append(_norm([delta[i]]) / _norm([before[i]]))
+            normalized, stable = _adam_signals(optimizer, weight)
+            layer["qkv_adam_rms"].append(normalized)
+            layer["qkv_stable_rms"].append(stable)
+
+    trace.seconds = fit(config, model, after_update, after_backward=after_backward, optimizer=optimizer)
     return trace
 
 
@@ -283,29 +293,21 @@ def train(config: bench.RunConfig) -> Trace:
 # --------------------------------------------------------------------------------------------------
 
 
-def build_grid(quick: bool, attentions: Sequence[str], steps: int) -> list[bench.RunConfig]:
+def build_grid(quick: bool, attentions: Sequence[str], steps: int) -> list[RunConfig]:
     """The benchmark's default grid for ``attentions`` (its references included), or a few runs with ``quick``."""
-    configs: list[bench.RunConfig] = []
     if quick:
-        return [bench.RunConfig("manual", False, lr, seed, steps=steps) for seed in (0, 1) for lr in QUICK_LRS]
-    for layers in (2, 3):
-        for att in attentions:
-            for seed in bench.DEFAULT_SEEDS[layers]:
-                for lr in bench.DEFAULT_LRS_OFF[layers]:
-                    configs.append(bench.RunConfig(att, False, lr, seed, steps=steps, n_layers=layers))
-                for lr in bench.DEFAULT_LRS_ON[layers]:
-                    configs.append(bench.RunConfig(att, True, lr, seed, steps=steps, n_layers=layers))
-    references = {replace(c, qk_norm=False, lr=REFERENCE_LR) for c in configs}
-    return configs + sorted(references - set(configs), key=lambda c: (c.n_layers, c.attention, c.seed))
+        return [RunConfig("manual", False, lr, seed, steps=steps) for seed in (0, 1) for lr in QUICK_LRS]
+    configs, _ = with_references(collapse_grid(attentions, steps=steps), REFERENCE_LR)
+    return configs
 
 
 def _sig4(values: Sequence[float]) -> list[float]:
-    return [bench.sig4(v) for v in values]
+    return [sig4(v) for v in values]
 
 
-def write_json(path: Path, traces: dict[bench.RunConfig, Trace], meta: dict[str, Any]) -> None:
+def write_json(path: Path, traces: dict[RunConfig, Trace], meta: dict[str, Any]) -> None:
     """The traces, 4 significant digits, with each run's class, onsets and stall (the benchmark's, for reading)."""
-    rows = classify_all(traces)
+    rows = classify_traces(traces)
     out: dict[str, Any] = {"meta": meta, "runs": []}
     for cfg, tr in traces.items():
         row = rows[cfg]
@@ -328,23 +330,23 @@ def write_json(path: Path, traces: dict[bench.RunConfig, Trace], meta: dict[str,
                 "layers": {name: {key: _sig4(v) for key, v in values.items()} for name, values in tr.layers.items()},
             }
         )
-    path.write_text(json.dumps(out, separators=(",", ":")) + "\n")
+    dump_traces(path, out)
 
 
-def read_json(path: Path) -> tuple[dict[bench.RunConfig, Trace], dict[str, Any]]:
-    data = json.loads(path.read_text())
-    traces: dict[bench.RunConfig, Trace] = {}
+def read_json(path: Path) -> tuple[dict[RunConfig, Trace], dict[str, Any]]:
+    data = load_traces(path)
+    traces: dict[RunConfig, Trace] = {}
     for item in data["runs"]:
-        cfg = bench.RunConfig(**item["config"])
+        cfg = RunConfig(**item["config"])
         traces[cfg] = Trace(cfg, item["loss"], item["signals"], item["layers"], item["lr"], item["seconds"])
     return traces, data["meta"]
 
 
-def check_against_benchmark(traces: dict[bench.RunConfig, Trace]) -> str:
-    """How closely the re-trained runs match the benchmark's committed traces (same loop, so they should)."""
+def check_against_benchmark(traces: dict[RunConfig, Trace]) -> str:
+    """How closely the re-trained runs match the benchmark's traces (same loop, so they should)."""
     if not REFERENCE_TRACES.exists():
-        return "no benchmark traces to compare with"
-    committed, _ = bench.read_json(REFERENCE_TRACES)
+        return f"no {REFERENCE_TRACES.name} to compare with (`python -m studies.attention_collapse` writes it)"
+    committed, _ = read_runs(REFERENCE_TRACES)
     worst, compared = 0.0, 0
     for cfg, tr in traces.items():
         other = committed.get(cfg)
@@ -359,7 +361,7 @@ def check_against_benchmark(traces: dict[bench.RunConfig, Trace]) -> str:
         return f"none of the runs is in {REFERENCE_TRACES.name} (other steps or settings): not compared"
     return (
         f"{compared} of {len(traces)} runs are in {REFERENCE_TRACES.name}: loss and max logits agree within a relative "
-        f"{worst:.1e} (the committed values have 4 significant digits)"
+        f"{worst:.1e} (the stored values have 4 significant digits)"
     )
 
 
@@ -368,14 +370,9 @@ def check_against_benchmark(traces: dict[bench.RunConfig, Trace]) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def classify_all(traces: dict[bench.RunConfig, Trace]) -> dict[bench.RunConfig, bench.Row]:
+def classify_traces(traces: dict[RunConfig, Trace]) -> dict[RunConfig, Row]:
     """The benchmark's onset, stall and class of every run, against its reference run."""
-    results = {cfg: tr.as_result() for cfg, tr in traces.items()}
-    references = {replace(cfg, qk_norm=False, lr=REFERENCE_LR) for cfg in traces}
-    return {
-        cfg: bench.classify(run, results.get(replace(cfg, qk_norm=False, lr=REFERENCE_LR)), cfg in references)
-        for cfg, run in results.items()
-    }
+    return classify_all({cfg: tr.as_result() for cfg, tr in traces.items()}, REFERENCE_LR)
 
 
 @dataclass(frozen=True)
@@ -433,7 +430,7 @@ class View:
     @classmethod
     def of(cls, values: Sequence[float], every: int, log: bool) -> View:
         steps = list(range(0, len(values), every))
-        base = bench.baseline_median(values, [s for s in steps if s in bench.BASELINE_STEPS])
+        base = baseline_median(values, [s for s in steps if s in BASELINE_STEPS])
         return cls(every, steps, [values[s] for s in steps], base, log)
 
     def ratio(self, value: float, other: float) -> float:
@@ -468,7 +465,7 @@ def rule_baseline(k: float, down: bool = False) -> RuleFn:
     """At least ``k`` x its own baseline (median of the sampled steps 5-15), or at most 1/k x with ``down``."""
 
     def rule(v: View, i: int) -> bool:
-        if v.steps[i] < bench.BASELINE_STEPS.stop:
+        if v.steps[i] < BASELINE_STEPS.stop:
             return False
         r = v.ratio(v.values[i], v.base)
         return r <= 1 / k if down else r >= k
@@ -494,7 +491,7 @@ N_LEVELS = 14
 
 def _levels(signal: Signal, views: Iterable[View]) -> list[float]:
     """Levels to sweep: spread over the range of the per-unit peaks after step 15 (log-spaced unless log)."""
-    peaks = [max(v.values[i] for i in range(len(v.steps)) if v.steps[i] >= bench.BASELINE_STEPS.stop) for v in views]
+    peaks = [max(v.values[i] for i in range(len(v.steps)) if v.steps[i] >= BASELINE_STEPS.stop) for v in views]
     low, high = min(peaks), max(peaks)
     if signal.log or low <= 0:
         return [low + (high - low) * j / (N_LEVELS - 1) for j in range(N_LEVELS)]
@@ -519,26 +516,18 @@ def candidate_rules(signal: Signal, views: Iterable[View]) -> dict[str, RuleFn]:
     return rules
 
 
-def first_warning(views: dict[str, View], rule: RuleFn) -> int | None:
+def first_step(views: dict[str, View], rule: RuleFn) -> int | None:
     """First sampled step where ``rule`` holds in some unit."""
-    some = next(iter(views.values()))
-    for i, step in enumerate(some.steps):
-        if any(rule(view, i) for view in views.values()):
-            return step
-    return None
+    first = first_warning(views, rule)
+    return None if first is None else first[0]
 
 
-def guard_warnings(traces: dict[bench.RunConfig, Trace], every: int) -> dict[bench.RunConfig, int | None]:
+def guard_warnings(traces: dict[RunConfig, Trace], every: int) -> dict[RunConfig, int | None]:
     """The guard's own ``LogitGrowthRule(80, 2.0, 20, 100)`` on each run's max logits sampled every ``every``."""
-    out: dict[bench.RunConfig, int | None] = {}
+    out: dict[RunConfig, int | None] = {}
     for cfg, tr in traces.items():
-        rule = LogitGrowthRule(80.0, 2.0, 20, cooldown=100)
-        out[cfg] = None
-        for step in range(0, len(tr.loss), every):
-            hits = [rule.observe(name, step, layer["max_logit"][step]) for name, layer in sorted(tr.layers.items())]
-            if any(h is not None for h in hits):
-                out[cfg] = step
-                break
+        first = guard_warning({name: layer["max_logit"] for name, layer in tr.layers.items()}, every)
+        out[cfg] = None if first is None else first[0]
     return out
 
 
@@ -552,7 +541,7 @@ class Score:
     """One rule (its first warning per run) against the classes."""
 
     rule: str
-    warnings: dict[bench.RunConfig, int | None]
+    warnings: dict[RunConfig, int | None]
     collapses: int = 0
     in_time: int = 0  # >= 10 steps before the 0.2x onset
     in_time_strict: int = 0  # >= 10 steps before the 0.1x onset
@@ -591,7 +580,7 @@ SCORE_NOTE = (
 )
 
 
-def score(label: str, warnings: dict[bench.RunConfig, int | None], rows: dict[bench.RunConfig, bench.Row]) -> Score:
+def score(label: str, warnings: dict[RunConfig, int | None], rows: dict[RunConfig, Row]) -> Score:
     s = Score(label, warnings)
     for cfg, warn in warnings.items():
         row = rows[cfg]
@@ -601,9 +590,9 @@ def score(label: str, warnings: dict[bench.RunConfig, int | None], rows: dict[be
             if warn is None:
                 continue
             s.leads.append(row.onset_strict - warn)
-            s.in_time += row.onset - warn >= bench.LEAD_NEEDED
-            s.in_time_strict += row.onset_strict - warn >= bench.LEAD_NEEDED
-            s.before_stall += row.stall - warn >= bench.LEAD_NEEDED
+            s.in_time += row.onset - warn >= LEAD_NEEDED
+            s.in_time_strict += row.onset_strict - warn >= LEAD_NEEDED
+            s.before_stall += row.stall - warn >= LEAD_NEEDED
         elif row.cls == "borderline":
             s.borderline += 1
             s.borderline_warned += warn is not None
@@ -615,16 +604,16 @@ def score(label: str, warnings: dict[bench.RunConfig, int | None], rows: dict[be
     return s
 
 
-def either(*warnings: dict[bench.RunConfig, int | None]) -> dict[bench.RunConfig, int | None]:
+def either(*warnings: dict[RunConfig, int | None]) -> dict[RunConfig, int | None]:
     """The first warning of any of the rules, per run."""
-    out: dict[bench.RunConfig, int | None] = {}
+    out: dict[RunConfig, int | None] = {}
     for cfg in warnings[0]:
         steps = [w[cfg] for w in warnings if w[cfg] is not None]
         out[cfg] = min(steps) if steps else None  # type: ignore[type-var]
     return out
 
 
-def restrict(s: Score, keep: set[bench.RunConfig], rows: dict[bench.RunConfig, bench.Row]) -> Score:
+def restrict(s: Score, keep: set[RunConfig], rows: dict[RunConfig, Row]) -> Score:
     return score(s.rule, {cfg: w for cfg, w in s.warnings.items() if cfg in keep}, rows)
 
 
@@ -640,7 +629,7 @@ def views_of(signal: Signal, tr: Trace, every: int) -> dict[str, View]:
     return {unit: View.of(values, every, signal.log) for unit, values in signal.series(tr).items()}
 
 
-def describe(signal: Signal, traces: dict[bench.RunConfig, Trace], rows: dict[bench.RunConfig, bench.Row]) -> str:
+def describe(signal: Signal, traces: dict[RunConfig, Trace], rows: dict[RunConfig, Row]) -> str:
     """Where the signal sits: healthy runs after step 15 against collapsing runs 10 steps before the 0.1x onset."""
     quiet: list[float] = []
     border: list[float] = []
@@ -650,7 +639,7 @@ def describe(signal: Signal, traces: dict[bench.RunConfig, Trace], rows: dict[be
         row = rows[cfg]
         if row.cls == "collapse":
             assert row.onset_strict is not None
-            i = (row.onset_strict - bench.LEAD_NEEDED) // EVERY
+            i = (row.onset_strict - LEAD_NEEDED) // EVERY
             at_lead.append(max(v.values[i] for v in views.values()))
         else:
             after = [x for v in views.values() for x in v.values[2:]]  # steps 20, 30, ...
@@ -672,11 +661,11 @@ class Sweep:
     scores: list[Score]
 
 
-def sweep(signal: Signal, traces: dict[bench.RunConfig, Trace], rows: dict[bench.RunConfig, bench.Row]) -> Sweep:
+def sweep(signal: Signal, traces: dict[RunConfig, Trace], rows: dict[RunConfig, Row]) -> Sweep:
     views = {cfg: views_of(signal, tr, EVERY) for cfg, tr in traces.items()}
     rules = candidate_rules(signal, (v for unit_views in views.values() for v in unit_views.values()))
     scores = [
-        score(label, {cfg: first_warning(views[cfg], rule) for cfg in traces}, rows) for label, rule in rules.items()
+        score(label, {cfg: first_step(views[cfg], rule) for cfg in traces}, rows) for label, rule in rules.items()
     ]
     return Sweep(signal, rules, scores)
 
@@ -687,8 +676,8 @@ def best(scores: list[Score], key: Callable[[Score], tuple[int, int, int, float]
 
 def cross_validate(
     scores: list[Score],
-    rows: dict[bench.RunConfig, bench.Row],
-    partner: dict[bench.RunConfig, int | None] | None,
+    rows: dict[RunConfig, Row],
+    partner: dict[RunConfig, int | None] | None,
 ) -> Score:
     """Leave one seed out: the best rule (alone, or OR ``partner``'s warnings) on the other seeds, scored on the
     held-out seed; the held-out warnings of every fold put together."""
@@ -696,11 +685,11 @@ def cross_validate(
     seeds = sorted({cfg.seed for cfg in rows})
     if len(seeds) < 2:
         return best(candidates)  # nothing to hold out: in sample
-    held_out: dict[bench.RunConfig, int | None] = {}
+    held_out: dict[RunConfig, int | None] = {}
     for seed in seeds:
         fold = {cfg for cfg in rows if cfg.seed != seed}
 
-        def on_fold(s: Score, fold: set[bench.RunConfig] = fold) -> tuple[int, int, int, float]:
+        def on_fold(s: Score, fold: set[RunConfig] = fold) -> tuple[int, int, int, float]:
             return restrict(s, fold, rows).key
 
         choice = best(candidates, on_fold)
@@ -731,7 +720,7 @@ class Verdict:
 
 def judge(
     sw: Sweep,
-    rows: dict[bench.RunConfig, bench.Row],
+    rows: dict[RunConfig, Row],
     guard: Score,
     lr_control: Score,
 ) -> Verdict:
@@ -760,9 +749,9 @@ def judge(
     )
 
 
-def report(traces: dict[bench.RunConfig, Trace], wall: float) -> list[Verdict]:
+def report(traces: dict[RunConfig, Trace], wall: float) -> list[Verdict]:
     """Classes, where the signals sit, the rule sweeps, and the verdict per signal (printed)."""
-    rows = classify_all(traces)
+    rows = classify_traces(traces)
     counts = {k: sum(r.cls == k for r in rows.values()) for k in ("collapse", "borderline", "healthy", "reference")}
     print(f"\nclasses (the benchmark's classify): {counts}")
     collapse = [r for r in rows.values() if r.cls == "collapse"]
@@ -806,7 +795,7 @@ def report(traces: dict[bench.RunConfig, Trace], wall: float) -> list[Verdict]:
         v = judge(sw, rows, guard, lr_control)
         print(v.combo.line(f"  {v.combo.rule}"))
         rule = sw.rules[v.alone.rule]
-        every_step = {cfg: first_warning(views_of(signal, tr, 1), rule) for cfg, tr in traces.items()}
+        every_step = {cfg: first_step(views_of(signal, tr, 1), rule) for cfg, tr in traces.items()}
         print(score("", every_step, rows).line(f"  {v.alone.rule}, sampled every step"))
         print(v.cv_alone.line("  held out by seed: the best alone"))
         print(v.cv_combo.line("  held out by seed: guard | the best for it"))
@@ -874,7 +863,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         out = args.out or (None if args.quick else DEFAULT_OUT)
         if out is not None:
             meta = {
-                "command": "python benchmarks/other_precursors.py " + " ".join(argv or sys.argv[1:]),
+                "command": " ".join(["python -m studies.other_precursors", *(sys.argv[1:] if argv is None else argv)]),
                 "torch": torch.__version__,
                 "wall_seconds": round(wall, 1),
                 "workers": 1,

@@ -2,42 +2,37 @@
 
 Run from the repository root::
 
-    python benchmarks/precursor_rule.py                       # the defaults and a few alternatives
-    python benchmarks/precursor_rule.py --min-logit 100 --growth 1.5 --every 5
+    python -m studies.precursor_rule                       # the defaults and a few alternatives
+    python -m studies.precursor_rule --min-logit 100 --growth 1.5 --every 5
 
-Reads ``benchmarks/attention_collapse_runs.json`` (written by ``benchmarks/attention_collapse.py``:
-per-step max attention logit of every layer of 88 tiny GPT runs, with each run's class, entropy
-onset and loss-stall step) and feeds each run's values, sampled every ``--every`` steps, through
-the guard's own :class:`~lightning_nanguard.detect.precursors.LogitGrowthRule`. Printed per rule:
-collapsing runs warned at least 10 steps before the entropy onset (entropy below 0.1 of its start)
-and before the loss stall, the median leads, whether the module named is the collapsing one, and
-warnings on healthy runs.
+Reads ``studies/traces/attention_collapse_runs.json`` (``--traces``; written by ``python -m
+studies.attention_collapse``, not committed: per-step max attention logit of every layer of 88 tiny
+GPT runs, with each run's class, entropy onset and loss-stall step) and feeds each run's values,
+sampled every ``--every`` steps, through the guard's own
+:class:`~lightning_nanguard.detect.precursors.LogitGrowthRule` (``studies/common.py``'s
+``guard_warning``). Printed per rule: collapsing runs warned at least 10 steps before the entropy
+onset (entropy below 0.1 of its start) and before the loss stall, the median leads, whether the
+module named is the collapsing one, and warnings on healthy runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-from lightning_nanguard.detect.precursors import LogitGrowthRule
+from studies.common import guard_warning, load_traces, traces_file
 
-TRACES = Path(__file__).resolve().parent / "attention_collapse_runs.json"
+TRACES = traces_file("attention_collapse")
 DEFAULT = (80.0, 2.0, 20, 10)
 ALTERNATIVES = [(80.0, 2.0, 20, 5), (80.0, 2.0, 20, 1), (100.0, 1.0001, 20, 10), (50.0, 3.0, 20, 10)]
 
 
 def first_warning(run: dict[str, Any], min_logit: float, growth: float, window: int, every: int) -> Any:
     """``(step, module)`` of the run's first warning, or ``None``."""
-    rule = LogitGrowthRule(min_logit, growth, window, cooldown=100)
-    steps = len(run["loss"])
-    for step in range(0, steps, every):
-        for name, layer in sorted(run["layers"].items()):
-            if rule.observe(name, step, layer["max_logit"][step]) is not None:
-                return step, name
-    return None
+    max_logits = {name: layer["max_logit"] for name, layer in run["layers"].items()}
+    return guard_warning(max_logits, every, (min_logit, growth, window, 100))
 
 
 def score(runs: list[dict[str, Any]], min_logit: float, growth: float, window: int, every: int) -> str:
@@ -74,8 +69,9 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--table", action="store_true", help="one row per run: onset, stall, warning, lead")
+    parser.add_argument("--traces", type=Path, default=TRACES, help="the collapse study's traces")
     args = parser.parse_args()
-    runs = json.loads(TRACES.read_text(encoding="utf-8"))["runs"]
+    runs = load_traces(args.traces)["runs"]
     if args.min_logit is not None or args.growth is not None:
         rules = [(args.min_logit or DEFAULT[0], args.growth or DEFAULT[1], args.window, args.every)]
     else:

@@ -2,12 +2,14 @@
 
 Run from the repository root::
 
-    python benchmarks/qk_clip.py                      # tune on 5 runs, then the held-out runs (~15 min, 2 workers)
-    python benchmarks/qk_clip.py --stage tune          # the tuning grid only
-    python benchmarks/qk_clip.py --stage held-out --cap 50 --every 1
+    python -m studies.qk_clip                      # tune on 5 runs, then the held-out runs (~15 min, 2 workers)
+    python -m studies.qk_clip --stage tune          # the tuning grid only
+    python -m studies.qk_clip --stage held-out --cap 50 --every 1
 
-The runs, the model and the classification are ``benchmarks/attention_collapse.py``'s (its traces
-file gives the unclipped runs and their healthy references). Each run here is the same training
+The runs, the model and the classification are ``studies/attention_collapse.py``'s (its traces
+file, ``--traces``, default ``studies/traces/attention_collapse_runs.json``, not committed: ``python -m
+studies.attention_collapse`` writes it, gives the unclipped runs and their healthy references). The
+output of the run the docs cite is kept in ``studies/qk_clip_results.txt``. Each run here is the same training
 (same seed, init and batches) with the guard's own QK-clip in the loop, as ``NanGuard`` runs it:
 ``PrecursorWatch(PrecursorSettings(every_n_steps=every, qk_clip=cap))`` arms before a sampled step's
 forward, finishes after its backward, and clips after ``optimizer.step()`` (the benchmark's
@@ -35,17 +37,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import attention_collapse as bench
-
-from lightning_nanguard.engine.step.precursors import PrecursorSettings, PrecursorWatch
+from lightning_nanguard.detect.precursors import PrecursorSettings
+from lightning_nanguard.engine.step.precursors import PrecursorWatch
+from studies.common import RunResult, classify, classify_all, final_loss, read_runs, reference_of, traces_file, train
+from tests.helpers.collapse_gpt import RunConfig
 
 TUNE_CAPS = (20.0, 50.0, 100.0)
 TUNE_EVERY = (1, 10)
@@ -53,7 +54,7 @@ TUNE_EVERY = (1, 10)
 
 @dataclass(frozen=True)
 class Job:
-    config: bench.RunConfig
+    config: RunConfig
     cap: float
     every: int
 
@@ -61,11 +62,11 @@ class Job:
 @dataclass
 class Outcome:
     job: Job
-    run: bench.RunResult
+    run: RunResult
     clipped_steps: int
 
 
-def train_backed_off(config: bench.RunConfig, factor: float) -> tuple[bench.RunResult, int | None]:
+def train_backed_off(config: RunConfig, factor: float) -> tuple[RunResult, int | None]:
     """No clip; the learning rate times ``factor`` from the guard's first precursor warning on."""
     watch = PrecursorWatch(PrecursorSettings(max_cost=None))
     warned: list[int] = []
@@ -75,7 +76,7 @@ def train_backed_off(config: bench.RunConfig, factor: float) -> tuple[bench.RunR
             warned.append(step)
         return factor if warned else 1.0
 
-    run = bench.train(config, watch, after_update)
+    run = train(config, watch, after_update)
     return run, (warned[0] if warned else None)
 
 
@@ -90,13 +91,13 @@ def train_clipped(job: Job) -> Outcome:
         clipped += any(s.max_logit > job.cap for s in watch.ready())
         return 1.0
 
-    run = bench.train(job.config, watch, after_update)
+    run = train(job.config, watch, after_update)
     assert sorted(watch.projections) == [f"blocks.{i}.attn" for i in range(job.config.n_layers)]
     return Outcome(job, run, clipped)
 
 
-def reference_of(config: bench.RunConfig, runs: dict[bench.RunConfig, bench.RunResult]) -> bench.RunResult:
-    return runs[replace(config, qk_norm=False, lr=0.01)]
+def reference_run(config: RunConfig, runs: dict[RunConfig, RunResult]) -> RunResult:
+    return runs[reference_of(config)]
 
 
 def run_jobs(jobs: list[Job], workers: int) -> list[Outcome]:
@@ -106,7 +107,7 @@ def run_jobs(jobs: list[Job], workers: int) -> list[Outcome]:
         return list(pool.map(train_clipped, jobs))
 
 
-def table(outcomes: list[Outcome], runs: dict[bench.RunConfig, bench.RunResult]) -> dict[str, int]:
+def table(outcomes: list[Outcome], runs: dict[RunConfig, RunResult]) -> dict[str, int]:
     """Print one line per run; the count of classes with the clip."""
     print(
         f"{'run':28s} {'L':>1s} {'cap':>4s} {'every':>5s} {'unclipped':10s} {'clipped':10s} {'peak':>7s} "
@@ -115,21 +116,21 @@ def table(outcomes: list[Outcome], runs: dict[bench.RunConfig, bench.RunResult])
     classes: dict[str, int] = {}
     for outcome in outcomes:
         cfg = outcome.job.config
-        ref = reference_of(cfg, runs)
-        before = bench.classify(runs[cfg], ref, False)
-        after = bench.classify(outcome.run, ref, False)
+        ref = reference_run(cfg, runs)
+        before = classify(runs[cfg], ref, False)
+        after = classify(outcome.run, ref, False)
         classes[after.cls] = classes.get(after.cls, 0) + 1
         print(
             f"{cfg.name:28s} {cfg.n_layers:1d} {outcome.job.cap:4g} {outcome.job.every:5d} {before.cls:10s} "
             f"{after.cls:10s} {max(max(t.max_logit) for t in outcome.run.layers.values()):7.1f} "
             f"{before.peak_logit:7.0f} {after.min_entropy_ratio:7.2f} {after.final_loss:5.2f} "
-            f"{before.final_loss:5.2f} {bench.final_loss(ref):5.2f} {outcome.clipped_steps:5d}"
+            f"{before.final_loss:5.2f} {final_loss(ref):5.2f} {outcome.clipped_steps:5d}"
         )
     return classes
 
 
-def collapsing(runs: dict[bench.RunConfig, bench.RunResult]) -> list[bench.RunConfig]:
-    rows = {cfg: bench.classify(run, reference_of(cfg, runs), cfg.lr == 0.01) for cfg, run in runs.items()}
+def collapsing(runs: dict[RunConfig, RunResult]) -> list[RunConfig]:
+    rows = classify_all(runs)
     return sorted((cfg for cfg, row in rows.items() if row.cls == "collapse"), key=lambda c: c.name)
 
 
@@ -140,8 +141,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=10, help="the held-out setting's sampling")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="write the per-run results as JSON")
+    parser.add_argument(
+        "--traces", type=Path, default=traces_file("attention_collapse"), help="the collapse study's traces"
+    )
     args = parser.parse_args(argv)
-    runs, _ = bench.read_json(bench.DEFAULT_OUT)
+    runs, _ = read_runs(args.traces)
     collapses = collapsing(runs)
     tune = [c for c in collapses if c.attention == "manual" and c.n_layers == 2 and c.seed in (0, 1)]
     twins = {replace(c, attention="sdpa") for c in tune}
@@ -174,13 +178,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.stage in ("backoff", "all"):
         print("\nlearning rate backed off at the first warning (no clip)")
         for cfg in [c for c in tune if (c.lr, c.seed) in ((0.1, 0), (0.15, 1))]:
-            ref = reference_of(cfg, runs)
+            ref = reference_run(cfg, runs)
             for factor in (0.5, 0.25, 0.1):
                 run, warned = train_backed_off(cfg, factor)
-                row = bench.classify(run, ref, False)
+                row = classify(run, ref, False)
                 print(
                     f"{cfg.name:28s} x{factor:<4g} warned at {warned}: {row.cls}, peak {row.peak_logit:.0f}, "
-                    f"final loss {row.final_loss:.2f} (reference {bench.final_loss(ref):.2f})"
+                    f"final loss {row.final_loss:.2f} (reference {final_loss(ref):.2f})"
                 )
     print(f"\nclasses with the clip: {json.dumps(summary)}")
     print(f"wall time {time.perf_counter() - start:.0f} s")

@@ -2,16 +2,16 @@
 
 Run from the repository root::
 
-    python benchmarks/spike_margins.py            # records every run, writes docs/spikes.md
-    python benchmarks/spike_margins.py --quick    # fewer steps per run (a smoke test; docs/spikes.md untouched)
+    python -m studies.spike_margins            # records every run, writes docs/spikes.md
+    python -m studies.spike_margins --quick    # fewer steps per run (a smoke test; docs/spikes.md untouched)
 
 1. **Healthy runs.** Real ``Trainer.fit`` runs of real models on clean data: the demo model, the
-   models of ``tests/helpers/models.py`` and ``tests/helpers/forensics_models.py``, every model of
-   ``benchmarks/models.py``, Lightning's ``BoringModel`` and demo ``Transformer`` (random tokens), a
-   tiny Hugging Face GPT-2 built from a config, LR warm-up, fast-falling losses, small and full
-   batches, accumulated micro-batches. A callback records per optimizer step what the guard's spike
-   check sees: the loss summed over the step's micro-batches (as ``on_before_backward`` gets it)
-   and the global L2 norm of the gradients.
+   models of ``tests/helpers/models.py`` and ``tests/helpers/forensics_models.py`` (imported as
+   ``tests.helpers.*``), every model of ``benchmarks/models.py``, Lightning's ``BoringModel`` and demo
+   ``Transformer`` (random tokens), a tiny Hugging Face GPT-2 built from a config, LR warm-up,
+   fast-falling losses, small and full batches, accumulated micro-batches. A callback records per
+   optimizer step what the guard's spike check sees: the loss summed over the step's micro-batches
+   (as ``on_before_backward`` gets it) and the global L2 norm of the gradients.
 2. **Replay.** ``SpikeDetector`` with its defaults is replayed over each recorded curve (a flagged
    value is skipped: it never enters the history, as in the guard). Per run: false positives
    (every flag is one: the runs are healthy), the margin (largest value / threshold seen once the
@@ -29,7 +29,6 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import math
 import statistics
@@ -39,7 +38,6 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -49,26 +47,12 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs"
-for folder in (ROOT / "tests" / "helpers", ROOT / "examples"):  # tests/helpers/models.py is ``models``
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
+from benchmarks import models as benchmark_models
+from lightning_nanguard.detect.spikes import SpikeDetector
+from tests.helpers.models import KINDS as FAILURE_KINDS
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-
-from models import KINDS as FAILURE_KINDS  # noqa: E402  (tests/helpers/models.py)
-
-from lightning_nanguard.detect.spikes import SpikeDetector  # noqa: E402
-
-
-def _benchmark_models() -> ModuleType:
-    """``benchmarks/models.py`` under another name (``models`` is ``tests/helpers/models.py`` here)."""
-    spec = importlib.util.spec_from_file_location("benchmark_models", ROOT / "benchmarks" / "models.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass
@@ -231,7 +215,7 @@ def mlp_regression_loss(net: nn.Module, batch: Any) -> Tensor:
 
 def _demo(batch_size: int, steps: int, accumulate: int = 1) -> Callable[[Curve], Curve]:
     def run(curve: Curve) -> Curve:
-        from cosine_norm_demo import CosineNormClassifier, ShapesDataModule
+        from examples.cosine_norm_demo import CosineNormClassifier, ShapesDataModule
 
         torch.manual_seed(0)
         data = ShapesDataModule(blank_indices=(), batch_size=batch_size)
@@ -244,7 +228,7 @@ def _demo(batch_size: int, steps: int, accumulate: int = 1) -> Callable[[Curve],
 
 def _failure_model(kind: str, batch_size: int, steps: int) -> Callable[[Curve], Curve]:
     def run(curve: Curve) -> Curve:
-        from models import make_case, make_loader, make_module
+        from tests.helpers.models import make_case, make_loader, make_module
 
         case = make_case(kind, bad=())
         torch.manual_seed(0)
@@ -255,7 +239,7 @@ def _failure_model(kind: str, batch_size: int, steps: int) -> Callable[[Curve], 
 
 def _forensics_model(name: str, steps: int) -> Callable[[Curve], Curve]:
     def run(curve: Curve) -> Curve:
-        import forensics_models as fm
+        import tests.helpers.forensics_models as fm
 
         torch.manual_seed(0)
         g = torch.Generator().manual_seed(0)
@@ -280,7 +264,7 @@ def _forensics_model(name: str, steps: int) -> Callable[[Curve], Curve]:
             x = torch.randn(64, 8, generator=g)
             loader = DataLoader(TensorDataset(x, torch.randint(0, 4, (64,), generator=g)), batch_size=8)
         elif name == "ReplayModule":
-            from models import make_case
+            from tests.helpers.models import make_case
 
             module = fm.ReplayModule("power_pool")
             loader = DataLoader(make_case("power_pool", bad=()).dataset, batch_size=8)
@@ -293,7 +277,7 @@ def _forensics_model(name: str, steps: int) -> Callable[[Curve], Curve]:
 
 def _benchmark_model(name: str, steps: int) -> Callable[[Curve], Curve]:
     def run(curve: Curve) -> Curve:
-        module, loader = _benchmark_models().make(name)
+        module, loader = benchmark_models.make(name)
         return fit(curve, module, loader, steps)
 
     return run
@@ -374,7 +358,7 @@ RUNS: list[tuple[str, str, Callable[[Curve], Curve]]] = [
             "ReplayModule",
         )
     ],
-    *[(f"benchmarks {name}", "benchmark model", _benchmark_model(name, 40)) for name in _benchmark_models().MODELS],
+    *[(f"benchmarks {name}", "benchmark model", _benchmark_model(name, 40)) for name in benchmark_models.MODELS],
     ("Lightning BoringModel (batch 1)", "Lightning demo", _boring(256)),
     ("Lightning Transformer, random tokens", "Lightning demo", _lightning_transformer(40)),
     ("tiny GPT-2, random tokens", "HF model", _gpt2(False, 160)),
@@ -681,7 +665,7 @@ def report(curves: list[Curve], costs: dict[str, float], quick: bool) -> str:
     lines = [
         "# Loss-spike detector: false alarms, margins, detection, cost",
         "",
-        "Generated by `python benchmarks/spike_margins.py` (see its docstring) on this machine's CPU"
+        "Generated by `python -m studies.spike_margins` (see its docstring) on this machine's CPU"
         + (" with `--quick`" if quick else "")
         + f". Detector defaults: `{detector!r}`.",
         "",

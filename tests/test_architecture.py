@@ -145,7 +145,7 @@ TRAINER_NAMES = frozenset({"Trainer", "LightningCLI", "build_trainer", "make_tra
 LIGHTNING = ("lightning", "pytorch_lightning")
 IMPORTS_LIGHTNING = {  # stage test -> why it imports Lightning itself
     "diagnose/test_frames.py": "tells Lightning's own files and LightningModule's class from the user's code",
-    "engine/test_sharding.py": "reads the sharded layout off Lightning's strategy objects, as a front-end hands them",
+    "engine/test_shard_layout.py": "reads the sharded layout off Lightning's strategy objects, as a front-end does",
 }
 
 

@@ -1,4 +1,4 @@
-"""Every code block of the README, the docs pages and examples/README.md runs or is checked.
+"""Every code block of the README, the docs pages, examples/README.md and studies/README.md runs or is checked.
 
 - ``python`` blocks are compiled; their imports are executed; a block whose every free name is a
   builtin or one of ``GIVEN`` (a tiny model, optimizer, loader, loss) is executed whole, in a
@@ -6,8 +6,9 @@
 - ``bash`` blocks are split into commands (``shlex``: quotes, comments, ``\\`` continuations), and
   each command is checked against what exists: scripts and files it names, ``pip install`` targets
   against ``pyproject.toml``, environment variables against the code that reads them, and the flags
-  and sub-commands of a command against its ``--help``. A command no rule knows fails the test: add
-  a rule below.
+  and sub-commands of a command against its ``--help`` (``python -m studies.*`` and ``benchmarks.*``
+  against the module's source: the tests do not import those). A command no rule knows fails the
+  test: add a rule below.
 - ``text``, ``yaml`` and ``console`` blocks are output or included files, not commands.
 
 The README's own links (files, images and ``#anchors``) must resolve too.
@@ -37,7 +38,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted(
-    [ROOT / "README.md", ROOT / "examples" / "README.md", *(ROOT / "docs").rglob("*.md")],
+    [
+        ROOT / "README.md",
+        *(ROOT / folder / "README.md" for folder in ("examples", "studies")),
+        *(ROOT / "docs").rglob("*.md"),
+    ],
 )
 DISTRIBUTION = importlib.metadata.metadata("lightning-nanguard")  # what pyproject.toml declares, as installed
 NOT_COMMANDS = {"text", "yaml", "console"}
@@ -242,6 +247,22 @@ def _check_pip(arguments: list[str]) -> None:
         assert match.group("repo") == ROOT.name or match.group("repo") == "lightning_nanguard"
 
 
+def _check_module_command(module: str, arguments: list[str]) -> None:
+    """``python -m studies.<name>`` or ``benchmarks.<name>``: the module exists and names each option and choice.
+
+    Read, not run: the tests import neither the studies nor the benchmarks. Numbers and paths are values.
+    """
+    path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+    assert path.is_file(), f"python -m {module}: no such module"
+    source = path.read_text(encoding="utf-8")
+    for word in arguments:
+        if word.startswith("--"):
+            word = word.split("=", 1)[0]
+        elif "/" in word or re.fullmatch(r"[-+]?[\d.]+(?:e[-+]?\d+)?", word):
+            continue
+        assert re.search(r"[\"']" + re.escape(word) + r"[\"']", source), f"python -m {module}: {word!r} is not in it"
+
+
 def _check_python(arguments: list[str]) -> None:
     if arguments[:2] == ["-m", "lightning_nanguard"]:
         from lightning_nanguard.__main__ import main
@@ -249,6 +270,9 @@ def _check_python(arguments: list[str]) -> None:
         command = arguments[2]
         help_text = _help_of(lambda: main([command, "--help"]))
         _check_arguments(arguments[3:], help_text, f"python -m lightning_nanguard {command}")
+        return
+    if arguments[0] == "-m" and arguments[1].split(".")[0] in ("studies", "benchmarks"):
+        _check_module_command(arguments[1], arguments[2:])
         return
     script, rest = arguments[0], arguments[1:]
     if script in PLACEHOLDER_FILES:  # the reader's LightningCLI script: the files it is given must exist

@@ -11,9 +11,9 @@ Glossary (each word has one meaning throughout the package; fuller in ``docs/glo
 - **event**: the record of one bad step on one rank, a :class:`NanEvent` (one line of ``events.jsonl``).
 - **incident**: a bad step the guard investigates: NaN/Inf confirmed element-wise (not an AMP overflow).
 - **cause**: what the diagnosis concludes about an incident or spike (:data:`EventCause`, ``NanEvent.cause``).
-- **finding**: what one rank found on a bad step before the search, shared to plan it (``decide.sharded.Finding``).
+- **finding**: what one rank found on a bad step before the search, shared to plan it (``decide.search_plan.Finding``).
 - **vote**: what one rank puts into the shared step decision (``decide.policy.RankVote``).
-- **search result**: what one rank's search gave, shared to choose who records (``decide.sharded.SearchResult``).
+- **search result**: what one rank's search gave, shared to choose who records (``decide.search_plan.SearchResult``).
 - **flags**: the device-side 0/1 values of a step's check, read by the host once (or one step late, sync-free).
 - **origin**: where the first NaN/Inf was born: phase, op, module, source line (``diagnose.localization.Localization``).
 - **pass result**: what one pass of a sub-batch gave, ``(bad, non-finite)`` (``diagnose.lockstep.PassResult``).

@@ -8,12 +8,12 @@ fires when it is above ``min_logit`` **and** at least ``growth`` times what it w
 before (or less, when sampling leaves no older value). A level alone does not separate the classes
 (healthy runs peak anywhere from about 20 to 600); growth alone fires on tiny logits early in
 training. The defaults and the evidence for them are in the user guide (``docs/guide/precursors.md``)
-and ``benchmarks/attention_collapse.py``.
+and ``studies/attention_collapse.py``.
 
 Example:
     >>> rule = LogitGrowthRule(min_logit=50.0, growth=3.0, window=20, cooldown=100)
     >>> [rule.observe("attn", step, value) for step, value in [(0, 2.0), (10, 12.0), (20, 60.0)]]
-    [None, None, Finding(module='attn', step=20, value=60.0, earlier=2.0, earlier_step=0, ratio=30.0)]
+    [None, None, EarlyWarning(module='attn', step=20, value=60.0, earlier=2.0, earlier_step=0, ratio=30.0)]
     >>> rule.observe("attn", 30, 200.0) is None  # at most one warning per module per 100 steps
     True
 """
@@ -24,11 +24,11 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["Finding", "LogitGrowthRule"]
+__all__ = ["EarlyWarning", "LogitGrowthRule", "PrecursorSettings"]
 
 
 @dataclass(frozen=True)
-class Finding:
+class EarlyWarning:
     """One module whose max attention logit crossed the rule at ``step``."""
 
     module: str
@@ -54,7 +54,7 @@ class LogitGrowthRule:
         self._history: dict[str, deque[tuple[int, float]]] = {}
         self._last: dict[str, int] = {}
 
-    def observe(self, module: str, step: int, value: float) -> Finding | None:
+    def observe(self, module: str, step: int, value: float) -> EarlyWarning | None:
         """Take one sampled value; the finding when the rule fires for ``module`` now."""
         history = self._history.setdefault(module, deque())
         while history and history[0][0] < step - self.window:
@@ -73,7 +73,7 @@ class LogitGrowthRule:
         if last is not None and step - last < self.cooldown:
             return None
         self._last[module] = step
-        return Finding(module, step, value, earlier_value, earlier_step, ratio)
+        return EarlyWarning(module, step, value, earlier_value, earlier_step, ratio)
 
     def state_dict(self) -> dict[str, dict[str, int]]:
         """The last warning step per module (primitives: ``weights_only``-safe)."""
@@ -81,3 +81,27 @@ class LogitGrowthRule:
 
     def load_state_dict(self, state: dict[str, dict[str, int]]) -> None:
         self._last = dict(state.get("last_warning", {}))
+
+
+@dataclass(frozen=True)
+class PrecursorSettings:
+    """How the watch samples and when it warns (``NanGuard``'s ``precursor_*`` arguments; the defaults are here).
+
+    The evidence for ``min_logit``, ``growth``, ``window`` and ``every_n_steps``: ``docs/guide/precursors.md``.
+    ``rows`` batch rows are measured per attention call; ``cooldown``: at most one warning per module
+    in that many steps; ``qk_clip``: QK-clip's cap (``None``: off); ``max_cost``: the share of the training
+    time the watch may cost (``None``: no limit).
+    """
+
+    every_n_steps: int = 10
+    min_logit: float = 80.0
+    growth: float = 2.0
+    window: int = 20
+    cooldown: int = 100
+    rows: int = 4
+    qk_clip: float | None = None
+    max_cost: float | None = 0.01
+
+    def rule(self) -> LogitGrowthRule:
+        """The rule these settings describe."""
+        return LogitGrowthRule(self.min_logit, self.growth, self.window, self.cooldown)

@@ -3,7 +3,7 @@
 :func:`event_with_diagnosis` fills ``cause``, ``offending_samples``, ``blame_verified``, ``dataset_indices``, the origin
 (``culprit_module``, ``culprit_op``, ``source_line``, ``phase``) and the details (pass counts, hint,
 source text, short stack, BatchNorm channels kept short by :mod:`~lightning_nanguard.diagnose.compact`)
-from a :class:`~lightning_nanguard.diagnose.diagnosis.Diagnosis`. Training and ``replay`` use it alike.
+from a :class:`~lightning_nanguard.diagnose.batch_diagnosis.Diagnosis`. Training and ``replay`` use it alike.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from lightning_nanguard.diagnose.combined import LoaderKey
 from lightning_nanguard.diagnose.compact import compact_channels
 
 if TYPE_CHECKING:
-    from lightning_nanguard.diagnose.diagnosis import Diagnosis
+    from lightning_nanguard.diagnose.batch_diagnosis import Diagnosis
     from lightning_nanguard.diagnose.localization import Localization
 
 __all__ = ["event_with_diagnosis"]
@@ -51,7 +51,7 @@ def event_with_diagnosis(
         indices_note: why the dataset indices of the batch are unknown, when they are.
 
     Example:
-        >>> from lightning_nanguard.diagnose.diagnosis import Diagnosis
+        >>> from lightning_nanguard.diagnose.batch_diagnosis import Diagnosis
         >>> event = NanEvent(3, 0, 3, 0, ("loss",), "skipped")
         >>> filled = event_with_diagnosis(event, Diagnosis(8, [2], cause="data"), dataset_indices=range(10, 18))
         >>> filled.cause, filled.offending_samples, filled.dataset_indices

@@ -10,11 +10,12 @@ engine checks, agrees across ranks, decides, acts, diagnoses and records, with t
 - ``step/``: the step in progress: its window (micro-batches, losses, BatchNorm state), the fused
   check's flags (``check.py``), the loss-spike watch, sync-free skipping.
 - ``controller.py``: check, agree, decide, act; ``after_step.py``: rollback, weight check, snapshot.
-- ``incident/``: a bad step: what this rank found (``inspector.py``; ``sharded.py`` in lockstep
-  under sharding), the one diagnosis routine (``diagnosis.py``), the incident's files.
-- ``rows/``: which samples and records the offending rows are (``samples.py``, ``records.py``).
+- ``incident/``: a bad step: what this rank found (``inspector.py``; ``sharded_inspector.py`` in lockstep
+  under sharding), the one diagnosis routine (``step_diagnosis.py``), the incident's files.
+- ``rows/``: which samples and records the offending rows are (``samples.py``, ``record_names.py``).
 - ``data/``: the dataset indices of each batch and reading a record again (loader level, no Trainer).
 - ``recording.py``: events, sinks and scalars through the front-end; ``settings.py``: the
   ``NanGuard`` arguments validated and turned into each part's settings; ``state.py``,
-  ``failure.py``, ``sharding.py``: shared state, the failsafe, the sharded layout.
+  ``failure.py``, ``parts.py``, ``shard_layout.py``: shared state, the failsafe, the core and its
+  optional parts, the sharded layout.
 """

@@ -40,11 +40,11 @@ from lightning_nanguard.engine.after_step import AfterStep
 from lightning_nanguard.engine.failure import fail
 from lightning_nanguard.engine.frontend import StepView, training_parts
 from lightning_nanguard.engine.incident.inspector import loss_scale_event, quarantine_refusal
-from lightning_nanguard.engine.incident.sharded import inspector_for
+from lightning_nanguard.engine.incident.sharded_inspector import inspector_for
 from lightning_nanguard.engine.parts import CORE, GuardParts, PartFailure
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.settings import GuardSettings
-from lightning_nanguard.engine.sharding import ShardingLayout, announce_sharding, sharding_notice
+from lightning_nanguard.engine.shard_layout import ShardingLayout, announce_sharding, sharding_notice
 from lightning_nanguard.engine.state import GuardState
 from lightning_nanguard.engine.step.check import check_module, next_loss_scale, step_flags
 from lightning_nanguard.engine.step.precursors import PrecursorWatch, precursor_event
@@ -100,7 +100,7 @@ class StepController:
         self.params: list[nn.Parameter] = []
         # per optimizer: the signature of its parameter groups and the parameters it updates
         self._step_params: dict[int, tuple[tuple[tuple[int, int], ...], list[Tensor]]] = {}
-        self.sharding: ShardingLayout | None = None  # ModelParallelStrategy (engine/sharding.py)
+        self.sharding: ShardingLayout | None = None  # ModelParallelStrategy (engine/shard_layout.py)
         self._qk_collective = False  # QK-clip takes a max over ranks after each sampled step (DDP)
         self._voted = False  # this step's check reached the ranks' reduce
 
@@ -301,8 +301,8 @@ class StepController:
                         cap / sample.max_logit if sample.max_logit > cap else 1.0
                     )
             self.recorder.sinks.write_scalars(front, values, step)
-        for finding, sample in watch.judge(samples):
-            event = precursor_event(finding, sample, watch.settings, front.current_epoch, front.global_rank)
+        for warning, sample in watch.judge(samples):
+            event = precursor_event(warning, sample, watch.settings, front.current_epoch, front.global_rank)
             self.recorder.record(front, event)
 
     def checking(self, front: FrontEnd, every_n_steps: int) -> bool:

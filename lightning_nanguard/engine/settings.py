@@ -27,11 +27,11 @@ from typing import Any, get_args
 import torch
 
 from lightning_nanguard.decide.policy import Policy, SpikeAction, StepAction
+from lightning_nanguard.detect.precursors import PrecursorSettings
 from lightning_nanguard.engine.after_step import ParamCheckSettings
-from lightning_nanguard.engine.incident.diagnosis import DiagnosisSettings
+from lightning_nanguard.engine.incident.step_diagnosis import DiagnosisSettings
 from lightning_nanguard.engine.parts import InternalErrorMode
-from lightning_nanguard.engine.rows.records import RecordSettings
-from lightning_nanguard.engine.step.precursors import PrecursorSettings
+from lightning_nanguard.engine.rows.record_names import RecordSettings
 from lightning_nanguard.engine.step.spikes import SpikeSettings
 from lightning_nanguard.recover.recovery import RecoverySettings
 from lightning_nanguard.recover.remedies import REMEDIES

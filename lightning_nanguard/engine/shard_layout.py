@@ -4,12 +4,12 @@ Under Lightning's ``ModelParallelStrategy`` every parameter and gradient is a ``
 changes for the guard, and where it is handled:
 
 - the check (:meth:`ShardingLayout.check`) reads each rank's local shards
-  (:func:`~lightning_nanguard.detect.sharded.sharded_health_check`); the flags are summed over every
+  (:func:`~lightning_nanguard.detect.shard_check.sharded_health_check`); the flags are summed over every
   rank as under DDP, together with this rank's share of the squared gradient norm, so the norm
   ``clip_grad`` uses is the global one and there is still one reduce and one host read per step
   (:meth:`ShardingLayout.agree`);
 - a bad step's diagnosis re-runs sharded forwards, which are collectives: every rank takes part
-  (:mod:`~lightning_nanguard.engine.incident.sharded`, :mod:`~lightning_nanguard.diagnose.lockstep`);
+  (:mod:`~lightning_nanguard.engine.incident.sharded_inspector`, :mod:`~lightning_nanguard.diagnose.lockstep`);
 - snapshots, rollback and clipping act on local shards (:mod:`~lightning_nanguard.recover.snapshot`,
   :func:`~lightning_nanguard.recover.remedies.clip_gradients_`);
 - a checkpoint that would hold non-finite weights gets the last good snapshot's shards in the
@@ -32,7 +32,7 @@ from torch import Tensor
 from lightning_nanguard.core.dtensor import any_dtensor
 from lightning_nanguard.decide.agreement import RankAgreement
 from lightning_nanguard.decide.policy import shared_part
-from lightning_nanguard.detect.sharded import global_norm, shard_weights, sharded_health_check
+from lightning_nanguard.detect.shard_check import global_norm, shard_weights, sharded_health_check
 
 if TYPE_CHECKING:
     from lightning_nanguard.engine.frontend import FrontEnd
@@ -84,7 +84,7 @@ def strategy_kind(strategy: Any) -> str:
 
     ``"fsdp"`` is Lightning's ``FSDPStrategy`` (FSDP1: flat parameters, GPU only); ``"model_parallel"``
     its ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, tensor parallelism, or both: ``DTensor``
-    parameters), where the guard diagnoses as a collective (:mod:`~lightning_nanguard.engine.sharding`).
+    parameters), where the guard diagnoses as a collective (:mod:`~lightning_nanguard.engine.shard_layout`).
 
     Example:
         >>> from lightning.pytorch.strategies import SingleDeviceStrategy

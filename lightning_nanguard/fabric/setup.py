@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_nanguard.engine.controller import StepController
 from lightning_nanguard.engine.settings import GuardSettings, warn_what_cannot_be_skipped
-from lightning_nanguard.engine.sharding import strategy_kind
+from lightning_nanguard.engine.shard_layout import strategy_kind
 from lightning_nanguard.fabric.fabric_class import early_loaders
 from lightning_nanguard.fabric.frontend import FabricFrontEnd, LossFn
 from lightning_nanguard.fabric.litgpt_loops import litgpt_loss_fn

@@ -392,7 +392,7 @@ def load_bundle(path: str | os.PathLike[str], module_class: str | None = None, *
         raise BundleMissingError(
             f"{root} holds the samples (batch.pt) and the event (event.json) but no model state: {note}. "
             "Replay needs the weights of the step: rebuild the model from a checkpoint of that step and run "
-            "`lightning_nanguard.diagnose.diagnosis.diagnose` on the saved samples"
+            "`lightning_nanguard.diagnose.batch_diagnosis.diagnose` on the saved samples"
         )
     if missing:
         raise BundleMissingError(f"{root} is not a complete repro bundle: {', '.join(missing)} missing")

@@ -22,18 +22,18 @@ from lightning_nanguard.core.defaults import default_of
 from lightning_nanguard.core.events import NanEvent, NonFiniteTrainingError
 from lightning_nanguard.core.timing import GuardClock
 from lightning_nanguard.decide.policy import Counters, Policy, SpikeAction, StepAction
+from lightning_nanguard.detect.precursors import PrecursorSettings
 from lightning_nanguard.detect.spikes import SpikeDetector
+from lightning_nanguard.diagnose.batch_diagnosis import diagnose
 from lightning_nanguard.diagnose.combined import CombinedIndices
-from lightning_nanguard.diagnose.diagnosis import diagnose
 from lightning_nanguard.engine.controller import StepController
 from lightning_nanguard.engine.data.indices import indices_from_batch
 from lightning_nanguard.engine.failure import failsafe
 from lightning_nanguard.engine.parts import InternalErrorMode
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.settings import GuardSettings, validate_arguments, warn_what_cannot_be_skipped
-from lightning_nanguard.engine.sharding import own_rank_state
+from lightning_nanguard.engine.shard_layout import own_rank_state
 from lightning_nanguard.engine.state import CounterView
-from lightning_nanguard.engine.step.precursors import PrecursorSettings
 from lightning_nanguard.fabric.fabric_class import hold_fabric_class
 from lightning_nanguard.fabric.setup import take_hold_of_fabric
 from lightning_nanguard.fabric.steps import FabricSteps

@@ -25,7 +25,7 @@ from lightning_nanguard.core.events import NonFiniteTrainingError
 from lightning_nanguard.decide.messages import checkpoint_refusal
 from lightning_nanguard.detect.confirm import all_finite
 from lightning_nanguard.engine.recording import EVENTS_KEPT_IN_CHECKPOINT
-from lightning_nanguard.engine.sharding import share_rank_states_
+from lightning_nanguard.engine.shard_layout import share_rank_states_
 from lightning_nanguard.recover.snapshot import TrainingSnapshot
 
 if TYPE_CHECKING:

@@ -58,7 +58,7 @@ from lightning_nanguard.engine.data.streams import (
     cut_quarantined_records,
     stop_cutting,
 )
-from lightning_nanguard.engine.sharding import strategy_kind
+from lightning_nanguard.engine.shard_layout import strategy_kind
 from lightning_nanguard.recover.remedies import RemedyBook
 from lightning_nanguard.reporting.notices import RankNotices
 

@@ -10,8 +10,8 @@ import pytest
 from lightning_nanguard import NanGuard, SpikeDetector
 from lightning_nanguard.core.defaults import default_of
 from lightning_nanguard.decide.policy import Policy
+from lightning_nanguard.diagnose.batch_diagnosis import diagnose
 from lightning_nanguard.diagnose.bisection import find_offending
-from lightning_nanguard.diagnose.diagnosis import diagnose
 from lightning_nanguard.recover.recovery import Recovery
 from lightning_nanguard.recover.remedies import RemedyBook
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_nanguard.core.events import NanEvent
-from lightning_nanguard.decide.sharded import Finding, SearchResult, plan_search, recorders
+from lightning_nanguard.decide.search_plan import Finding, SearchResult, plan_search, recorders
 
 
 def _event(rank: int, phase: str | None = None) -> NanEvent:

@@ -10,7 +10,7 @@ from fake_mesh import fake_world
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_nanguard.detect.check import fused_health_check
-from lightning_nanguard.detect.sharded import global_norm, shard_weights, sharded_health_check
+from lightning_nanguard.detect.shard_check import global_norm, shard_weights, sharded_health_check
 
 
 def _world_norm(shards_per_rank: list[list[torch.Tensor]], weights: list[float]) -> float:

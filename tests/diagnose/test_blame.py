@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_nanguard import NanEvent
+from lightning_nanguard.diagnose.batch_diagnosis import diagnose
 from lightning_nanguard.diagnose.blame import COMPANY, UNCHECKED, BlameCheck, check_blame, fails_beside_healthy
-from lightning_nanguard.diagnose.diagnosis import diagnose
 from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
 from lightning_nanguard.diagnose.runner import SubBatchRunner
 

@@ -22,8 +22,8 @@ from forensics_models import one_thread  # noqa: F401 (fixture)
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
+from lightning_nanguard.diagnose.batch_diagnosis import diagnose
 from lightning_nanguard.diagnose.cause import MAX_STATE_PASSES, probe_positions
-from lightning_nanguard.diagnose.diagnosis import diagnose
 from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
 
 pytestmark = pytest.mark.usefixtures("one_thread")

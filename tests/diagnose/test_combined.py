@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_nanguard.core.events import NanEvent
+from lightning_nanguard.diagnose.batch_diagnosis import diagnose
 from lightning_nanguard.diagnose.batching import UnsliceableBatchError
 from lightning_nanguard.diagnose.combined import CombinedBatch, CombinedIndices, CombinedLayout, LoaderSplit
-from lightning_nanguard.diagnose.diagnosis import diagnose
 from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
 from lightning_nanguard.diagnose.runner import SubBatchRunner
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from lightning_nanguard.core.events import NanEvent
+from lightning_nanguard.diagnose.batch_diagnosis import Diagnosis
 from lightning_nanguard.diagnose.combined import LoaderSplit
-from lightning_nanguard.diagnose.diagnosis import Diagnosis
 from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
 from lightning_nanguard.diagnose.localization import Localization
 

@@ -21,7 +21,7 @@ from forensics_models import EXPECTED, FUNCTIONS, one_thread  # noqa: F401 (fixt
 from models import BATCH_SIZE, KINDS, make_case, make_module, origin_line
 from torch import Tensor, nn
 
-from lightning_nanguard.diagnose.diagnosis import diagnose
+from lightning_nanguard.diagnose.batch_diagnosis import diagnose
 from lightning_nanguard.diagnose.localization import Localization, localize, user_frame
 
 pytestmark = pytest.mark.usefixtures("one_thread")

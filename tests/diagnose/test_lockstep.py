@@ -9,7 +9,7 @@ import torch
 from launcher import launch
 from torch import nn
 
-from lightning_nanguard.diagnose.diagnosis import diagnose
+from lightning_nanguard.diagnose.batch_diagnosis import diagnose
 from lightning_nanguard.diagnose.lockstep import Lockstep, LockstepAborted, LockstepRunner
 from lightning_nanguard.diagnose.runner import SubBatchRunner
 

@@ -15,7 +15,7 @@ import torch
 from record_pipelines import RECORDS, collate, reader
 from torch import Tensor
 
-from lightning_nanguard.diagnose.records import (
+from lightning_nanguard.diagnose.reread import (
     RANDOM_READS,
     SEVERAL_RECORDS,
     STABLE_RECORD,

@@ -21,7 +21,7 @@ from forensics_models import one_thread  # noqa: F401 (fixture)
 from models import origin_line
 from torch import Tensor, nn
 
-from lightning_nanguard.diagnose.diagnosis import diagnose
+from lightning_nanguard.diagnose.batch_diagnosis import diagnose
 from lightning_nanguard.diagnose.isolation import gradients
 from lightning_nanguard.diagnose.localization import Localization, localize
 

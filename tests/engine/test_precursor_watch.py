@@ -10,7 +10,8 @@ from states import clone_state, states_equal
 from torch import Tensor, nn
 
 import lightning_nanguard.engine.step.precursors as precursors_module
-from lightning_nanguard.engine.step.precursors import PrecursorSettings, PrecursorWatch
+from lightning_nanguard.detect.precursors import PrecursorSettings
+from lightning_nanguard.engine.step.precursors import PrecursorWatch
 
 HEADS = 2
 

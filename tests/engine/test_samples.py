@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from lightning_nanguard.core.events import NanEvent
+from lightning_nanguard.diagnose.batch_diagnosis import Diagnosis
 from lightning_nanguard.diagnose.combined import CombinedIndices, CombinedLayout, LoaderSplit
-from lightning_nanguard.diagnose.diagnosis import Diagnosis
 from lightning_nanguard.engine.rows.samples import bundle_samples, context_samples, fill_event
 from lightning_nanguard.engine.step.window import MicroBatch
 

@@ -1,4 +1,4 @@
-"""engine/sharding.py and engine/incident/sharded.py: the parts that need no second process."""
+"""engine/shard_layout.py and engine/incident/sharded_inspector.py: the parts that need no second process."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from fake_mesh import fake_world
 
 from lightning_nanguard.decide.policy import StepHealth, local_vector
-from lightning_nanguard.engine.sharding import (
+from lightning_nanguard.engine.shard_layout import (
     ShardingLayout,
     own_rank_state,
     sharding_notice,

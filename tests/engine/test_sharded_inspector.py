@@ -7,8 +7,8 @@ import torch
 from lightning_nanguard import NanGuard
 from lightning_nanguard.decide.agreement import RankAgreement
 from lightning_nanguard.engine.incident.inspector import IncidentInspector
-from lightning_nanguard.engine.incident.sharded import ShardedIncidentInspector, inspector_for
-from lightning_nanguard.engine.sharding import ShardingLayout
+from lightning_nanguard.engine.incident.sharded_inspector import ShardedIncidentInspector, inspector_for
+from lightning_nanguard.engine.shard_layout import ShardingLayout
 
 
 def parts() -> tuple[object, ...]:

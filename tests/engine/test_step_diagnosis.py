@@ -7,8 +7,8 @@ from fronts import PlainFront
 from torch import nn
 
 from lightning_nanguard.core.events import NanEvent
-from lightning_nanguard.diagnose.diagnosis import Diagnosis
-from lightning_nanguard.engine.incident.diagnosis import DiagnosisSettings, StepDiagnosis, diagnose_micro_batches
+from lightning_nanguard.diagnose.batch_diagnosis import Diagnosis
+from lightning_nanguard.engine.incident.step_diagnosis import DiagnosisSettings, StepDiagnosis, diagnose_micro_batches
 from lightning_nanguard.engine.step.window import MicroBatch
 
 EVENT = NanEvent(5, 0, 5, 0, ("loss",), "skipped")

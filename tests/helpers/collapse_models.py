@@ -1,41 +1,38 @@
-"""The collapse benchmark's task and schedule under a real ``Trainer``: models whose attention can collapse.
+"""The collapse task and schedule under a real ``Trainer``: models whose attention can collapse.
 
-``benchmarks/attention_collapse.py`` holds the task (a bigram chain, then a copy of it), the tiny
-pre-LN GPT and the learning-rate schedule that the precursor rule was calibrated on. Here:
+``collapse_gpt.py`` holds the task (a bigram chain, then a copy of it), the tiny pre-LN GPT and the
+learning-rate schedule that the precursor rule was calibrated on (``python -m studies.attention_collapse``
+trains them in plain torch). Here:
 
-- :class:`ScheduledModule`, a ``LightningModule`` with the benchmark's AdamW and warm-up/cosine
+- :class:`ScheduledModule`, a ``LightningModule`` with the runs' AdamW and warm-up/cosine
   schedule, which records each attention module's max logit and entropy per step (``record``);
-- :class:`CollapsingGPT`, the benchmark's ``TinyGPT`` in it (module names ``model.blocks.N.attn``);
+- :class:`CollapsingGPT`, ``collapse_gpt.TinyGPT`` in it (module names ``model.blocks.N.attn``);
 - :func:`collapse_batches`, the run's batches (a seed fixes them) and :func:`entropy_onset`.
 
 Example::
 
-    config = bench.RunConfig(attention="sdpa", qk_norm=False, lr=0.15, seed=0)
+    config = RunConfig(attention="sdpa", qk_norm=False, lr=0.15, seed=0)
     trainer.fit(CollapsingGPT(config), collapse_batches(config, steps=100))
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from collapse_gpt import Attention, RunConfig, TinyGPT, lr_at, make_batch, transition_matrix
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import attention_collapse as bench
-
-__all__ = ["CollapsingGPT", "ScheduledModule", "bench", "collapse_batches", "entropy_onset"]
+__all__ = ["CollapsingGPT", "ScheduledModule", "collapse_batches", "entropy_onset"]
 
 
 class ScheduledModule(pl.LightningModule):
-    """AdamW (betas 0.9/0.95, no weight decay) with the benchmark's schedule, stepped every step."""
+    """AdamW (betas 0.9/0.95, no weight decay) with the collapse runs' schedule, stepped every step."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: RunConfig) -> None:
         super().__init__()
         self.config = config
         self.entropy: dict[str, list[float]] = {}
@@ -48,33 +45,31 @@ class ScheduledModule(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.config.lr, betas=(0.9, 0.95), weight_decay=0.0)
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: bench.lr_at(self.config, step) / self.config.lr
-        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(self.config, step) / self.config.lr)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 class CollapsingGPT(ScheduledModule):
-    """The benchmark's tiny GPT; every step records its float64 side measurement of each layer."""
+    """The collapse runs' tiny GPT; every step records its float64 side measurement of each layer."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: RunConfig) -> None:
         super().__init__(config)
         torch.manual_seed(config.seed)
-        self.model = bench.TinyGPT(config)
+        self.model = TinyGPT(config)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch
         loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
         for name, module in self.model.named_modules():
-            if isinstance(module, bench.Attention) and module.last is not None:
+            if isinstance(module, Attention) and module.last is not None:
                 self.record(f"model.{name}", module.last[0], module.last[1])
         return loss
 
 
-def collapse_batches(config: Any, steps: int) -> DataLoader:
-    """The first ``steps`` batches of the benchmark's run with ``config``'s seed."""
-    chain, gen = bench.transition_matrix(), torch.Generator().manual_seed(10_000 + config.seed)
-    batches = [bench.make_batch(chain, gen, config.batch_size, config.seq_len) for _ in range(steps)]
+def collapse_batches(config: RunConfig, steps: int) -> DataLoader:
+    """The first ``steps`` batches of the run with ``config``'s seed."""
+    chain, gen = transition_matrix(), torch.Generator().manual_seed(10_000 + config.seed)
+    batches = [make_batch(chain, gen, config.batch_size, config.seq_len) for _ in range(steps)]
     return DataLoader(batches, batch_size=None)
 
 

@@ -18,9 +18,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from models import make_net
 from torch import Tensor, nn
 from torch.utils.data import Dataset, TensorDataset
+
+if __package__:  # imported as ``tests.helpers.forensics_models`` (by ``python -m studies.spike_margins``)
+    from .models import make_net
+else:  # ``tests/helpers`` on the path: pytest, and the fresh processes of the replay tests
+    from models import make_net
 
 __all__ = [
     "one_thread",

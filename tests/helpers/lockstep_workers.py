@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_nanguard.diagnose.diagnosis import diagnose
+from lightning_nanguard.diagnose.batch_diagnosis import diagnose
 from lightning_nanguard.diagnose.lockstep import Lockstep, LockstepAborted, LockstepRunner
 
 __all__ = ["main"]

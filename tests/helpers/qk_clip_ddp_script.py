@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 
 from lightning_nanguard import NanGuard
 from lightning_nanguard.detect.attention import AttentionProbe
-from lightning_nanguard.engine.step.precursors import PrecursorSettings
+from lightning_nanguard.detect.precursors import PrecursorSettings
 
 CAP = 3.0
 STEPS = 4

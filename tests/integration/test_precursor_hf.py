@@ -1,15 +1,15 @@
 """A third-party model that collapses by itself: a tiny Hugging Face GPT-2, warned before its entropy collapses.
 
 ``transformers.GPT2LMHeadModel`` (2 layers, 4 heads of 16, random init, dropout off), trained by a
-real ``Trainer`` with ``NanGuard()`` defaults on the task and 300-step schedule of
-``benchmarks/attention_collapse.py`` (``benchmarks/hf_attention_collapse.py`` is the evidence): at
-a peak learning rate of 0.05 (seed 0) ``transformer.h.1.attn``'s max logit grows past 100 by step 50
-and to hundreds after, and its attention entropy falls to a tenth of its early value around step
-95 (``transformer.h.0`` turns uniform); at 0.01 it trains healthily. Both of GPT-2's attention
-paths are covered: ``eager`` (a softmax in ``eager_attention_forward``) and ``sdpa``. The test
-measures every step's attention itself (float64, from the ``c_attn`` queries and keys, causal mask,
-GPT-2's ``1/sqrt(head_dim)`` scale) and takes as the onset the first step after 15 where a layer's
-mean entropy is below 0.1 of its mean over steps 5 to 15, as ``test_precursor_runs.py`` does.
+real ``Trainer`` with ``NanGuard()`` defaults on the task and 300-step schedule of ``collapse_gpt.py``
+(``python -m studies.hf_attention_collapse`` is the evidence): at a peak learning rate of 0.05 (seed
+0) ``transformer.h.1.attn``'s max logit grows past 100 by step 50 and to hundreds after, and its
+attention entropy falls to a tenth of its early value around step 95 (``transformer.h.0`` turns
+uniform); at 0.01 it trains healthily. Both of GPT-2's attention paths are covered: ``eager`` (a
+softmax in ``eager_attention_forward``) and ``sdpa``. The test measures every step's attention
+itself (float64, from the ``c_attn`` queries and keys, causal mask, GPT-2's ``1/sqrt(head_dim)``
+scale) and takes as the onset the first step after 15 where a layer's mean entropy is below 0.1 of
+its mean over steps 5 to 15, as ``test_precursor_runs.py`` does.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from typing import Any
 
 import pytest
 import torch.nn.functional as F
-from collapse_models import ScheduledModule, bench, collapse_batches
+from collapse_gpt import RunConfig, SideMeasurement, gpt2
+from collapse_models import ScheduledModule, collapse_batches
 from fitting import build_trainer
 from torch import Tensor
 
 from lightning_nanguard import NanGuard
 
 pytest.importorskip("transformers")
-import hf_attention_collapse as hf  # benchmarks/ is on the path (collapse_models puts it there)
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +35,10 @@ COLLAPSING = "model.transformer.h.1.attn"
 
 
 class TinyGPT2(ScheduledModule):
-    def __init__(self, config: bench.RunConfig) -> None:
+    def __init__(self, config: RunConfig) -> None:
         super().__init__(config)
-        self.model = hf.gpt2(config)  # seeded by config.seed
-        self.side = hf.SideMeasurement(self.model, prefix="model.")
+        self.model = gpt2(config)  # seeded by config.seed
+        self.side = SideMeasurement(self.model, prefix="model.")
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch
@@ -59,7 +59,7 @@ def _onset(entropy: dict[str, list[float]], fraction: float) -> tuple[int | None
 
 
 def _train(tmp_path: Path, attention: str, lr: float) -> tuple[NanGuard, TinyGPT2]:
-    config = bench.RunConfig(attention=attention, qk_norm=False, lr=lr, seed=0)
+    config = RunConfig(attention=attention, qk_norm=False, lr=lr, seed=0)
     module, guard = TinyGPT2(config), NanGuard(verbose=False)
     build_trainer("lightning", tmp_path, callbacks=[guard], max_steps=STEPS).fit(
         module, collapse_batches(config, STEPS)
@@ -81,7 +81,7 @@ def test_the_collapsing_gpt2_layer_is_named_at_least_10_steps_before_its_entropy
     first = warnings[0]
     assert first.culprit_module == COLLAPSING
     assert onset - first.global_step >= 10, (first.global_step, onset)
-    onset_02, _ = _onset(module.entropy, 0.2)  # the benchmark's main onset: here about 11 steps after the warning
+    onset_02, _ = _onset(module.entropy, 0.2)  # the study's main onset: here about 11 steps after the warning
     assert onset_02 is not None and first.global_step < onset_02, (first.global_step, onset_02)
     assert all(e.kinds == ("precursor",) for e in guard.events)  # no NaN, no spike: nothing else to report
     assert guard.counters.skipped_total == 0

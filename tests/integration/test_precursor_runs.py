@@ -1,11 +1,12 @@
 """Runs that collapse by themselves: the warning comes at least 10 steps before the onset this test computes.
 
-The tiny pre-LN GPT, task and learning-rate schedule of ``benchmarks/attention_collapse.py`` (the
-evidence for the defaults), trained by a real ``Trainer`` with ``NanGuard()`` defaults: at a peak
-learning rate of 0.15, ``blocks.1.attn``'s max logit runs away and its attention turns one-hot (no
-NaN, no loss spike); at 0.01 it trains healthily. The test measures every step's attention entropy
-itself (float64, from the layer's queries and keys) and takes as the onset the first step after 15
-where the collapsing layer's mean entropy is below 0.1 of its mean over steps 5 to 15.
+The tiny pre-LN GPT, task and learning-rate schedule of ``collapse_gpt.py`` (those of the evidence
+for the defaults, ``python -m studies.attention_collapse``), trained by a real ``Trainer`` with
+``NanGuard()`` defaults: at a peak learning rate of 0.15, ``blocks.1.attn``'s max logit runs away and
+its attention turns one-hot (no NaN, no loss spike); at 0.01 it trains healthily. The test measures
+every step's attention entropy itself (float64, from the layer's queries and keys) and takes as the
+onset the first step after 15 where the collapsing layer's mean entropy is below 0.1 of its mean
+over steps 5 to 15.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from collapse_models import CollapsingGPT, bench, collapse_batches, entropy_onset
+from collapse_gpt import RunConfig
+from collapse_models import CollapsingGPT, collapse_batches, entropy_onset
 from fitting import build_trainer
 
 from lightning_nanguard import NanGuard
@@ -22,7 +24,7 @@ STEPS = 100  # the collapse at lr 0.15 begins around step 50; the schedule is th
 
 
 def _train(tmp_path: Path, attention: str, lr: float) -> tuple[NanGuard, CollapsingGPT]:
-    config = bench.RunConfig(attention=attention, qk_norm=False, lr=lr, seed=0)
+    config = RunConfig(attention=attention, qk_norm=False, lr=lr, seed=0)
     module, guard = CollapsingGPT(config), NanGuard(verbose=False)
     build_trainer("lightning", tmp_path, callbacks=[guard], max_steps=STEPS).fit(
         module, collapse_batches(config, STEPS)

@@ -23,10 +23,10 @@ from forensics_models import one_thread  # noqa: F401 (fixture)
 from torch.utils.data import DataLoader
 
 from lightning_nanguard import NanEvent, NanGuard
+from lightning_nanguard.diagnose.batch_diagnosis import Diagnosis
 from lightning_nanguard.diagnose.combined import CombinedIndices, CombinedLayout, LoaderSplit
-from lightning_nanguard.diagnose.diagnosis import Diagnosis
 from lightning_nanguard.engine.data.readers import RecordReader
-from lightning_nanguard.engine.rows.records import RecordSettings, RowNamer
+from lightning_nanguard.engine.rows.record_names import RecordSettings, RowNamer
 from lightning_nanguard.engine.rows.samples import bundle_samples, fill_event
 from lightning_nanguard.engine.step.window import MicroBatch
 

@@ -27,7 +27,7 @@ from models import origin_line
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NanEvent, NanGuard
-from lightning_nanguard.diagnose.diagnosis import diagnose
+from lightning_nanguard.diagnose.batch_diagnosis import diagnose
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

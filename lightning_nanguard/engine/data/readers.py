@@ -1,7 +1,7 @@
 """Read one record of a training loader again, as the loop would hand it to its training step.
 
 The check that a dataset index names the record really in a row
-(:mod:`~lightning_nanguard.diagnose.records`) compares the row with the record read again. A
+(:mod:`~lightning_nanguard.diagnose.reread`) compares the row with the record read again. A
 :class:`RecordReader` is kept per training loader, next to its recording batch sampler
 (:class:`~lightning_nanguard.engine.data.loaders.TrainingLoaders`): it reads ``dataset[i]`` and collates
 it alone with the loader's own ``collate_fn``. The front-end's ``as_training_batch`` then does to

@@ -1,6 +1,6 @@
 """A bad step's files: the dashboard's incident context and the repro bundle.
 
-Written on the rank that records the incident, after its diagnosis (:mod:`.diagnosis`), into the
+Written on the rank that records the incident, after its diagnosis (:mod:`.step_diagnosis`), into the
 recorder's ``nanguard/`` directory (:class:`~lightning_nanguard.engine.recording.EventSinks`).
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from lightning_nanguard.core.events import NanEvent
-from lightning_nanguard.engine.incident.diagnosis import DiagnosisSettings, StepDiagnosis
+from lightning_nanguard.engine.incident.step_diagnosis import DiagnosisSettings, StepDiagnosis
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.rows.samples import bundle_samples, context_samples
 from lightning_nanguard.reporting.context import save_incident_context

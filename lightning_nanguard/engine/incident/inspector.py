@@ -20,8 +20,8 @@ from lightning_nanguard.core.events import EventKind, NanEvent
 from lightning_nanguard.decide.policy import RankVote, StepHealth
 from lightning_nanguard.detect.check import grouped_norms
 from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_names
-from lightning_nanguard.engine.incident.diagnosis import DiagnosisSettings, diagnose_micro_batches
 from lightning_nanguard.engine.incident.files import save_incident_files
+from lightning_nanguard.engine.incident.step_diagnosis import DiagnosisSettings, diagnose_micro_batches
 from lightning_nanguard.engine.parts import GuardParts
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.step.spikes import SpikeWatch

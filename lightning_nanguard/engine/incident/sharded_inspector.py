@@ -39,13 +39,12 @@ from lightning_nanguard.core.dtensor import gathered_state
 from lightning_nanguard.core.events import SPIKE_KINDS, EventKind, NanEvent
 from lightning_nanguard.decide.agreement import RankAgreement
 from lightning_nanguard.decide.policy import RankVote, StepHealth
-from lightning_nanguard.decide.sharded import Finding, SearchResult, plan_search, recorders
+from lightning_nanguard.decide.search_plan import Finding, SearchResult, plan_search, recorders
 from lightning_nanguard.detect.confirm import nonfinite_names
 from lightning_nanguard.diagnose.batching import slice_batch
 from lightning_nanguard.diagnose.combined import CombinedBatch
 from lightning_nanguard.diagnose.lockstep import Lockstep
 from lightning_nanguard.diagnose.runner import SubBatchRunner
-from lightning_nanguard.engine.incident.diagnosis import StepDiagnosis, diagnose_micro_batches
 from lightning_nanguard.engine.incident.files import save_incident_files
 from lightning_nanguard.engine.incident.inspector import (
     IncidentInspector,
@@ -54,7 +53,8 @@ from lightning_nanguard.engine.incident.inspector import (
     quarantine_of,
     with_rerun_note,
 )
-from lightning_nanguard.engine.sharding import ShardingLayout
+from lightning_nanguard.engine.incident.step_diagnosis import StepDiagnosis, diagnose_micro_batches
+from lightning_nanguard.engine.shard_layout import ShardingLayout
 
 if TYPE_CHECKING:
     from lightning_nanguard.engine.frontend import FrontEnd

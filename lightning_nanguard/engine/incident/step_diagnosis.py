@@ -1,4 +1,4 @@
-"""Diagnose the micro-batches of a bad step: :mod:`lightning_nanguard.diagnose.diagnosis` driven by the engine.
+"""Diagnose the micro-batches of a bad step: :mod:`lightning_nanguard.diagnose.batch_diagnosis` driven by the engine.
 
 Called on a bad step, before the step is discarded, with the BatchNorm buffers already restored
 to their values before the step's first forward; one routine for one process, DDP and sharding
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lightning_nanguard.core.events import NanEvent
-from lightning_nanguard.diagnose.diagnosis import Diagnosis, diagnose
+from lightning_nanguard.diagnose.batch_diagnosis import Diagnosis, diagnose
 from lightning_nanguard.diagnose.lockstep import LockstepRunner
-from lightning_nanguard.engine.rows.records import RecordSettings, RowNamer
+from lightning_nanguard.engine.rows.record_names import RecordSettings, RowNamer
 from lightning_nanguard.engine.rows.samples import fill_event
 from lightning_nanguard.engine.step.window import MicroBatch
 

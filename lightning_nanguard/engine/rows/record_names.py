@@ -1,4 +1,4 @@
-"""Which records the offending rows hold: :mod:`~lightning_nanguard.diagnose.records` at an incident.
+"""Which records the offending rows hold: :mod:`~lightning_nanguard.diagnose.reread` at an incident.
 
 At an incident, once the diagnosis named offending rows, :class:`RowNamer` names the dataset records
 they hold, and says whether that is verified (``NanEvent.indices_verified``). Per loader (one, or
@@ -16,7 +16,7 @@ applies:
 3. The batch sampler's recorded indices, in the order it yielded them. Checked by re-reading each
    named record with the loader's own ``dataset[i]`` and ``collate_fn([item])``, transformed by the
    same batch hooks (:mod:`~lightning_nanguard.engine.data.readers`), and comparing it with the row
-   (:func:`~lightning_nanguard.diagnose.records.verify_rows`): verified, corrected (the collate
+   (:func:`~lightning_nanguard.diagnose.reread.verify_rows`): verified, corrected (the collate
    reorders rows), matched by content (rows are not one record each), or unknown (no record matches
    the row, reads are random, a read failed: no index is guessed, ``indices_verified=False`` with the
    reason). A loader that cannot be read again (``nanguard_reread = False``) and
@@ -28,7 +28,7 @@ Each broken assumption of the pipeline is told once per run, on every rank that 
 
 Example:
     >>> from lightning_nanguard.engine.step.window import MicroBatch
-    >>> from lightning_nanguard.diagnose.diagnosis import Diagnosis
+    >>> from lightning_nanguard.diagnose.batch_diagnosis import Diagnosis
     >>> micro = MicroBatch({"x": torch.zeros(3, 2), "idx": torch.tensor([[4, 5], [6, -1], [7, -1]])}, 0, None)
     >>> namer = RowNamer(RecordSettings(index_key="idx", row_records=None, verify=True))
     >>> event = namer.name(NanEvent(3, 0, 3, 0, ("loss",), "skipped"), Diagnosis(3, [0], cause="data"), micro)
@@ -48,9 +48,9 @@ import torch
 
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.core.rng import RngState
+from lightning_nanguard.diagnose.batch_diagnosis import Diagnosis
 from lightning_nanguard.diagnose.combined import CombinedLayout, LoaderKey
-from lightning_nanguard.diagnose.diagnosis import Diagnosis
-from lightning_nanguard.diagnose.records import RecordCheck, RowRecord, verify_rows
+from lightning_nanguard.diagnose.reread import RecordCheck, RowRecord, verify_rows
 from lightning_nanguard.engine.data.indices import records_from_batch
 from lightning_nanguard.engine.data.readers import RecordReader
 from lightning_nanguard.engine.step.window import MicroBatch

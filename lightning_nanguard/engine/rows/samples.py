@@ -17,11 +17,11 @@ from typing import Any
 import torch  # noqa: F401 (doctests)
 
 from lightning_nanguard.core.events import NanEvent
+from lightning_nanguard.diagnose.batch_diagnosis import Diagnosis
 from lightning_nanguard.diagnose.batching import slice_batch
 from lightning_nanguard.diagnose.combined import CombinedBatch, CombinedLayout, LoaderKey, LoaderSplit
-from lightning_nanguard.diagnose.diagnosis import Diagnosis
 from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
-from lightning_nanguard.engine.rows.records import RowNamer
+from lightning_nanguard.engine.rows.record_names import RowNamer
 from lightning_nanguard.engine.step.window import MicroBatch
 
 __all__ = ["BundleSamples", "bundle_samples", "context_samples", "fill_event"]
@@ -33,7 +33,7 @@ def fill_event(event: NanEvent, diagnosis: Diagnosis, micro: MicroBatch, naming:
     """The event filled from the diagnosis of ``micro``: with several loaders, each sample's loader and index.
 
     With ``naming`` the records of the offending rows are checked (and corrected) and
-    ``indices_verified`` set (:class:`~lightning_nanguard.engine.rows.records.RowNamer`); the rows the repro
+    ``indices_verified`` set (:class:`~lightning_nanguard.engine.rows.record_names.RowNamer`); the rows the repro
     bundle saves beside them are named too (``micro.row_indices``). Without it the indices are the
     recorded ones, by position, unchecked.
 

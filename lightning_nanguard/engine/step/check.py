@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from lightning_nanguard.engine.frontend import FrontEnd
     from lightning_nanguard.engine.parts import GuardParts
-    from lightning_nanguard.engine.sharding import ShardingLayout
+    from lightning_nanguard.engine.shard_layout import ShardingLayout
     from lightning_nanguard.engine.step.spikes import SpikeWatch
     from lightning_nanguard.engine.step.window import StepWindow
 

@@ -4,7 +4,7 @@ Every ``every_n_steps`` optimizer steps the :class:`~lightning_nanguard.detect.a
 watches the step's forward passes (armed when the step begins, taken when it is checked). The values
 stay on the device and are copied to the host without waiting; they are read at a later check once
 the copy has landed (no host synchronisation, also under ``sync_free``). Each sampled value goes to
-the :class:`~lightning_nanguard.detect.precursors.LogitGrowthRule`; a finding becomes a ``precursor``
+the :class:`~lightning_nanguard.detect.precursors.LogitGrowthRule`; an early warning becomes a ``precursor``
 event (the step is applied) and the per-module values ``nanguard/`` scalars.
 
 With ``qk_clip`` (a cap, opt-in) the sampled step's per-head max logits also stay on the device
@@ -44,10 +44,10 @@ from torch import Tensor, nn
 
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.detect.attention import AttentionProbe, AttentionStats
-from lightning_nanguard.detect.precursors import Finding, LogitGrowthRule
+from lightning_nanguard.detect.precursors import EarlyWarning, PrecursorSettings
 from lightning_nanguard.recover.qk_clip import QKProjection, find_qk_projections, qk_clip_
 
-__all__ = ["PrecursorSettings", "PrecursorWatch", "Sample", "precursor_event"]
+__all__ = ["PrecursorWatch", "Sample", "precursor_event"]
 
 MAX_EVERY = 10_000  # the widest sampling interval the cost limit may set
 
@@ -57,20 +57,6 @@ FIXES = (
     "QK-clip (rescale the query and key projections when the max logit passes a cap)",
     "logit soft-capping (cap * tanh(logits / cap))",
 )
-
-
-@dataclass(frozen=True)
-class PrecursorSettings:
-    """How the watch samples and when it warns (``NanGuard``'s ``precursor_*`` arguments)."""
-
-    every_n_steps: int = 10
-    min_logit: float = 80.0
-    growth: float = 2.0
-    window: int = 20
-    cooldown: int = 100
-    rows: int = 4
-    qk_clip: float | None = None
-    max_cost: float | None = 0.01
 
 
 @dataclass(frozen=True)
@@ -95,7 +81,7 @@ class PrecursorWatch:
         self._last_begin: tuple[int, float] | None = None  # (step, host clock) of the last step begun
         self._step_seconds: deque[float] = deque(maxlen=50)
         self._measure_seconds: deque[float] = deque(maxlen=5)
-        self.rule = LogitGrowthRule(settings.min_logit, settings.growth, settings.window, settings.cooldown)
+        self.rule = settings.rule()
         self.probe: AttentionProbe | None = None
         self._armed: ExitStack | None = None
         self._armed_step = -1
@@ -168,13 +154,13 @@ class PrecursorWatch:
                 out.append(Sample(step, module, *flat[3 * i : 3 * i + 3]))
         return out
 
-    def judge(self, samples: list[Sample]) -> list[tuple[Finding, Sample]]:
-        """The findings among ``samples`` (at most one per module per ``cooldown`` steps)."""
+    def judge(self, samples: list[Sample]) -> list[tuple[EarlyWarning, Sample]]:
+        """The early warnings among ``samples`` (at most one per module per ``cooldown`` steps)."""
         found = []
         for sample in samples:
-            finding = self.rule.observe(sample.module, sample.step, sample.max_logit)
-            if finding is not None:
-                found.append((finding, sample))
+            warning = self.rule.observe(sample.module, sample.step, sample.max_logit)
+            if warning is not None:
+                found.append((warning, sample))
         return found
 
     def clip(self, reduce_max: Callable[[Tensor], Tensor] | None = None) -> None:
@@ -243,24 +229,26 @@ class PrecursorWatch:
         self.rule.load_state_dict(state)
 
 
-def precursor_event(finding: Finding, sample: Sample, settings: PrecursorSettings, epoch: int, rank: int) -> NanEvent:
-    """The ``precursor`` event of one finding: the step was applied; module, signal, value, trend, fixes."""
+def precursor_event(
+    warning: EarlyWarning, sample: Sample, settings: PrecursorSettings, epoch: int, rank: int
+) -> NanEvent:
+    """The ``precursor`` event of one early warning: the step was applied; module, signal, value, trend, fixes."""
     return NanEvent(
-        global_step=finding.step,
+        global_step=warning.step,
         epoch=epoch,
-        batch_idx=finding.step,
+        batch_idx=warning.step,
         rank=rank,
         kinds=("precursor",),
         action="warned",
-        culprit_module=finding.module,
+        culprit_module=warning.module,
         details={
             "signal": "attention_max_logit",
-            "value": finding.value,
+            "value": warning.value,
             "threshold": settings.min_logit,
-            "growth": finding.ratio,
+            "growth": warning.ratio,
             "growth_threshold": settings.growth,
-            "earlier_value": finding.earlier,
-            "earlier_step": finding.earlier_step,
+            "earlier_value": warning.earlier,
+            "earlier_step": warning.earlier_step,
             "entropy": sample.entropy,
             "min_entropy": sample.min_entropy,
             "fixes": list(FIXES),
