@@ -6,6 +6,8 @@ Example:
     >>> trainer = Trainer(callbacks=[NanGuard()], logger=False)  # doctest: +SKIP
 """
 
+from typing import TYPE_CHECKING, Any
+
 from lightning_nanguard import _moved
 from lightning_nanguard.core.events import GuardInternalError, NanEvent, NonFiniteTrainingError
 from lightning_nanguard.decide.policy import Counters
@@ -14,7 +16,9 @@ from lightning_nanguard.detect.confirm import nonfinite_names
 from lightning_nanguard.detect.spikes import SpikeDetector, SpikeStats
 from lightning_nanguard.recover.batchnorm import BatchNormSnapshot
 from lightning_nanguard.reporting import read_events
-from lightning_nanguard.trainer.callback import NanGuard
+
+if TYPE_CHECKING:
+    from lightning_nanguard.trainer.callback import NanGuard
 
 __all__ = [
     "BatchNormSnapshot",
@@ -33,3 +37,18 @@ __all__ = [
 __version__ = "0.4.0"
 
 _moved.install()  # the module paths of 0.2.0 keep working, with a DeprecationWarning
+
+
+def __getattr__(name: str) -> Any:
+    # ``NanGuard`` (the Lightning front-end) is imported on first use: importing the package, as
+    # Fabric's entry point does in every ``Fabric()``, loads no Lightning namespace.
+    if name == "NanGuard":
+        from lightning_nanguard.trainer.callback import NanGuard
+
+        globals()["NanGuard"] = NanGuard
+        return NanGuard
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})  # NanGuard included before its first use (tab completion, griffe)

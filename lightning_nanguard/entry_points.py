@@ -4,7 +4,8 @@ Lightning Fabric adds to every ``Fabric()`` the callbacks that installed package
 entry-point group ``lightning.fabric.callbacks_factory``. This package registers
 :func:`nanguard_from_environment` there: with ``NANGUARD=1`` it returns one ``NanGuard()`` (its
 arguments from ``NANGUARD_ARGS``, a JSON object validated like the constructor's), otherwise
-nothing. A guard made so stands aside when the user passes a ``NanGuard`` of their own.
+nothing. A guard made so stands aside when the user passes a ``NanGuard`` of their own. With
+``NANGUARD`` unset this imports nothing beyond the package itself: no Lightning namespace, no guard.
 
 Example:
     >>> import os
@@ -18,8 +19,6 @@ from __future__ import annotations
 import json
 import os
 from typing import Any
-
-from lightning_nanguard.trainer.callback import NanGuard
 
 __all__ = ["NANGUARD", "NANGUARD_ARGS", "nanguard_from_environment"]
 
@@ -44,6 +43,8 @@ def nanguard_from_environment() -> list[Any]:
         raise ValueError(f"{NANGUARD_ARGS} must be a JSON object of NanGuard arguments: {error}") from None
     if not isinstance(arguments, dict):
         raise ValueError(f"{NANGUARD_ARGS} must be a JSON object of NanGuard arguments, got {text!r}")
+    from lightning_nanguard.trainer.callback import NanGuard  # only now: Fabric() loads this module every time
+
     try:
         guard = NanGuard(**arguments)
     except (TypeError, ValueError) as error:

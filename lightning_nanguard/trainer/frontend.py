@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_nanguard.engine.recording import Count
-from lightning_nanguard.trainer._compat import TENSORBOARD_LOGGER_TYPES
+from lightning_nanguard.trainer._compat import tensorboard_logger_types
 from lightning_nanguard.trainer.logged_values import LoggedValues
 
 if TYPE_CHECKING:
@@ -158,8 +158,8 @@ class TrainerFrontEnd:
         Rank zero's answer, broadcast (one collective on every rank, as ``trainer.log_dir`` does), so
         that every rank writes to the same directory.
         """
-        trainer = self.trainer
-        board = next((lg for lg in trainer.loggers if isinstance(lg, TENSORBOARD_LOGGER_TYPES)), None)
+        trainer, boards = self.trainer, tensorboard_logger_types()
+        board = next((lg for lg in trainer.loggers if isinstance(lg, boards)), None)
         if board is None:
             return str(trainer.log_dir or trainer.default_root_dir)
         return str(trainer.strategy.broadcast(board.log_dir))
@@ -169,7 +169,8 @@ class TrainerFrontEnd:
         return self.trainer.loggers
 
     def tensorboard_writers(self) -> Sequence[Any]:
-        return [lg.experiment for lg in self.trainer.loggers if isinstance(lg, TENSORBOARD_LOGGER_TYPES)]
+        boards = tensorboard_logger_types()
+        return [lg.experiment for lg in self.trainer.loggers if isinstance(lg, boards)]
 
     def logging_due(self) -> bool:
         """Whether the Trainer logs metrics at this step (``log_every_n_steps``)."""

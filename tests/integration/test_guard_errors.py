@@ -305,10 +305,15 @@ def test_an_output_directory_that_cannot_be_written_switches_off_the_files_only(
 def test_a_clock_that_stands_still_does_not_switch_anything_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Lightning's own tests replace ``time.perf_counter``; the precursor watch's cost limit divides by it."""
+    """Lightning's own tests replace ``time.perf_counter`` (the guard binds its own at import); a coarse clock
+    that stands still is the same for the precursor watch's cost limit, which divides by it."""
     import time
 
-    monkeypatch.setattr(time, "perf_counter", lambda: 1.0)
+    import lightning_nanguard.detect.attention as attention_module
+    import lightning_nanguard.engine.step.precursors as precursors_module
+
+    for module in (time, precursors_module, attention_module):
+        monkeypatch.setattr(module, "perf_counter", lambda: 1.0)
     module = EveryPartModule()
     guard = NanGuard(verbose=False, precursor_every_n_steps=1)
     recorder = run(tmp_path, guard, module)
