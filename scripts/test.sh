@@ -5,4 +5,4 @@ ensure_browser
 echo "== ruff"; ruff check lightning_nanguard lightning_nanguard_tensorboard tests examples benchmarks studies
 echo "== mypy"; mypy
 echo "== import contracts"; lint-imports
-echo "== pytest"; python -m pytest "$@"
+echo "== pytest"; python -m pytest -n 2 --dist loadfile "$@"  # two workers, one file each at a time (module fixtures run once)

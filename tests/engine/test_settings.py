@@ -112,7 +112,12 @@ def test_the_tables_cover_every_argument() -> None:
     assert set(_arguments()) <= set(RULES)
 
 
-@pytest.mark.parametrize(("name", "value"), [(n, v) for n, values in BAD.items() for v in values], ids=repr)
+def _stable_id(value: Any) -> str:
+    """The same test id in every process (a function's repr holds its address: pytest-xdist needs one id)."""
+    return f"<{value.__name__}>" if callable(value) else repr(value)
+
+
+@pytest.mark.parametrize(("name", "value"), [(n, v) for n, values in BAD.items() for v in values], ids=_stable_id)
 def test_a_bad_value_names_the_argument_the_allowed_values_and_the_value(name: str, value: Any) -> None:
     with pytest.raises(ValueError) as info:
         NanGuard(**{name: value})
@@ -121,7 +126,7 @@ def test_a_bad_value_names_the_argument_the_allowed_values_and_the_value(name: s
     assert repr(value) in message
 
 
-@pytest.mark.parametrize(("name", "value"), [(n, v) for n, values in GOOD.items() for v in values], ids=repr)
+@pytest.mark.parametrize(("name", "value"), [(n, v) for n, values in GOOD.items() for v in values], ids=_stable_id)
 def test_good_values_are_accepted_and_kept(name: str, value: Any) -> None:
     guard = NanGuard(**{name: value})
     kept = getattr(guard, name)
