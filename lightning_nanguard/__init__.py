@@ -18,11 +18,13 @@ from lightning_nanguard.recover.batchnorm import BatchNormSnapshot
 from lightning_nanguard.reporting import read_events
 
 if TYPE_CHECKING:
+    from lightning_nanguard.fabric.guard import FabricGuard
     from lightning_nanguard.trainer.callback import NanGuard
 
 __all__ = [
     "BatchNormSnapshot",
     "Counters",
+    "FabricGuard",
     "GuardInternalError",
     "NanEvent",
     "NanGuard",
@@ -40,13 +42,18 @@ _moved.install()  # the module paths of 0.2.0 keep working, with a DeprecationWa
 
 
 def __getattr__(name: str) -> Any:
-    # ``NanGuard`` (the Lightning front-end) is imported on first use: importing the package, as
-    # Fabric's entry point does in every ``Fabric()``, loads no Lightning namespace.
+    # The front-ends are imported on first use: importing the package, as Fabric's entry point does
+    # in every ``Fabric()``, loads no Lightning namespace and makes no guard.
     if name == "NanGuard":
         from lightning_nanguard.trainer.callback import NanGuard
 
         globals()["NanGuard"] = NanGuard
         return NanGuard
+    if name == "FabricGuard":
+        from lightning_nanguard.fabric.guard import FabricGuard
+
+        globals()["FabricGuard"] = FabricGuard
+        return FabricGuard
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

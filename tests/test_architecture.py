@@ -63,7 +63,7 @@ def test_the_checkout_keeps_every_contract(copy: Path) -> None:
         (  # the step engine importing Lightning itself, even for a type
             "lightning_nanguard.engine.step.window",
             "import typing\nif typing.TYPE_CHECKING:\n    from lightning.pytorch import Trainer",
-            "The Trainer-free stages import no Lightning",
+            "Only the Trainer front-end imports Lightning",
         ),
         (  # a type-only circle between the engine's sub-stages (the window reaching back to the controller)
             "lightning_nanguard.engine.step.window",
@@ -80,10 +80,15 @@ def test_the_checkout_keeps_every_contract(copy: Path) -> None:
             "import lightning_nanguard.reporting.text",
             "The stages are layered",
         ),
+        (  # the Fabric guard importing Lightning (Fabric calls its hooks by name: it needs no base class)
+            "lightning_nanguard.fabric.guard",
+            "import lightning.fabric",
+            "Only the Trainer front-end imports Lightning",
+        ),
         (  # a Trainer-free stage importing Lightning
             "lightning_nanguard.diagnose.runner",
             "import lightning.pytorch",
-            "The Trainer-free stages import no Lightning",
+            "Only the Trainer front-end imports Lightning",
         ),
         (  # the dashboard's file layout is read by reporting only
             "lightning_nanguard.engine.step.window",

@@ -12,6 +12,11 @@ whose callbacks hold a guard, and only towards the guard:
 - ``setup_dataloaders`` before the guard holds the loop: the loaders are kept on the ``Fabric``
   object and watched when it takes hold (:func:`early_loaders`).
 
+The classes are wrapped only once a Fabric loop is in use: when a ``Fabric`` is built after a guard
+was made (:func:`hold_fabric_class_for_guards`, called by the entry point Fabric loads in every
+``Fabric()``), or when a guard takes hold at ``fabric.setup``. A Trainer-only run never touches
+``Fabric``; a Fabric user without a guard never gets the wrappers.
+
 Example:
     >>> import lightning as L
     >>> hold_fabric_class()
@@ -26,11 +31,30 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["TAKES_SETUP_MODULE", "early_loaders", "hold_fabric_class"]
+__all__ = [
+    "TAKES_SETUP_MODULE",
+    "early_loaders",
+    "hold_fabric_class",
+    "hold_fabric_class_for_guards",
+    "note_guard_made",
+]
 
 TAKES_SETUP_MODULE = "nanguard_takes_setup_module"  # a callback class attribute: hand it setup_module too
 _EARLY = "_nanguard_early_loaders"
 _FABRIC_MODULES = ("lightning.fabric.fabric", "lightning_fabric.fabric")
+_guard_made = False  # a guard exists in this process: the next Fabric() built is held
+
+
+def note_guard_made() -> None:
+    """A guard was made: a ``Fabric`` built from now on is held (:func:`hold_fabric_class_for_guards`)."""
+    global _guard_made
+    _guard_made = True
+
+
+def hold_fabric_class_for_guards() -> None:
+    """Called in every ``Fabric()`` (the entry point): hold the ``Fabric`` classes once a guard exists."""
+    if _guard_made:
+        hold_fabric_class()
 
 
 def hold_fabric_class() -> None:

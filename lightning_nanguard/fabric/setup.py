@@ -15,8 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_nanguard.engine.controller import StepController
-from lightning_nanguard.engine.settings import GuardSettings, warn_what_cannot_be_skipped
+from lightning_nanguard.engine.moments import GuardEngine
 from lightning_nanguard.engine.shard_layout import strategy_kind
 from lightning_nanguard.fabric.fabric_class import early_loaders
 from lightning_nanguard.fabric.frontend import FabricFrontEnd, LossFn
@@ -24,12 +23,13 @@ from lightning_nanguard.fabric.litgpt_loops import litgpt_loss_fn
 from lightning_nanguard.fabric.quarantine import quarantine_in_fabric
 from lightning_nanguard.fabric.steps import FabricSteps
 from lightning_nanguard.fabric.strategy import hold_fabric_strategy
+from lightning_nanguard.reporting.notice_texts import FABRIC_LOSS_FN
 
 __all__ = ["take_hold_of_fabric"]
 
 
 def take_hold_of_fabric(
-    controller: StepController,
+    engine: GuardEngine,
     arguments: dict[str, Any],
     fabric: Any,
     module: nn.Module,
@@ -42,23 +42,15 @@ def take_hold_of_fabric(
     up before the model are watched from here on.
     """
     loss_fn = loss_fn or litgpt_loss_fn(getattr(module, "module", module))
-    kind = strategy_kind(fabric.strategy)
-    controller.configure(GuardSettings.from_arguments(arguments, strategy_kind=kind))
+    engine.configure(arguments, strategy_kind(fabric.strategy))
     front = FabricFrontEnd(fabric, module, loss_fn)
-    recorder = controller.recorder
-    recorder.sinks.verbose = bool(arguments["verbose"])
-    recorder.attach(front, controller.scalar_tags(front))
-    warn_what_cannot_be_skipped(front, arguments["action"], recorder.notices)
-    controller.attach(front)
+    engine.open_logs(front)
+    engine.start(front, snapshot=False)  # the first snapshot once the optimizer is known (its first step)
+    controller = engine.controller
     keep = loss_fn is not None and controller.diagnosis.diagnoses
     if loss_fn is None and controller.diagnosis.diagnoses:
-        recorder.notices.warn(
-            "fabric-loss-fn",
-            "NanGuard: in a Fabric loop bad steps are skipped, but the offending samples, module and op are "
-            "named only when the guard can re-run the step: pass NanGuard(loss_fn=...), with "
-            "loss_fn(model, batch) -> loss.",
-        )
-    steps = FabricSteps(controller, front, int(arguments["check_every_n_steps"]), keep_batches=keep)
+        engine.recorder.notices.warn("fabric-loss-fn", FABRIC_LOSS_FN)
+    steps = FabricSteps(engine, front, keep_batches=keep)
     hold_fabric_strategy(fabric.strategy, steps)
     for loader in early_loaders(fabric):
         controller.parts.run("remedies", quarantine_in_fabric, steps, loader)  # first: the batches noted are cut

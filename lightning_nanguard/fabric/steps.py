@@ -31,9 +31,9 @@ from torch import Tensor
 
 from lightning_nanguard.core.events import GuardInternalError, NonFiniteTrainingError
 from lightning_nanguard.core.swapped import swapped_subclass
-from lightning_nanguard.engine.controller import StepController
 from lightning_nanguard.engine.data.indices import RecordingBatchSampler, next_recorded_indices, record_batch_indices
 from lightning_nanguard.engine.data.readers import RecordReader
+from lightning_nanguard.engine.moments import GuardEngine
 from lightning_nanguard.engine.settings import warn_what_cannot_be_skipped
 from lightning_nanguard.fabric.frontend import FabricFrontEnd
 
@@ -46,16 +46,15 @@ class FabricSteps:
     """One Fabric loop's steps under the guard (see module docs).
 
     Args:
-        controller: the guard's step controller.
+        engine: the guard's step engine.
         front: the loop's front-end.
-        every_n_steps: check one optimizer step in ``n``.
         keep_batches: keep each step's batches for a diagnosis (needs a ``loss_fn``).
     """
 
-    def __init__(self, controller: StepController, front: FabricFrontEnd, every_n_steps: int, keep_batches: bool):
-        self.controller = controller
+    def __init__(self, engine: GuardEngine, front: FabricFrontEnd, keep_batches: bool):
+        self.engine = engine
+        self.controller = engine.controller
         self.front = front
-        self.every_n_steps = every_n_steps
         self.keep_batches = keep_batches
         self._pending: list[tuple[Any, list[int] | None, tuple[RecordReader, ...]]] = []
         self._checked: dict[int, bool] = {}  # id(optimizer) -> dropped, for this step
@@ -80,15 +79,16 @@ class FabricSteps:
 
     def before_backward(self, loss: Tensor) -> None:
         """Open the step's window at its first backward (with the batches that came since); keep the loss."""
-        window = self.controller.window
-        if not window.open:
+        new_step = not self.controller.window.open
+        if new_step:
             self._checked = {}
-            self.controller.begin_step(self.front, self.every_n_steps)
+        if new_step and not self._pending:
+            self.engine.open_step(self.front)  # no batch came from a loader the guard watches
         for batch, indices, readers in self._pending:
-            window.add_batch(batch, self._batches_seen, indices, keep=self.keep_batches, readers=readers)
-            self._batches_seen += 1
+            self.engine.batch(self.front, batch, self._batches_seen, indices, readers, new_step, keep=self.keep_batches)
+            self._batches_seen, new_step = self._batches_seen + 1, False
         self._pending = []
-        window.add_loss(loss)
+        self.engine.loss(loss)
 
     def before_update(self, optimizer: Any) -> bool:
         """Check the step for ``optimizer`` (once per step); ``True`` when its update was dropped."""
@@ -96,15 +96,13 @@ class FabricSteps:
         if key in self._checked:
             return self._checked[key]
         first = not self.front.optimizers
-        if self.front.saw_optimizer(optimizer):
-            self.controller.optimizer_added(self.front, optimizer)
-            warn_what_cannot_be_skipped(self.front, self.controller.policy.action, self.controller.recorder.notices)
         controller = self.controller
-        if first and controller.policy.action == "rollback":  # the first snapshot, once the optimizer is known
+        if self.front.saw_optimizer(optimizer):
+            controller.optimizer_added(self.front, optimizer)
+            warn_what_cannot_be_skipped(self.front, self.engine.action, controller.recorder.notices)
+        if first and self.engine.action == "rollback":  # the first snapshot, once the optimizer is known
             controller.after_step.initial_snapshot(self.front)
-        controller.window.close()
-        if controller.checking(self.front, self.every_n_steps):
-            controller.check_step(self.front, optimizer)
+        self.engine.step(self.front, optimizer)
         dropped = all(p.grad is None for group in optimizer.param_groups for p in group["params"])
         self._checked[key] = dropped
         return dropped
@@ -118,7 +116,7 @@ class FabricSteps:
 
     def after_update(self, optimizer: Any) -> None:
         """The after-step work, then the next step's number."""
-        self.controller.after_optimizer_step(self.front)
+        self.engine.after_step(self.front)
         self.front.global_step += 1
         self._checked = {}
         self.controller.arm_precursors(self.front)  # before the next step's forward (Fabric has no hook there)

@@ -1,8 +1,25 @@
-"""``NanGuard``: the Lightning callback. Configuration, and hooks that hand each moment of a step on.
+"""``NanGuard``: the Lightning Trainer callback, the Fabric guard with the Trainer's hooks.
 
-What happens at a step is decided in :mod:`~lightning_nanguard.decide.policy` (Trainer-free) and
-carried out by :class:`~lightning_nanguard.engine.controller.StepController`; this module only maps
-Lightning's hooks onto them.
+:class:`~lightning_nanguard.fabric.guard.FabricGuard` holds the arguments, the state and the engine
+(and guards Fabric loops); this class adds what only a ``Trainer`` has: its hooks, each handed on
+to one moment of :class:`~lightning_nanguard.engine.moments.GuardEngine`, the strategy wrapper,
+epochs without a training step, ``self.log`` values withdrawn, and checkpoints. The pattern of
+Lightning's own ``callbacks/spike.py``.
+
+=====================================  ==============================================
+Lightning hook                         engine moment
+=====================================  ==============================================
+``setup``                              ``configure`` (the strategy is known)
+``on_fit_start``                       ``open_logs``
+``on_train_start``                     ``start``
+``on_train_epoch_start``/``_end``      ``epoch_start`` / ``epoch_end``
+``on_train_batch_start``               ``batch``
+``on_before_backward``                 ``loss``
+``on_before_optimizer_step``           ``step``
+after ``optimizer.step()`` (strategy)  ``after_step``
+``on_train_end``                       ``end``
+``state_dict``/``load_state_dict``     the engine's state
+=====================================  ==============================================
 
 Examples:
     >>> from lightning.pytorch import Trainer
@@ -11,34 +28,17 @@ Examples:
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import override
 
-from lightning_nanguard.core.defaults import default_of
-from lightning_nanguard.core.events import NanEvent, NonFiniteTrainingError
-from lightning_nanguard.core.timing import GuardClock
-from lightning_nanguard.decide.policy import Counters, Policy, SpikeAction, StepAction
-from lightning_nanguard.detect.precursors import PrecursorSettings
-from lightning_nanguard.detect.spikes import SpikeDetector
-from lightning_nanguard.diagnose.batch_diagnosis import diagnose
+from lightning_nanguard.core.events import NonFiniteTrainingError
 from lightning_nanguard.diagnose.combined import CombinedIndices
-from lightning_nanguard.engine.controller import StepController
 from lightning_nanguard.engine.data.indices import indices_from_batch
 from lightning_nanguard.engine.failure import failsafe
-from lightning_nanguard.engine.parts import InternalErrorMode
-from lightning_nanguard.engine.recording import IncidentRecorder
-from lightning_nanguard.engine.settings import GuardSettings, validate_arguments, warn_what_cannot_be_skipped
 from lightning_nanguard.engine.shard_layout import own_rank_state
-from lightning_nanguard.engine.state import CounterView
-from lightning_nanguard.fabric.fabric_class import hold_fabric_class
-from lightning_nanguard.fabric.setup import take_hold_of_fabric
-from lightning_nanguard.fabric.steps import FabricSteps
-from lightning_nanguard.recover.recovery import Recovery, apply_module_eps
-from lightning_nanguard.recover.remedies import Remedy
+from lightning_nanguard.fabric.guard import Action, FabricGuard, SpikeAction
 from lightning_nanguard.trainer._compat import CALLBACK_BASES
 from lightning_nanguard.trainer.checkpoint import guard_state, load_guard_state, make_checkpoint_finite
 from lightning_nanguard.trainer.config import refuse_what_cannot_be_guarded
@@ -57,11 +57,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Action", "NanGuard", "SpikeAction"]
 
-Action = StepAction  # the `action` argument: what is done with a bad step
 
-
-class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
-    """Stops NaN/Inf from reaching the weights and reports where it came from.
+class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
+    """Stops NaN/Inf from reaching the weights and reports where it came from: the Lightning callback.
 
     After every backward pass (in ``on_before_optimizer_step``, where gradients are complete and
     unscaled) the loss, every gradient and every BatchNorm running statistic are checked in one
@@ -70,106 +68,10 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     samples, module, op and source line are found, and an event is recorded in ``guard.events``,
     ``<log_dir>/nanguard/events.jsonl``, TensorBoard (through the Trainer's own
     ``TensorBoardLogger``) and the terminal. Under DDP every decision is made once for all ranks.
+    The same object guards a Lightning Fabric loop (``L.Fabric(callbacks=[NanGuard()])``).
 
-    Args:
-        action: what to do on a bad step: ``"skip"`` the update (default), ``"raise"``
-            :class:`~lightning_nanguard.NonFiniteTrainingError`, ``"warn"`` (report only) or
-            ``"rollback"`` (skip, and restore the last good snapshot when NaN/Inf reached the
-            weights or after ``rollback_after_consecutive`` bad steps).
-        check_every_n_steps: check one optimizer step in ``n`` (1 = every step).
-        max_consecutive_bad_steps: raise, whatever ``action`` is, after this many bad steps in a row.
-        max_events: raise with the full history after this many incidents in total (``None``: never).
-        check_bn_stats: include BatchNorm ``running_mean``/``running_var`` in the check.
-        check_params_every_n_steps: check the weights after the update every ``n`` steps (0: never;
-            also checked before every snapshot and checkpoint).
-        bisect: on a bad step, re-run ``training_step`` on sub-batches to find the offending samples.
-        localize: on a bad step, name the module, autograd op and source line of the first NaN/Inf.
-        max_bisect_passes: cap on the forward/backward passes one diagnosis may use.
-        save_repro: save a repro bundle (``<log_dir>/nanguard/step-<N>/``) for each bad step.
-        max_repro_bundles: keep at most this many bundles on disk (oldest deleted first).
-        index_key: batch field (dict key, attribute or tuple position) holding dataset indices, used
-            instead of the loader's recorded sampler (which an ``IterableDataset`` or ``batch_size=None``
-            does not have): one index per row (repeated for several rows of one record, e.g.
-            multi-crop), or a 2-D field of the records each row holds (packed sequences, mixup pairs;
-            negative entries are padding). Indices read from the batch count as verified.
-        batch_slicer: ``slicer(batch, positions) -> sub_batch`` for batches the built-in slicer cannot
-            cut (a LightningModule method ``nanguard_slice_batch`` is used too when present).
-        row_records: ``row_records(batch, indices) -> the dataset indices each row holds`` (one
-            sequence per row; ``indices``: the batch's recorded indices, the sampler's or those of
-            ``index_key``, ``None`` when unknown), for pipelines the guard cannot see into; called at
-            incidents only, with each loader's part of the batch when there are several training
-            loaders. A LightningModule method ``nanguard_row_records(batch, indices)`` is used when
-            this is ``None``. Its answer counts as verified; a hook that raises or returns another
-            row count leaves the indices unknown, with the reason.
-        verify_indices: at an incident, check that each dataset index read off the batch sampler
-            names the record really in its row: the record is read again (the loader's own
-            ``dataset[i]`` and ``collate_fn``, then the same batch hooks, with every random number
-            generator restored) and compared with the row. A collate that reorders rows is corrected,
-            one that drops rows is matched by content; rows built from several records (packing,
-            mixup), random reads (augmentation, masking) and failed reads name no index (unverified,
-            with the reason); a dataset with ``nanguard_reread = False`` (reads with side effects)
-            keeps the sampler's index, unverified (an ``IterableDataset`` or ``batch_size=None`` has
-            none: name one with ``index_key``). Each broken assumption is warned about once per run,
-            on every rank. ``False``: the sampler's indices are kept, marked unverified. Quarantine
-            acts only on verified indices. Costs nothing on healthy steps.
-        snapshot_every_n_steps: with ``action="rollback"``, refresh the last good snapshot every ``n`` steps.
-        rollback_after_consecutive: with ``action="rollback"``, roll back after this many bad steps in a row.
-        remedies: remedies to apply after incidents: ``"clip_grad"``, ``"raise_eps"``, ``"lr_backoff"``,
-            ``"quarantine"`` (see the decision guide in docs/guide/recovery.md).
-        max_remedy_applications: cap per remedy.
-        lr_backoff_factor: learning-rate multiplier of one ``lr_backoff`` (between 0 and 1).
-        eps_factor: multiplier of one ``raise_eps`` (above 1).
-        max_eps: ``raise_eps`` never sets ``eps`` above this.
-        min_loss_scale: with a GradScaler, a loss scale falling below this is an incident.
-        max_consecutive_overflows: with a GradScaler, this many overflow skips in a row is an incident.
-        verbose: print a report of each event to the terminal.
-        spike_action: on a finite loss spike (the step loss far above its recent healthy values):
-            ``"skip"`` the update (default), ``"warn"`` (report only) or ``"off"`` (no spike check).
-            A spike never raises, is never rolled back and does not count toward escalation.
-        spike_sigmas: a spike lies this many robust standard deviations of the step-to-step change
-            of ``log(loss)`` above the median of the recent healthy losses...
-        spike_min_ratio: ...and at least this many times that median.
-        spike_window: healthy losses kept for the statistic.
-        spike_warmup_steps: healthy steps before spikes are flagged (and again after a re-baseline).
-        spike_rebaseline_after: after this many spikes in a row the statistic starts over (a level
-            shift, e.g. a curriculum change, is not an endless skip), with a warning.
-        sync_free: no host read on healthy steps: a bad step's update is skipped inside torch's fused
-            Adam/AdamW/SGD/Adagrad (``found_inf``) and its BatchNorm statistics restored by a
-            device-side select; the flags are read one step later, before the next forward, and
-            the incident handled then. Other optimizers keep the one host read per step (one warning).
-        precursors: warn of attention collapse before it happens (``kinds=("precursor",)``; the step
-            is applied): every ``precursor_every_n_steps`` steps the max pre-softmax logit and the
-            entropy of each attention module are measured on the side of the forward, and a module
-            whose max logit is above ``precursor_min_logit`` and ``precursor_growth`` times what it
-            was ``precursor_window`` steps before is named, at most once per 100 steps. ``False``:
-            off (it is also off under FSDP and ``ModelParallelStrategy``). The evidence for the
-            defaults: the user guide's precursor page.
-        precursor_every_n_steps: how often the attention logits are sampled.
-        precursor_min_logit: the level a module's max attention logit must exceed.
-        precursor_growth: how many times its value ``precursor_window`` steps earlier it must be.
-        precursor_window: how far back the growth is measured, in steps.
-        precursor_max_cost: the most the watch may cost, as a share of the training time (``0.01``:
-            1%): when measuring every ``precursor_every_n_steps`` steps costs more (measured on the host
-            clock, no sync), the watch measures less often, with one notice. ``None``: no limit.
-        qk_clip: opt-in remedy, a cap on the max attention logit (e.g. ``50.0``): after each sampled
-            step's update, the query and key projections of every attention module measured above
-            it are rescaled per head by ``sqrt(qk_clip / max_logit)`` each, where the guard knows
-            them (``nn.MultiheadAttention``, ``q_proj``/``k_proj``-style ``Linear`` children, Hugging
-            Face GPT-2, or a ``nanguard_qk_projections()`` method). Needs ``precursors=True``.
-            ``None``: off.
-        loss_fn: in a Lightning Fabric loop, ``loss_fn(model, batch) -> loss`` (a tensor, or a dict with
-            ``"loss"``): the guard re-runs it on sub-batches of a bad step to name the offending samples
-            (``model``: the module you gave ``fabric.setup``, run under Fabric's precision; ``batch``: as
-            the training loader gave it, moved to the device). Without it a bad step is still skipped
-            and reported. Ignored by the Trainer, which re-runs ``training_step``.
-        on_internal_error: what an error of the guard itself does. ``"continue"`` (default): an error
-            in an optional part (spike or precursor watch, QK-clip, diagnosis, bundles, remedies, events
-            file, TensorBoard, terminal, scalars, progress bar, logged-value withdrawal, checkpoint check)
-            switches off that part alone, with a ``guard_error`` event, and every bad step after it is
-            still dropped; an error in the core (the check itself, the ranks' agreement, dropping a step)
-            drops the step in hand and turns the guard off, on every rank at the same step, with a
-            ``guard_error`` event. ``"raise"``: any internal error stops training with
-            :class:`~lightning_nanguard.GuardInternalError` (for CI or a debugging session).
+    The arguments (every one also a public attribute) are :class:`~lightning_nanguard.FabricGuard`'s,
+    documented there and in the configuration guide.
 
     Examples:
         >>> guard = NanGuard(action="skip", max_consecutive_bad_steps=5)
@@ -181,167 +83,16 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         ValueError: NanGuard: `action` must be one of ['skip', 'raise', 'warn', 'rollback'], got 'skp'.
     """
 
-    nanguard_takes_setup_module = True  # fabric.setup_module reaches on_after_setup too (fabric_class.py)
-
-    def __init__(
-        self,
-        action: Action = default_of(Policy, "action"),
-        check_every_n_steps: int = 1,
-        max_consecutive_bad_steps: int = default_of(Policy, "max_consecutive_bad_steps"),
-        max_events: int | None = default_of(Policy, "max_events"),
-        check_bn_stats: bool = True,
-        check_params_every_n_steps: int = 50,
-        bisect: bool = default_of(diagnose, "bisect"),
-        localize: bool = default_of(diagnose, "localize_origin"),
-        max_bisect_passes: int = default_of(diagnose, "max_passes"),
-        save_repro: bool = True,
-        max_repro_bundles: int = 5,
-        index_key: int | str | None = None,
-        batch_slicer: Callable[[Any, Sequence[int]], Any] | None = None,
-        row_records: Callable[[Any, list[int] | None], Sequence[Sequence[int]]] | None = None,
-        verify_indices: bool = True,
-        snapshot_every_n_steps: int = 100,
-        rollback_after_consecutive: int = default_of(Policy, "rollback_after_consecutive"),
-        remedies: list[Remedy] | None = None,
-        max_remedy_applications: int = default_of(Recovery, "max_remedy_applications"),
-        lr_backoff_factor: float = default_of(Recovery, "lr_backoff_factor"),
-        eps_factor: float = default_of(Recovery, "eps_factor"),
-        max_eps: float = default_of(Recovery, "max_eps"),
-        min_loss_scale: float = default_of(Policy, "min_loss_scale"),
-        max_consecutive_overflows: int = default_of(Policy, "max_consecutive_overflows"),
-        verbose: bool = True,
-        spike_action: SpikeAction = default_of(Policy, "spike_action"),
-        spike_sigmas: float = default_of(SpikeDetector, "sigmas"),
-        spike_min_ratio: float = default_of(SpikeDetector, "min_ratio"),
-        spike_window: int = default_of(SpikeDetector, "window"),
-        spike_warmup_steps: int = default_of(SpikeDetector, "warmup"),
-        spike_rebaseline_after: int = default_of(SpikeDetector, "rebaseline_after"),
-        sync_free: bool = False,
-        precursors: bool = True,
-        precursor_every_n_steps: int = default_of(PrecursorSettings, "every_n_steps"),
-        precursor_min_logit: float = default_of(PrecursorSettings, "min_logit"),
-        precursor_growth: float = default_of(PrecursorSettings, "growth"),
-        precursor_window: int = default_of(PrecursorSettings, "window"),
-        precursor_max_cost: float | None = default_of(PrecursorSettings, "max_cost"),
-        qk_clip: float | None = None,
-        loss_fn: Callable[[Any, Any], Any] | None = None,
-        on_internal_error: InternalErrorMode = "continue",
-    ) -> None:
-        arguments = dict(locals())
-        arguments.pop("self")
-        validate_arguments(arguments)
-        self.action: Action = action
-        self.check_every_n_steps = check_every_n_steps
-        self.max_consecutive_bad_steps = max_consecutive_bad_steps
-        self.max_events = max_events
-        self.check_bn_stats = check_bn_stats
-        self.check_params_every_n_steps = check_params_every_n_steps
-        self.bisect = bisect
-        self.localize = localize
-        self.max_bisect_passes = max_bisect_passes
-        self.save_repro = save_repro
-        self.max_repro_bundles = max_repro_bundles
-        self.index_key = index_key
-        self.batch_slicer = batch_slicer
-        self.row_records = row_records
-        self.verify_indices = verify_indices
-        self.snapshot_every_n_steps = snapshot_every_n_steps
-        self.rollback_after_consecutive = rollback_after_consecutive
-        self.remedies: list[Remedy] = list(remedies or [])
-        self.max_remedy_applications = max_remedy_applications
-        self.lr_backoff_factor = lr_backoff_factor
-        self.eps_factor = eps_factor
-        self.max_eps = max_eps
-        self.min_loss_scale = min_loss_scale
-        self.max_consecutive_overflows = max_consecutive_overflows
-        self.verbose = verbose
-        self.spike_action: SpikeAction = spike_action
-        self.spike_sigmas = spike_sigmas
-        self.spike_min_ratio = spike_min_ratio
-        self.spike_window = spike_window
-        self.spike_warmup_steps = spike_warmup_steps
-        self.spike_rebaseline_after = spike_rebaseline_after
-        self.sync_free = sync_free
-        self.precursors = precursors
-        self.precursor_every_n_steps = precursor_every_n_steps
-        self.precursor_min_logit = precursor_min_logit
-        self.precursor_growth = precursor_growth
-        self.precursor_window = precursor_window
-        self.precursor_max_cost = precursor_max_cost
-        self.qk_clip = qk_clip
-        self.loss_fn = loss_fn
-        self.on_internal_error: InternalErrorMode = on_internal_error
-
-        self.clock = GuardClock()  # `guard.clock.enabled = True` measures the time spent in the guard
-        self.recorder = IncidentRecorder(verbose)
-        self.recovery = Recovery()
-        self.controller = StepController(self.recovery, self.recorder)
-        self.controller.configure(GuardSettings.from_arguments(self._arguments()))  # again at setup: the one path
-        self._front: TrainerFrontEnd | None = None  # the engine's view of the fit in progress
-        self._hooks: StrategyHooks | None = None
-        self._forward_only = ForwardOnlyEpoch()
-        self._fabric_steps: FabricSteps | None = None  # a Fabric loop's steps (lightning_nanguard.fabric)
-        self.from_environment = False  # made by NANGUARD=1 (lightning_nanguard.entry_points): stands aside for yours
-        hold_fabric_class()  # fabric.setup_module and loaders set up before the model reach the guard too
-
-    # ------------------------------------------------------------------ state, read-only
+    _front: TrainerFrontEnd | None  # the engine's view of the fit in progress (made at the first hook)
+    _hooks: StrategyHooks | None = None  # the strategy wrapper's hooks (made at setup)
+    _forward_only_epoch: ForwardOnlyEpoch | None = None
 
     @property
-    def active(self) -> bool:
-        """False once the guard disabled itself after an internal error (on every rank together).
-
-        Setting it to False turns the guard off (every hook and the strategy wrapper pass through).
-        """
-        return not self.controller.state.disabled
-
-    @active.setter
-    def active(self, value: bool) -> None:
-        self.controller.state.disabled = not value
-
-    @property
-    def events(self) -> list[NanEvent]:
-        """This rank's events, oldest first."""
-        return self.recorder.events
-
-    @property
-    def counters(self) -> Counters:
-        """Counts over the run; identical on every rank (a bad step is a step bad on any rank)."""
-        return self.controller.state.counters
-
-    bad_steps_total = CounterView("bad_steps_total", "Steps with NaN/Inf on some rank, and non-finite weights found.")
-    skipped_total = CounterView("skipped_total", "Updates dropped (NaN/Inf or loss spikes).")
-    consecutive_bad_steps = CounterView("consecutive_bad_steps", "Bad steps in a row up to now.")
-    amp_overflow_total = CounterView("amp_overflow_total", "Overflow steps a GradScaler skipped by itself.")
-
-    @property
-    def last_grad_norm(self) -> float | None:
-        """The gradient norm of the last step where it was computed."""
-        return self.controller.state.last_grad_norm
-
-    @property
-    def log_dir(self) -> str | None:
-        """The run's log directory (the TensorBoardLogger's, else the first logger's, else ``default_root_dir``)."""
-        return self.recorder.sinks.log_dir
-
-    @property
-    def remedy_book(self) -> Any:
-        """Remedy counts and state (clip threshold, quarantined dataset indices)."""
-        return self.recovery.book
-
-    @property
-    def records_indices(self) -> bool:
-        """Whether training loaders should record dataset indices (and drop quarantined ones).
-
-        With ``index_key`` too: the indices are read from the batch, but the quarantine drops records
-        in the sampler (or cuts them out of a stream's batches, whose loader has no sampler).
-        """
-        return self.bisect or "quarantine" in self.remedies
-
-    # ------------------------------------------------------------------ configuration
-
-    def _arguments(self) -> dict[str, Any]:
-        """The current value of every ``__init__`` argument (public attributes: they may change after ``__init__``)."""
-        return {name: getattr(self, name) for name in inspect.signature(NanGuard.__init__).parameters if name != "self"}
+    def _forward_only(self) -> ForwardOnlyEpoch:
+        """Epochs without a training step (SWA's BatchNorm epoch): made at first use."""
+        if self._forward_only_epoch is None:
+            self._forward_only_epoch = ForwardOnlyEpoch()
+        return self._forward_only_epoch
 
     # ------------------------------------------------------------------ fit
 
@@ -352,9 +103,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         if stage != "fit":
             return
         refuse_what_cannot_be_guarded(trainer)
-        kind = supported_strategy_kind(trainer.strategy)
-        self.controller.configure(GuardSettings.from_arguments(self._arguments(), strategy_kind=kind))
-        self.recorder.sinks.verbose = self.verbose
+        self.engine.configure(self._arguments(), supported_strategy_kind(trainer.strategy))
         self._hooks = StrategyHooks(
             self._after_optimizer_step,
             self._strategy_active,
@@ -375,32 +124,26 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     @failsafe
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Resolve the log directory (a collective: every rank calls it) and the writers."""
-        front = self._front_of(trainer, pl_module)
-        self.recorder.attach(front, self.controller.scalar_tags(front))
-        warn_what_cannot_be_skipped(front, self.action, self.recorder.notices)
+        self.engine.open_logs(self._front_of(trainer, pl_module))
 
     @override
     @failsafe
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Find parameters and BatchNorm buffers once the model sits on its device; first snapshot."""
-        front = self._front_of(trainer, pl_module)
-        self.controller.attach(front)
-        self.controller.parts.run("remedies", apply_module_eps, pl_module, self.recovery.book.module_eps)  # resumed
-        if self.action == "rollback" and pl_module.automatic_optimization:
-            self.controller.after_step.initial_snapshot(front)
+        self.engine.start(self._front_of(trainer, pl_module), snapshot=pl_module.automatic_optimization)
 
     @override
     @failsafe
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Resolve the last step when it was checked sync-free (its flags are read one step late)."""
-        self.controller.resolve_pending(self._front_of(trainer, pl_module))
+        self.engine.end(self._front_of(trainer, pl_module))
 
     @override
     @failsafe
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Before the monitors read the epoch values: settle a sync-free step and what dropped steps logged."""
         front = self._front_of(trainer, pl_module)
-        self.controller.resolve_pending(front)
+        self.engine.epoch_end(front)
         self.controller.parts.run("logged_values", self._settle_logged, front)
 
     def _settle_logged(self, front: TrainerFrontEnd) -> None:
@@ -411,7 +154,7 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     @failsafe
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Find what the model holds again (modules, buffers, metrics may have changed); record this epoch's indices."""
-        self.controller.rediscover(self._front_of(trainer, pl_module))
+        self.engine.epoch_start(self._front_of(trainer, pl_module))
         if self._hooks is not None:  # one loader or several (their keys, quarantines)
             self.controller.parts.run("dataset_indices", self._hooks.start_epoch, trainer.train_dataloader)
 
@@ -429,10 +172,9 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
         # a new optimizer step: the first micro-batch, or a window left open by a step Lightning never took
         # (training_step returned None); every batch in manual optimisation
         first = batch_idx % max(1, getattr(trainer, "accumulate_grad_batches", 1)) == 0
-        if not window.open or first or not pl_module.automatic_optimization:
-            self.controller.begin_step(self._front_of(trainer, pl_module), self.check_every_n_steps)
+        new_step = not window.open or first or not pl_module.automatic_optimization
         readers = self._hooks.readers() if self._hooks is not None else ()  # to check the indices at an incident
-        window.add_batch(batch, batch_idx, indices, keep=self.controller.diagnosis.diagnoses, readers=readers)
+        self.engine.batch(self._front_of(trainer, pl_module), batch, batch_idx, indices, readers, new_step)
 
     def _batch_indices(self, batch: Any) -> list[int] | CombinedIndices | None:
         if self._hooks is not None:  # per loader with several training loaders
@@ -460,25 +202,23 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     @failsafe
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
         """Keep the loss of each (micro-)batch for the check; no host read here."""
-        self.controller.window.add_loss(loss)
+        self.engine.loss(loss)
 
     @override
     @failsafe
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         """Check loss, gradients and BatchNorm statistics; make the one decision of the step on every rank."""
-        self.controller.window.close()
         if forward_only(trainer):  # no backward ran: there is no step to check (each batch was, after its forward)
+            self.controller.window.close()
             return
-        front = self._front_of(trainer, pl_module)
-        if self.controller.checking(front, self.check_every_n_steps):
-            self.controller.check_step(front, optimizer)
+        self.engine.step(self._front_of(trainer, pl_module), optimizer)
 
     @failsafe
     def _after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Called by the strategy wrapper on every rank after the update: rollback, weight check, snapshot."""
         front = self._front
         if front is not None and front.automatic_optimization:
-            self.controller.after_optimizer_step(front)
+            self.engine.after_step(front)
 
     @property
     def _trainer(self) -> Trainer | None:
@@ -494,57 +234,6 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
 
     def _strategy_active(self) -> bool:
         return self.active or self.controller.state.failing
-
-    # ------------------------------------------------------------------ Lightning Fabric loops
-
-    @failsafe
-    def on_after_setup(self, fabric: Any, module: nn.Module) -> None:
-        """Fabric's ``fabric.setup(model, ...)`` (or ``setup_module``): take hold of the loop's strategy (every rank).
-
-        Each further model set up in the same loop is guarded with the first.
-        """
-        guards = [cb for cb in getattr(fabric, "_callbacks", []) if isinstance(cb, NanGuard)]
-        if self.from_environment and any(not guard.from_environment for guard in guards):
-            self.active = False  # the user's own NanGuard guards this loop: never two
-            return
-        if self._fabric_steps is not None:
-            if self._fabric_steps.front.fabric is not fabric:
-                self.recorder.notices.warn(
-                    "fabric-fabrics",
-                    "NanGuard: one guard guards one Fabric; this one keeps guarding the first. Give each Fabric "
-                    "its own NanGuard().",
-                )
-                return
-            self._fabric_steps.add_model(module)  # a second model in the same loop (e.g. a GAN's two)
-            return
-        self._fabric_steps = take_hold_of_fabric(self.controller, self._arguments(), fabric, module, self.loss_fn)
-
-    def holds_fabric(self, fabric: Any) -> bool:
-        """Whether this guard already holds ``fabric``'s loop."""
-        return self._fabric_steps is not None and self._fabric_steps.front.fabric is fabric
-
-    @failsafe
-    def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
-        """Fabric, after ``optimizer.step()``: rollback, weight check, snapshot; the step count moves on."""
-        if self._fabric_steps is not None:
-            self._fabric_steps.after_update(optimizer)
-
-    # ------------------------------------------------------------------ manual loops
-
-    def check(self, module: nn.Module, loss: Tensor | None = None) -> NanEvent | None:
-        """Check ``module``'s gradients, BatchNorm statistics and weights (and ``loss``) now.
-
-        For manual optimisation and custom loops: call it after ``manual_backward`` and before
-        ``optimizer.step()``; skip the step yourself when it returns an event.
-
-        Examples:
-            >>> import torch
-            >>> net = nn.Linear(2, 1)
-            >>> net(torch.tensor([[float("nan"), 1.0]])).sum().backward()
-            >>> NanGuard(verbose=False).check(net).nonfinite_grads
-            ('weight',)
-        """
-        return self.controller.manual_check(self._front, module, loss)
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -577,9 +266,3 @@ class NanGuard(*CALLBACK_BASES):  # type: ignore[misc]
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore counters, remedies and events; keys added in later versions default sensibly."""
         load_guard_state(self.controller, own_rank_state(state_dict))
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_front"] = None  # never pickle the Trainer with the callback
-        state["_fabric_steps"] = None  # nor a Fabric loop
-        return state

@@ -41,7 +41,7 @@ def test_unchanged_spike_settings_keep_the_history() -> None:
 
 def test_pickling_keeps_the_configuration_and_drops_the_run() -> None:
     guard = NanGuard(verbose=False, check_params_every_n_steps=7)
-    guard.controller.named_params = [("w", object())]  # type: ignore[list-item]
+    guard.controller.step_params.named = [("w", object())]  # type: ignore[list-item]
     copy = pickle.loads(pickle.dumps(guard.controller))
     assert copy.named_params == [] and copy.params == []
     assert copy.after_step.settings == guard.controller.after_step.settings

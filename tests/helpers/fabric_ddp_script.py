@@ -1,4 +1,4 @@
-"""A Fabric loop on 2 CPU processes (gloo) under ``NanGuard``: run by ``integration/test_fabric_ddp.py``.
+"""A Fabric loop on 2 CPU processes (gloo) under ``NanGuard``: run by ``fabric/test_ddp.py``.
 
 Usage: ``launcher.launch("fabric_ddp_script.py", OUT_DIR, STRATEGY, nprocs=2, ...)``, ``STRATEGY``
 ``ddp`` or ``fsdp2`` (``ModelParallelStrategy``, every linear layer and the model

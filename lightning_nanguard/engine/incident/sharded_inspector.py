@@ -36,7 +36,13 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from lightning_nanguard.core.dtensor import gathered_state
-from lightning_nanguard.core.events import SPIKE_KINDS, EventKind, NanEvent
+from lightning_nanguard.core.events import (
+    SPIKE_KINDS,
+    EventKind,
+    GuardInternalError,
+    NanEvent,
+    NonFiniteTrainingError,
+)
 from lightning_nanguard.decide.agreement import RankAgreement
 from lightning_nanguard.decide.policy import RankVote, StepHealth
 from lightning_nanguard.decide.search_plan import Finding, SearchResult, plan_search, recorders
@@ -358,3 +364,23 @@ def inspector_for(
     if sharding is not None and sharding.diagnoses_together:  # every rank takes part
         return ShardedIncidentInspector(*arguments, layout=sharding, agreement=agreement, **keywords)
     return IncidentInspector(*arguments, **keywords)
+
+
+def inspect_rank(
+    inspector: IncidentInspector,
+    front: FrontEnd,
+    health: StepHealth,
+    grads: Sequence[Tensor],
+    fail: Callable[[BaseException, str], None],
+) -> tuple[RankVote, NanEvent | None]:
+    """What this rank found; an error confirming the flags (the core) is ``fail``-ed and a ``failed`` report.
+
+    The step is then not vouched for: every rank drops it and the guard turns off (the controller's decision).
+    """
+    try:
+        return inspector.inspect(front, health, list(grads))
+    except (NonFiniteTrainingError, GuardInternalError):
+        raise
+    except Exception as error:
+        fail(error, "the check of a bad step")
+        return RankVote(front.global_rank, failed=True), None

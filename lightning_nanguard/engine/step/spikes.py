@@ -74,6 +74,22 @@ class SpikeWatch:
         self.grad_norm = settings.detector("grad_norm") if watch_grad_norm else None
         self._checked: list[SpikeDetector] = []
 
+    @classmethod
+    def reconfigured(
+        cls, current: SpikeWatch | None, settings: SpikeSettings | None, with_norm: bool, saved: dict[str, Any]
+    ) -> SpikeWatch | None:
+        """The watch for new ``settings``: ``current`` when nothing changed (its history kept), else a new one.
+
+        A new watch starts from ``current``'s state, or from ``saved`` (loaded before any watch existed).
+        """
+        if settings is None:
+            return None
+        if current is not None and current.settings == settings and (current.grad_norm is not None) == with_norm:
+            return current
+        watch = cls(settings, watch_grad_norm=with_norm)
+        watch.load_state_dict(current.state_dict() if current is not None else saved)
+        return watch
+
     def check(self, loss: Tensor | None, grad_norm: Tensor | None) -> Tensor | None:
         """The step's spike flag on the device (``None`` when nothing was checked); no host read."""
         self._checked = []

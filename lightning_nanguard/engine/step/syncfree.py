@@ -140,6 +140,7 @@ class SyncFreeSteps:
             grads=grads,
         )
         self.defer(step, vector)
+        window.forget_batches()  # the deferred step holds them until it is resolved
         return True
 
     def defer(self, step: DeferredStep, values: Tensor) -> None:
