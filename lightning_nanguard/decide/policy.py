@@ -245,6 +245,8 @@ class Counters:
 
     def healthy(self) -> Counters:
         """After a healthy step: every run of consecutive incidents, overflows and spikes is over."""
+        if not (self.consecutive_bad_steps or self.consecutive_overflows or self.consecutive_spikes):
+            return self  # already at rest (frozen: sharing it is safe), no copy on every healthy step
         return self.replace(consecutive_bad_steps=0, consecutive_overflows=0, consecutive_spikes=0)
 
 

@@ -180,10 +180,19 @@ def _group_total(group: list[Tensor], dtype: torch.dtype, sqrt: bool = False) ->
     return total.to(_FLOAT32) if total is not None and total.dtype != _FLOAT32 else total
 
 
+def _plain_float(tensor: Tensor) -> bool:
+    """Dense, real floating point, outside autograd: usable as it is in the flags' arithmetic."""
+    return tensor.is_floating_point() and tensor.layout is torch.strided and not tensor.requires_grad
+
+
 def _nonfinite_total(tensors: Sequence[Tensor], device: torch.device, sqrt: bool = False) -> Tensor | None:
     """0-dim float32 on ``device``, non-finite if some element of ``tensors`` may be NaN/Inf; ``None`` if none."""
     if not tensors:
         return None
+    scalar = tensors[0]  # one dense 0-dim float (the step's loss) is its own total: nothing staged
+    if len(tensors) == 1 and not sqrt and scalar.dim() == 0 and _plain_float(scalar):
+        own = scalar if scalar.dtype == _FLOAT32 else scalar.to(_FLOAT32)
+        return own if own.device == device else own.to(device, non_blocking=True)
     total: Tensor | None = None
     for (group_device, dtype), ([group], _) in _group_tensors_by_device_and_dtype([list(tensors)]).items():
         part = _group_total(group, dtype, sqrt)  # type: ignore[arg-type]
@@ -234,20 +243,27 @@ _SUMMARY_BASE: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
 
 
 def _fast_summary(grads_total: Tensor | None, others_total: Tensor | None, device: torch.device) -> Tensor:
-    """``[flag, -1 (no norm), others_flag]`` from two totals (non-finite: bad; ``None``: nothing checked)."""
+    """``[flag, -1 (no norm), others_flag]`` from two totals (non-finite: bad; ``None``: nothing checked).
+
+    Four small kernels: the totals side by side, times zero (0 when finite, NaN when not) plus
+    ``[0, -1, 0]``, NaN to 1.
+    """
     if device not in _SUMMARY_BASE:
         _SUMMARY_BASE[device] = (
             torch.zeros((), dtype=_FLOAT32, device=device),
             torch.tensor([0.0, -1.0, 0.0], dtype=_FLOAT32, device=device),
-            torch.ones(3, dtype=_FLOAT32, device=device),
+            torch.zeros(3, dtype=_FLOAT32, device=device),
         )
-    zero, healthy, bad = _SUMMARY_BASE[device]
+    zero, healthy, zeros = _SUMMARY_BASE[device]
     if grads_total is None and others_total is None:
         return healthy.clone()
-    grads_total = zero if grads_total is None else grads_total
-    others_total = zero if others_total is None else others_total
-    totals = torch.stack((grads_total + others_total, zero, others_total))  # the middle one is always finite
-    return torch.where(torch.isfinite(totals), healthy, bad)
+    if others_total is None:
+        totals = torch.stack((grads_total, zero, zero))  # type: ignore[arg-type]
+    elif grads_total is None:
+        totals = torch.stack((others_total, zero, others_total))
+    else:
+        totals = torch.stack((grads_total + others_total, zero, others_total))  # the middle one is always finite
+    return torch.nan_to_num(torch.addcmul(healthy, totals, zeros), nan=1.0)
 
 
 def _first_device(*groups: Sequence[Tensor]) -> torch.device:

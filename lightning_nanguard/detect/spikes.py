@@ -176,12 +176,16 @@ class SpikeDetector:
                 f"SpikeDetector.check: expected a single {self.name} value, got a tensor of shape {tuple(value.shape)} "
                 "(reduce it first, e.g. sum the micro-batch losses)."
             )
-        raw = value.detach().reshape(1)
+        raw = value.reshape(1) if value.dim() > 1 else value  # 0-dim compares as 1 element with the threshold
+        if raw.requires_grad:
+            raw = raw.detach()
         self._pending = raw
         self._checked = (self._statistic, raw)
         threshold = self._threshold_on(raw.device)
         # NaN and +/-Inf become NaN, which never compares above a threshold: they are the NaN/Inf check's business
-        finite = torch.nan_to_num(raw.to(_FLOAT32), nan=math.nan, posinf=math.nan, neginf=math.nan)
+        finite = torch.nan_to_num(
+            raw if raw.dtype == _FLOAT32 else raw.to(_FLOAT32), nan=math.nan, posinf=math.nan, neginf=math.nan
+        )
         return (finite > threshold).to(_FLOAT32)
 
     def accept(self, accepted: Tensor | bool, value: float | None = None) -> None:
@@ -316,9 +320,12 @@ class SpikeDetector:
     def _refresh(self) -> None:
         """Recompute the statistic from the history (host floats) and write the threshold to the devices."""
         self._stale = 0
+        written = self._statistic.threshold  # what every device threshold holds now
         self._statistic = _Statistic.of(
             list(self._history), list(self._logs), self.warmup, self.recent, self.sigmas, self.min_ratio
         )
+        if self._statistic.threshold == written:
+            return  # unchanged (inf while warming up): no kernel
         for threshold in self._thresholds.values():
             threshold.fill_(self._statistic.threshold)  # a kernel with a host scalar: no synchronisation
 

@@ -357,3 +357,18 @@ def test_tensors_on_several_devices(value: float) -> None:
         result = fused_health_check(bad, device=torch.device(devices[-1]), with_norm=False)
         assert result.device == torch.device(devices[-1])
         assert result.tolist()[0] == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("loss", [0.5, -3.0, 3e300, math.nan, math.inf, -math.inf])
+def test_a_single_scalar_loss_is_its_own_total(loss: float, dtype: torch.dtype) -> None:
+    """The fast path uses a lone 0-dim loss as it is; the flags are those of staging it with the others."""
+    value = torch.tensor(loss, dtype=torch.float64).to(dtype)
+    bad = not math.isfinite(float(value.float()))  # 3e300 overflows float32: a candidate, as a staged sum would be
+    grads = [torch.ones(3), torch.ones(2, 2)]
+    expected = [1.0 if bad else 0.0, -1.0, 1.0 if bad else 0.0]
+    assert fused_health_check(grads, others=[value], with_norm=False).tolist() == expected
+    assert fused_health_check([], others=[value], with_norm=False).tolist() == expected
+    assert fused_health_check(grads, others=[value, torch.tensor(1.0)], with_norm=False).tolist() == expected
+    tracked = value.float().clone().requires_grad_()
+    assert fused_health_check(grads, others=[tracked], with_norm=False).tolist() == expected  # staged, not used

@@ -373,3 +373,17 @@ def test_label_typo_regression_is_flagged_at_once_and_nothing_else() -> None:
         optimizer.step()
     assert flagged == list(typo_batches)
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_check_takes_any_one_element_value_and_keeps_no_graph(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    detector = SpikeDetector(warmup=2, refresh_every=1)
+    for value in (1.0, 1.0, 1.0):
+        tracked = torch.full(shape, value, dtype=dtype, requires_grad=True)
+        flag = detector.check(tracked * 1)
+        assert flag.shape == (1,) and flag.dtype == torch.float32 and not flag.requires_grad
+        detector.accept(True)
+    flag = detector.check(torch.full(shape, 1e4, dtype=dtype, requires_grad=True) * 1)
+    assert flag.tolist() == [1.0] and detector.stats().value == float(torch.tensor(1e4, dtype=dtype))
+    assert detector.check(torch.full(shape, math.inf, dtype=dtype)).tolist() == [0.0]

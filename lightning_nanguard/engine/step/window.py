@@ -180,11 +180,11 @@ class StepWindow:
         """The step's loss summed over micro-batches, divided by the loss scale, on the device."""
         if not self.losses:
             return None
-        total = (
-            self.losses[0].float().sum()
-            if len(self.losses) == 1
-            else torch.stack([loss.float().sum() for loss in self.losses]).sum()
-        )
+        if len(self.losses) == 1:
+            only = self.losses[0]  # a 0-dim float32 loss is its own total: no kernel
+            total = only.float() if only.dim() == 0 else only.float().sum()
+        else:
+            total = torch.stack([loss.float().sum() for loss in self.losses]).sum()
         return total / scale if scale is not None else total
 
     # ------------------------------------------------------------------ BatchNorm
