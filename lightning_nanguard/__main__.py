@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lightning_nanguard.core.defaults import default_of
+from lightning_nanguard.core.event_builder import Decided, EventSections, Files, Forensics, Rows, noted, with_sections
 from lightning_nanguard.diagnose.batch_diagnosis import diagnose
 from lightning_nanguard.diagnose.combined import CombinedLayout
-from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
+from lightning_nanguard.diagnose.event_fields import diagnosis_sections
 from lightning_nanguard.reporting import TerminalReporter
 from lightning_nanguard.reporting.repro import BundleMissingError, UntrustedBundleError, load_bundle
 
@@ -53,6 +55,10 @@ _DIAGNOSIS_DETAILS = (
     "blame_note",
     "blame_unverified",
 )
+
+
+def _without_diagnosis(details: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in details.items() if key not in _DIAGNOSIS_DETAILS}
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -91,27 +97,30 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"replay failed: {diagnosis.error}", file=sys.stderr)
         return 2
     # start from the saved event without its diagnosis: everything printed below is reproduced here
-    blank = saved.replace(
-        remedies=(),
-        repro_path=str(bundle.path),
-        cause=None,
-        blame_verified=None,
-        culprit_module=None,
-        culprit_op=None,
-        source_line=None,
-        phase=None,
-        sample_loaders=None,
-        details={k: v for k, v in saved.details.items() if k not in _DIAGNOSIS_DETAILS},
+    saved_sections = EventSections.of(saved)
+    kept = Forensics(details=_without_diagnosis(saved_sections.forensics.details))
+    rows = Rows(
+        sample_records=saved.sample_records,
+        indices_verified=saved.indices_verified,
+        details=_without_diagnosis(saved_sections.rows.details),
     )
-    event = event_with_diagnosis(
-        blank,
+    forensics, rows = diagnosis_sections(
         diagnosis,
         positions=positions,
         dataset_indices=bundle.meta.get("sample_dataset_indices"),
         batch_size=saved.details.get("batch_size", diagnosis.batch_size),
+        forensics=kept,
+        rows=rows,
     )
     if "loader_batch_sizes" in saved.details:  # the original batch's loaders, not the saved samples'
-        event = event.replace(details={**event.details, "loader_batch_sizes": saved.details["loader_batch_sizes"]})
+        rows = noted(rows, loader_batch_sizes=saved.details["loader_batch_sizes"])
+    event = with_sections(
+        saved,
+        forensics=forensics,
+        rows=rows,
+        decided=Decided(saved.action),  # no remedy: nothing is applied here
+        files=Files(str(bundle.path)),
+    )
     reproduced = diagnosis.offending is not None or (
         diagnosis.localization is not None and diagnosis.localization.phase
     )

@@ -1,10 +1,15 @@
 """Shared fixtures: both Lightning namespaces, a quiet Trainer factory, a state recorder, TensorBoard reading.
 
 The helpers behind them live in ``tests/helpers/`` (``fitting.py``, ``states.py``, ``tensorboard_runs.py``).
+Every test also checks the ``details`` keys of the events it makes against ``DETAIL_KEYS`` (documented in
+``docs/reference/events.md``): the event builder raises on one it lacks (``NANGUARD_STRICT_DETAIL_KEYS``,
+inherited by the tests' worker processes), and every event recorded in the test's process is checked
+after the test, whatever made it.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,10 +19,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from detail_check import recorded_events, unregistered_keys, unregistered_message
 from fitting import StepRecord, StepRecorder, build_trainer
 from models import NAMESPACES
 from states import bitwise_equal, clone_state, states_equal
 from tensorboard_runs import CUSTOM_SCALARS_TAG, TensorBoardRun, read_tensorboard
+
+from lightning_nanguard.core.detail_keys import STRICT_ENV
 
 # Helpers that test files once imported from here; they live in tests/helpers/ (import them from there).
 __all__ = [
@@ -38,6 +46,8 @@ NAMESPACE_IDS = tuple(NAMESPACES)  # ("lightning", "pytorch_lightning")
 # threads made one tiny forward/backward ~60x slower. Results do not depend on the thread count.
 torch.set_num_threads(1)
 
+os.environ[STRICT_ENV] = "1"  # the event builder raises on an unregistered details key, in every process
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> Iterator[None]:
@@ -46,6 +56,15 @@ def _seed() -> Iterator[None]:
     np.random.seed(0)
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _details_keys_registered(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every event recorded during the test writes only ``details`` keys of ``DETAIL_KEYS`` (see module docs)."""
+    with recorded_events(monkeypatch) as events:
+        yield
+    unregistered = unregistered_keys(events)
+    assert not unregistered, unregistered_message(unregistered)
 
 
 @pytest.fixture(params=NAMESPACE_IDS)

@@ -4,7 +4,10 @@
 ``to_dict()`` object per line, and dashboards and scripts read those keys. Fields may be added,
 never renamed or removed. ``sample_loaders`` (several training loaders) is written only when set,
 so the events of a run with one training loader are the same as before it existed; so are
-``indices_verified``, ``blame_verified`` and ``sample_records``, written only when set.
+``indices_verified``, ``blame_verified``, ``sample_records`` and ``optimizer``, written only when set.
+The guard builds an event in one place, from the sections its stages return
+(:mod:`lightning_nanguard.core.event_builder`); every ``details`` key it writes is registered, with
+its meaning, in :mod:`lightning_nanguard.core.detail_keys`.
 
 Glossary (each word has one meaning throughout the package; fuller in ``docs/glossary.md``):
 
@@ -21,6 +24,7 @@ Glossary (each word has one meaning throughout the package; fuller in ``docs/glo
 - **part**: an optional part of the guard, switched off alone at its first error (``engine.parts.OPTIONAL_PARTS``).
 - **guard error**: an error of the guard itself, an event of kind ``guard_error`` (``engine.parts.PartFailure``).
 - **bundle**: the directory that lets ``replay`` re-run a bad step in a fresh process (``reporting.repro``).
+- **section**: one stage's share of an event (where, found, forensics, rows, decided, files) (``core.event_builder``).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ EVENT_CAUSES: tuple[EventCause, ...] = get_args(EventCause)
 SPIKE_KINDS: tuple[EventKind, ...] = ("loss_spike", "grad_spike")
 
 
-_OMITTED_WHEN_NONE = frozenset({"sample_loaders", "indices_verified", "blame_verified", "sample_records"})
+_OMITTED_WHEN_NONE = frozenset({"sample_loaders", "indices_verified", "blame_verified", "sample_records", "optimizer"})
 
 
 def _json_float(value: float | None) -> float | str | None:
@@ -141,6 +145,9 @@ class NanEvent:
         sample_records: for rows that hold several records (packed sequences, mixup), the dataset
             indices each offending row holds, aligned with ``offending_samples``; ``dataset_indices``
             is then ``None``. ``None`` when every row is one record (absent from :meth:`to_dict`).
+        optimizer: the index of the optimizer whose step it was: its position in ``trainer.optimizers``,
+            or in a Fabric loop the order in which the optimizers first stepped; ``None`` when unknown
+            (absent from :meth:`to_dict`; events written before it existed read as ``None``).
 
     Quarantine acts only on records whose index and blame are both verified.
 
@@ -178,6 +185,7 @@ class NanEvent:
     indices_verified: bool | None = None
     blame_verified: bool | None = None
     sample_records: tuple[tuple[int, ...], ...] | None = None
+    optimizer: int | None = None
 
     @classmethod
     def at_step(cls, trainer: Any, batch_idx: int, kinds: Sequence[EventKind], **fields: Any) -> NanEvent:

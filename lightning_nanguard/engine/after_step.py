@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from lightning_nanguard.core.events import NanEvent, NonFiniteTrainingError
+from lightning_nanguard.core.event_builder import Decided, Forensics, Found, Where, build_event
+from lightning_nanguard.core.events import NonFiniteTrainingError
 from lightning_nanguard.decide.agreement import RankAgreement
 from lightning_nanguard.decide.policy import Counters, decide_weights
 from lightning_nanguard.detect.batchnorm import batchnorm_buffers
@@ -36,6 +37,10 @@ if TYPE_CHECKING:
 __all__ = ["AfterStep", "ParamCheckSettings"]
 
 log = logging.getLogger("lightning_nanguard")
+
+_WEIGHTS_FORENSICS = Forensics(  # no sample is at fault: the weights are
+    cause="state", details={"hint": "NaN/Inf reached the weights through an update with finite gradients (overflow)"}
+)
 
 
 @dataclass(frozen=True)
@@ -96,15 +101,18 @@ class AfterStep:
     def _nonfinite_weights(self, front: FrontEnd, finite_here: bool, action: str) -> None:
         before = self.state.counters
         action, self.state.counters = decide_weights(before, action, self.recovery.snapshot.available)
-        event = None if finite_here else self._event(front)
+        where = Where.at(front, self.window.batch_idx)
+        found = None if finite_here else self._found(front)  # named before a rollback restores the weights
+        decided = Decided()  # warned
         if action == "rollback":
             description = self.rollback(front, reason="non-finite weights")
             remedies = self.recovery.apply(training_parts(front), cause="state", rolled_back=True)
-            if event is not None:
-                event = event.replace(action="rolled_back", remedies=(description, *remedies))
-        elif action == "raise" and event is not None:
-            event = event.replace(action="raised")
-        if event is not None:
+            decided = Decided("rolled_back", remedies=(description, *remedies))
+        elif action == "raise":
+            decided = Decided("raised")
+        event = None
+        if found is not None:
+            event = build_event(where, found, _WEIGHTS_FORENSICS, decided=decided)
             self.recorder.record(front, event)
         self.recorder.scalars(front, self.values(self.state.counters), previous=self.values(before))
         if action == "raise":
@@ -116,16 +124,9 @@ class AfterStep:
                 [event] if event is not None else [],
             )
 
-    def _event(self, front: FrontEnd) -> NanEvent:
+    def _found(self, front: FrontEnd) -> Found:
         names = tuple(nonfinite_names(self.named_params) + nonfinite_names(batchnorm_buffers(front.module)))
-        return NanEvent.at_step(
-            front,
-            self.window.batch_idx,
-            ("param",),
-            nonfinite_params=names,
-            cause="state",
-            details={"hint": "NaN/Inf reached the weights through an update with finite gradients (overflow)"},
-        )
+        return Found(("param",), nonfinite_params=names)
 
     def rollback(self, front: FrontEnd, reason: str) -> str:
         """Restore the last good snapshot (every rank at the same step); raise when there is none."""

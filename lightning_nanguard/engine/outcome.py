@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from lightning_nanguard.core.event_builder import Decided, with_sections
 from lightning_nanguard.core.events import EventAction, GuardInternalError, NanEvent, NonFiniteTrainingError
 from lightning_nanguard.decide.messages import stop_history, stop_message
 from lightning_nanguard.decide.policy import Counters, Policy, StepDecision, StepHealth
@@ -144,9 +145,10 @@ class StepOutcome:
             action = DONE[decision.action or "warn"]
             if decision.rollback_due and self.recovery.snapshot.available:
                 action = "rolled_back"
-            event = event.replace(action=action, cause=decision.cause or event.cause)
-            if remedies:
-                event = event.replace(remedies=(*event.remedies, *remedies))
+            applied = (*event.remedies, *(remedies or ()))
+            cause = decision.cause  # the ranks' shared cause (one of their votes' EventCause), else None
+            decided = Decided(action, cause=cause, remedies=applied)  # type: ignore[arg-type]
+            event = with_sections(event, decided=decided)  # the shared cause, when there is one, is the event's
             self.recorder.record(front, event)
         self.recorder.scalars(front, metrics(self.state.counters), previous=metrics(before))
         self.recorder.progress(front, self.state.counters.skipped_total)
@@ -199,10 +201,9 @@ class StepOutcome:
             own = PartFailure(CORE, f"the guard's core failed on rank(s) {others}", "another rank", front.global_step)
         if own is not None:
             other = own.where == "another rank"
-            event = own.event(front.current_epoch, self.window.batch_idx, front.global_rank, action, other=other)
-            if own.step != front.global_step:  # failed in an earlier hook: the event is the dropped step's
-                details = {**event.details, "failed_at_step": own.step}
-                event = event.replace(global_step=front.global_step, details=details)
+            # failed in an earlier hook: the event is the dropped step's (``failed_at_step`` says when it failed)
+            at_step = front.global_step
+            event = own.event(front.current_epoch, self.window.batch_idx, front.global_rank, action, other, at_step)
             self.recorder.record(front, event)
         if self.parts.mode == "raise":
             failure = own or PartFailure(CORE, f"on rank(s) {failed_ranks}", "another rank", front.global_step)

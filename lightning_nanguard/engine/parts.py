@@ -33,7 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args
 
-from lightning_nanguard.core.events import GuardInternalError, NanEvent, NonFiniteTrainingError
+from lightning_nanguard.core.event_builder import Decided, Found, Where, build_event
+from lightning_nanguard.core.events import EventAction, GuardInternalError, NanEvent, NonFiniteTrainingError
 
 __all__ = [
     "CORE",
@@ -105,12 +106,20 @@ class PartFailure:
     step: int
 
     def event(
-        self, epoch: int = 0, batch_idx: int = 0, rank: int = 0, core_action: str = "skipped", other: bool = False
+        self,
+        epoch: int = 0,
+        batch_idx: int = 0,
+        rank: int = 0,
+        core_action: EventAction = "skipped",
+        other: bool = False,
+        at_step: int | None = None,
     ) -> NanEvent:
         """The ``guard_error`` event: ``action="warned"`` for an optional part (the step went on as decided).
 
         For the core, ``core_action`` says what happened to the step in hand (``"skipped"``, ``"raised"``,
         or ``"warned"`` where it could not be dropped); ``other``: the failure was another rank's.
+        ``at_step``: the step the event is about when not the one it failed at (a core error in an
+        earlier hook: the step dropped for it), with ``failed_at_step`` in its details.
 
         Example:
             >>> failure = PartFailure("tensorboard", "OSError(28, 'No space left on device')", "x.py:3 in f", 7)
@@ -122,20 +131,19 @@ device')) -> that part is off; NaN/Inf steps are still skipped"
         stops = OPTIONAL_PARTS.get(self.part, "")
         if core:
             stops = "the guard: no later step is checked" + (" (this failure was on another rank)" if other else "")
-        return NanEvent(
-            global_step=self.step,
-            epoch=epoch,
-            batch_idx=batch_idx,
-            rank=rank,
-            kinds=("guard_error",),
-            action=core_action if core else "warned",  # type: ignore[arg-type]
-            details={
-                "part": self.part,
-                "error": self.error,
-                "where": self.where,
-                "stops": stops,
-                "guard_on": not core,
-            },
+        details: dict[str, Any] = {
+            "part": self.part,
+            "error": self.error,
+            "where": self.where,
+            "stops": stops,
+            "guard_on": not core,
+        }
+        step = self.step if at_step is None else at_step
+        if step != self.step:
+            details["failed_at_step"] = self.step
+        where = Where(global_step=step, epoch=epoch, batch_idx=batch_idx, rank=rank)
+        return build_event(
+            where, Found(("guard_error",), details=details), decided=Decided(core_action if core else "warned")
         )
 
 

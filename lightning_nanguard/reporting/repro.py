@@ -54,6 +54,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
+from lightning_nanguard.core.event_builder import Files, with_sections
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.diagnose.combined import CombinedLayout
 
@@ -177,7 +178,7 @@ def save_bundle(
         meta["sample_loaders"] = sample_loaders
     meta["replay_needs_trust"] = _needs_trust(path, cls)  # the replay command shown then says --trust
     (path / "module.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
-    saved = event.replace(repro_path=str(path)).to_dict()
+    saved = with_sections(event, files=Files(str(path))).to_dict()  # the event names its own bundle
     (path / "event.json").write_text(json.dumps(saved, indent=2), encoding="utf-8")
     full = {**saved["details"], **dict(full_details or {})}
     (path / "details_full.json").write_text(json.dumps(full, indent=2, default=str), encoding="utf-8")

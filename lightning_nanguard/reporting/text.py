@@ -166,6 +166,8 @@ def event_lines(event: NanEvent, code: str = "") -> list[tuple[str, str]]:
         ('non-finite', 'grad')
         >>> rows[1]
         ('parameter grads (1)', 'fc.bias')
+        >>> event_lines(NanEvent(3, 0, 3, 0, ("grad",), "skipped", optimizer=1))[1]
+        ('optimizer', '#1 (the step of that optimizer)')
     """
     d = event.details
     if event.kinds == ("precursor",):
@@ -173,6 +175,8 @@ def event_lines(event: NanEvent, code: str = "") -> list[tuple[str, str]]:
     if event.kinds == ("guard_error",):
         return _guard_error_lines(event, code)
     rows: list[tuple[str, str]] = [("non-finite", ", ".join(event.kinds))]
+    if event.optimizer is not None:
+        rows.append(("optimizer", f"#{event.optimizer} (the step of that optimizer)"))
     cause = cause_text(event)
     if cause:
         rows.append(("cause", cause))

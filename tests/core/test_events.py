@@ -40,6 +40,7 @@ CONTRACT_KEYS = [
 # Written only when set (several training loaders): one loader's events are unchanged.
 OPTIONAL_KEYS = ["sample_loaders"]
 VERIFICATION_KEYS = ["indices_verified", "blame_verified", "sample_records"]  # written only when set
+OPTIMIZER_KEYS = ["optimizer"]  # written only when known: events of one optimizer's steps are unchanged
 
 
 def assert_same_event(a: NanEvent, b: NanEvent) -> None:
@@ -55,7 +56,8 @@ def assert_same_event(a: NanEvent, b: NanEvent) -> None:
 
 def test_to_dict_keys_are_the_public_contract() -> None:
     assert list(make_event().to_dict()) == CONTRACT_KEYS
-    assert [f.name for f in dataclasses.fields(NanEvent)] == CONTRACT_KEYS + OPTIONAL_KEYS + VERIFICATION_KEYS
+    fields = [f.name for f in dataclasses.fields(NanEvent)]
+    assert fields == CONTRACT_KEYS + OPTIONAL_KEYS + VERIFICATION_KEYS + OPTIMIZER_KEYS
     two_loaders = make_event(sample_loaders=("b", 0)).to_dict()
     assert list(two_loaders) == CONTRACT_KEYS + OPTIONAL_KEYS
     assert two_loaders["sample_loaders"] == ["b", 0]
@@ -68,6 +70,17 @@ def test_sample_loaders_round_trip_and_absent_key_reads_as_none() -> None:
     single = make_event().to_dict()
     assert "sample_loaders" not in single
     assert NanEvent.from_dict(single).sample_loaders is None
+
+
+def test_the_optimizer_round_trips_and_an_older_line_reads_as_none() -> None:
+    event = make_event(optimizer=1)
+    written = json.loads(json.dumps(event.to_dict()))
+    assert written["optimizer"] == 1 and list(written) == CONTRACT_KEYS + OPTIMIZER_KEYS
+    assert NanEvent.from_dict(written).optimizer == 1
+    older = make_event().to_dict()  # a line written before the field existed
+    assert "optimizer" not in older and NanEvent.from_dict(older).optimizer is None
+    positional = NanEvent(3, 0, 3, 0, ("loss",), "skipped", (), (), None, None, None, None, None, None, None, ())
+    assert positional.optimizer is None  # the constructor's positional order is unchanged
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_nanguard.core.events import NanEvent
+from lightning_nanguard.core.event_builder import Files
 from lightning_nanguard.engine.incident.step_diagnosis import DiagnosisSettings, StepDiagnosis
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.rows.samples import bundle_samples, context_samples
@@ -28,18 +28,20 @@ def save_incident_files(
     found: StepDiagnosis,
     settings: DiagnosisSettings,
     module_state: Mapping[str, Any] | str | None = None,
-) -> NanEvent:
+) -> Files:
     """Write a bad step's dashboard context and (with ``save_repro``) its repro bundle; never raises.
 
     ``module_state``: the state to save instead of ``pl_module.state_dict()`` (a sharded model's
-    gathered state), or why there is none. Returns the event, with ``repro_path`` when a bundle
-    was saved. The files are an optional part of the guard (``bundles``): a disk that refuses them
-    switches that part off, with a ``guard_error`` event, and the event goes on without them.
+    gathered state), or why there is none. Returns the event's
+    :class:`~lightning_nanguard.core.event_builder.Files`: ``repro_path`` when a bundle was saved.
+    The files are an optional part of the guard (``bundles``): a disk that refuses them switches
+    that part off, with a ``guard_error`` event, and the event goes on without them.
     """
     event, micro = found.event, found.micro_batch
     directory = recorder.sinks.nanguard_dir
+    files = Files()
     if directory is None or micro is None or not recorder.parts.on("bundles"):
-        return event
+        return files
     try:
         localization = found.diagnosis.localization if found.diagnosis is not None else None
         source_path = getattr(localization, "source_path", None)
@@ -47,11 +49,11 @@ def save_incident_files(
         save_incident_context(directory, event, source_path, context_batch, context_positions)
         if settings.save_repro and settings.max_repro_bundles > 0:
             max_bundles, root = settings.max_repro_bundles, settings.source_root
-            event = _save_bundle(pl_module, found, directory, max_bundles, root, module_state)
+            files = _save_bundle(pl_module, found, directory, max_bundles, root, module_state)
     except Exception as error:
         recorder.parts.failed("bundles", error)
-        return found.event
-    return event
+        return Files()
+    return files
 
 
 def _save_bundle(
@@ -61,7 +63,7 @@ def _save_bundle(
     max_bundles: int,
     source_root: str | None,
     module_state: Mapping[str, Any] | str | None = None,
-) -> NanEvent:
+) -> Files:
     """Save the offending samples (or the whole batch) of the step's diagnosed micro-batch.
 
     Known-good samples are saved next to them (see
@@ -89,4 +91,4 @@ def _save_bundle(
         reference_batch=found.reference_batch if event.cause == "batch" else None,  # the cause's evidence
     )
     prune_bundles(directory, max_bundles)
-    return event.replace(repro_path=str(path)) if Path(path).exists() else event
+    return Files(str(path)) if Path(path).exists() else Files()

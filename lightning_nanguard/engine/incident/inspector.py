@@ -5,6 +5,11 @@ this rank's own NaN/Inf element by element (a finite tensor can overflow a norm)
 overflow (the GradScaler's business) from an incident, diagnoses its own incident (bisection,
 localisation, repro bundle) from the BatchNorm state before the step, and returns a
 :class:`~lightning_nanguard.decide.policy.RankVote` for the shared decision plus its own event.
+
+The event is built from sections (:mod:`lightning_nanguard.core.event_builder`): ``Where`` (with
+the optimizer's index a front-end passes as ``optimizer``) and ``Found`` here, ``Forensics`` and
+``Rows`` from the diagnosis, ``Files`` from the incident's files; the step's decision adds
+``Decided`` (:meth:`~lightning_nanguard.engine.outcome.StepOutcome.act`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from lightning_nanguard.core.event_builder import (
+    EventSections,
+    Forensics,
+    Found,
+    Where,
+    build_event,
+    noted,
+    with_sections,
+)
 from lightning_nanguard.core.events import EventKind, NanEvent
 from lightning_nanguard.decide.policy import RankVote, StepHealth
 from lightning_nanguard.detect.check import grouped_norms
@@ -120,11 +134,16 @@ def with_rerun_note(front: Any, event: NanEvent | None) -> NanEvent | None:
     note = front.cannot_rerun() if event is not None else None
     if event is None or note is None or event.offending_samples is not None:
         return event
-    return event.replace(details={**event.details, "samples_not_named": note})
+    return with_sections(event, rows=noted(EventSections.of(event).rows, samples_not_named=note))
 
 
 def loss_scale_event(
-    front: Any, batch_idx: int, loss_scale: float | None, consecutive_overflows: int, grad_norm: float | None
+    front: Any,
+    batch_idx: int,
+    loss_scale: float | None,
+    consecutive_overflows: int,
+    grad_norm: float | None,
+    optimizer: int | None = None,
 ) -> NanEvent:
     """The event of a GradScaler whose scale collapsed under repeated overflow (no rank's own NaN/Inf).
 
@@ -132,18 +151,16 @@ def loss_scale_event(
         >>> loss_scale_event(None, 4, 0.5, 20, None).kinds
         ('loss_scale',)
     """
-    return NanEvent.at_step(
-        front,
-        batch_idx,
+    found = Found(
         ("loss_scale",),
         grad_norm=grad_norm,
-        details={
-            "loss_scale": loss_scale,
-            "consecutive_overflows": consecutive_overflows,
-            "hint": "the loss scale collapsed: the model overflows fp16 even unscaled; use bf16-mixed, lower "
-            "the learning rate, or find the op producing huge values",
-        },
+        details={"loss_scale": loss_scale, "consecutive_overflows": consecutive_overflows},
     )
+    hint = (
+        "the loss scale collapsed: the model overflows fp16 even unscaled; use bf16-mixed, lower the learning "
+        "rate, or find the op producing huge values"
+    )
+    return build_event(Where.at(front, batch_idx, optimizer), found, Forensics(details={"hint": hint}))
 
 
 class IncidentInspector:
@@ -157,6 +174,7 @@ class IncidentInspector:
         spikes: the spike watch (``None``: off).
         parts: the guard's optional parts: the spike event, the diagnosis and the bundle each fail alone
             (the confirmation of the flags is the core's: its error reaches the caller).
+        optimizer: the index of the optimizer whose step is checked (``NanEvent.optimizer``; ``None``: unknown).
     """
 
     def __init__(
@@ -167,8 +185,10 @@ class IncidentInspector:
         recorder: IncidentRecorder,
         spikes: SpikeWatch | None = None,
         parts: GuardParts | None = None,
+        optimizer: int | None = None,
     ) -> None:
         self.settings = settings
+        self.optimizer = optimizer
         self.window = window
         self.named_params = named_params
         self.recorder = recorder
@@ -247,9 +267,7 @@ class IncidentInspector:
         loss = next((v for v in losses if not math.isfinite(v)), losses[-1] if losses else None)
         if loss is not None and scale is not None and math.isfinite(loss):
             loss /= scale  # on_before_backward saw the scaled loss
-        return NanEvent.at_step(
-            front,
-            self.window.batch_idx,
+        found = Found(
             tuple(kinds),
             nonfinite_grads=tuple(bad_grads),
             nonfinite_buffers=tuple(bad_buffers),
@@ -260,6 +278,10 @@ class IncidentInspector:
                 "buffers_checked": sum(t.is_floating_point() for _, t in bn_buffers),
             },
         )
+        return build_event(self._where(front), found)
+
+    def _where(self, front: FrontEnd) -> Where:
+        return Where.at(front, self.window.batch_idx, self.optimizer)
 
     def _spike_event(self, front: FrontEnd, grad_norm: float) -> tuple[NanEvent, float | None] | None:
         """The event of a finite loss (or gradient-norm) spike and the loss threshold; ``None``: no spike after all."""
@@ -268,15 +290,10 @@ class IncidentInspector:
         if not kinds:
             return None
         details = self.spikes.details()
-        event = NanEvent.at_step(
-            front,
-            self.window.batch_idx,
-            kinds,
-            loss=details.get("value"),
-            grad_norm=grad_norm if grad_norm >= 0 else None,
-            details=details,
+        found = Found(
+            kinds, loss=details.get("value"), grad_norm=grad_norm if grad_norm >= 0 else None, details=details
         )
-        return event, self.spikes.loss_threshold()
+        return build_event(self._where(front), found), self.spikes.loss_threshold()
 
     # ------------------------------------------------------------------ the diagnosis
 
@@ -316,8 +333,8 @@ class IncidentInspector:
             )
             if scaled and loss_threshold is None and not found.reproduced:
                 return found.event, False  # the GradScaler's overflow, not an incident: no bundle, no context
-            saved = self.parts.run("bundles", save_incident_files, self.recorder, front.module, found, self.settings)
-            event = saved if saved is not None else found.event
+            files = self.parts.run("bundles", save_incident_files, self.recorder, front.module, found, self.settings)
+            event = with_sections(found.event, files=files) if files is not None else found.event
         diagnosis = found.diagnosis
         if diagnosis is not None and diagnosis.error:
             self.recorder.notices.warn(

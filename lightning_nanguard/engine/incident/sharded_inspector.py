@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from lightning_nanguard.core.dtensor import gathered_state
+from lightning_nanguard.core.event_builder import EventSections, Found, build_event, with_sections
 from lightning_nanguard.core.events import (
     SPIKE_KINDS,
     EventKind,
@@ -230,21 +231,15 @@ class ShardedIncidentInspector(IncidentInspector):
         if threshold is not None:  # a spike search: the rank's own spike event (its peers' are the same)
             if event is not None and spiked:
                 return event
-            return NanEvent.at_step(front, self.window.batch_idx, ("loss_spike",), grad_norm=grad_norm)
+            return build_event(self._where(front), Found(("loss_spike",), grad_norm=grad_norm))
         if event is not None and not spiked:
             return event
         possible: tuple[EventKind, ...] = ("loss", "grad", "bn_stats")
         kinds = [k for k in possible if any(k in f.kinds for f in findings)] or ["grad"]
         names = tuple(sorted({n for f in findings for n in f.nonfinite_grads}))
         losses = [float(loss.double().sum()) for loss in self.window.losses]  # a float64 loss may exceed float32
-        return NanEvent.at_step(
-            front,
-            self.window.batch_idx,
-            kinds,
-            nonfinite_grads=names,
-            loss=losses[-1] if losses else None,
-            grad_norm=grad_norm,
-        )
+        found = Found(tuple(kinds), nonfinite_grads=names, loss=losses[-1] if losses else None, grad_norm=grad_norm)
+        return build_event(self._where(front), found)
 
     def _dummy(self, front: FrontEnd) -> tuple[Callable[[], None], BaseException | None]:
         """The pass a rank runs while others search: a healthy reference sub-batch (identical across peers).
@@ -308,7 +303,8 @@ class ShardedIncidentInspector(IncidentInspector):
         self, event: NanEvent, findings: Sequence[Finding], outcomes: Sequence[SearchResult], lockstep: Lockstep
     ) -> NanEvent:
         """The recorded event: the gradient names every rank found, the diagnosis's cost and any rank's failure."""
-        details = dict(event.details)
+        own = EventSections.of(event)
+        details = dict(own.forensics.details)
         grads = sorted({*event.nonfinite_grads, *(n for f in findings for n in f.nonfinite_grads)})
         details["sharding"] = {
             "kind": self.layout.kind,
@@ -321,7 +317,8 @@ class ShardedIncidentInspector(IncidentInspector):
         if errors:
             previous = details.get("diagnosis_error")
             details["diagnosis_error"] = "; ".join([*([previous] if previous else []), *errors])
-        return event.replace(nonfinite_grads=tuple(grads), details=details)
+        found = dataclasses.replace(own.found, nonfinite_grads=tuple(grads))
+        return with_sections(event, found=found, forensics=dataclasses.replace(own.forensics, details=details))
 
     # ------------------------------------------------------------------ bundles
 
@@ -351,7 +348,8 @@ class ShardedIncidentInspector(IncidentInspector):
         slicer = settings.slicer_for(front.module)
         recorded = StepDiagnosis(mine, diagnosis, micro, slicer, self.window.reference)
         module_state = state if state is not None else "not gathered"
-        return save_incident_files(self.recorder, front.module, recorded, settings, module_state=module_state)
+        files = save_incident_files(self.recorder, front.module, recorded, settings, module_state=module_state)
+        return with_sections(mine, files=files)
 
 
 def inspector_for(

@@ -11,14 +11,15 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from lightning_nanguard.core.event_builder import EventSections, noted, with_sections
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.diagnose.batch_diagnosis import Diagnosis, diagnose
 from lightning_nanguard.diagnose.lockstep import LockstepRunner
 from lightning_nanguard.engine.rows.record_names import RecordSettings, RowNamer
-from lightning_nanguard.engine.rows.samples import fill_event
+from lightning_nanguard.engine.rows.samples import fill_sections
 from lightning_nanguard.engine.step.window import MicroBatch
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ def diagnose_micro_batches(
     lockstep: Lockstep | None = None,
     nonfinite_weights: Sequence[str] | None = None,
 ) -> StepDiagnosis:
-    """Diagnose the step's micro-batches and fill the event's forensic fields: the one routine of every path.
+    """Diagnose the step's micro-batches and add their forensics and rows to the event: the one routine of every path.
 
     The micro-batches are diagnosed in order and the first that holds the incident is the one the
     event names (under gradient accumulation). One process or DDP: each rank alone, and a micro-batch
@@ -115,7 +116,8 @@ def diagnose_micro_batches(
 
     Args:
         front: the front-end (the model, its training step and precision context).
-        event: the event of the bad step (filled and returned in the result).
+        event: the event of the bad step (built again with the diagnosis's forensics and rows, and the
+            diagnosed micro-batch's ``batch_idx``, in the result).
         micro_batches: the step's micro-batches.
         settings: what to diagnose.
         reference_batch: a small known-good sub-batch of a recent healthy step (tells a state fault).
@@ -155,10 +157,10 @@ def diagnose_micro_batches(
             if holds or found.error:
                 break
     if diagnosis is not None:
-        event = fill_event(event, diagnosis, chosen, settings.row_namer(front, slicer))
-        event = event.replace(batch_idx=chosen.batch_idx)
+        own = EventSections.of(event)
+        forensics, rows = fill_sections(diagnosis, chosen, settings.row_namer(front, slicer), own.forensics, own.rows)
         if len(micro_batches) > 1:
-            event = event.replace(
-                details={**event.details, "micro_batch": next(i for i, m in enumerate(micro_batches) if m is chosen)}
-            )
+            forensics = noted(forensics, micro_batch=next(i for i, m in enumerate(micro_batches) if m is chosen))
+        where = replace(own.where, batch_idx=chosen.batch_idx)  # the micro-batch the event names
+        event = with_sections(event, where=where, forensics=forensics, rows=rows)
     return StepDiagnosis(event, diagnosis, chosen, slicer, reference_batch)

@@ -1,7 +1,8 @@
 """Which records the offending rows hold: :mod:`~lightning_nanguard.diagnose.reread` at an incident.
 
 At an incident, once the diagnosis named offending rows, :class:`RowNamer` names the dataset records
-they hold, and says whether that is verified (``NanEvent.indices_verified``). Per loader (one, or
+they hold, and says whether that is verified (``NanEvent.indices_verified``): it returns the event's
+:class:`~lightning_nanguard.core.event_builder.Rows` with them (:meth:`RowNamer.name_rows`). Per loader (one, or
 each of several training loaders, each checked against its own loader), the first source that
 applies:
 
@@ -41,11 +42,12 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from lightning_nanguard.core.event_builder import EventSections, Rows, with_sections
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.core.rng import RngState
 from lightning_nanguard.diagnose.batch_diagnosis import Diagnosis
@@ -168,11 +170,11 @@ class RowNamer:
         hook = settings.row_records or getattr(front.module, "nanguard_row_records", None)
         return cls(settings, slicer, hook, front, int(getattr(front, "global_rank", 0)))
 
-    def name(self, event: NanEvent, diagnosis: Diagnosis, micro: MicroBatch, extra: Sequence[int] = ()) -> NanEvent:
-        """``event`` with the records of its offending rows, verified or not; ``micro.row_indices`` set.
+    def name_rows(self, rows: Rows, diagnosis: Diagnosis, micro: MicroBatch, extra: Sequence[int] = ()) -> Rows:
+        """``rows`` with the records of its offending rows, verified or not; ``micro.row_indices`` set.
 
         Args:
-            event: the event filled from ``diagnosis``.
+            rows: the rows ``diagnosis`` names (:func:`~lightning_nanguard.diagnose.event_fields.diagnosis_sections`).
             diagnosis: names the offending rows (flat over the loaders' parts with several loaders).
             micro: the diagnosed micro-batch.
             extra: more rows to name for the repro bundle (known-good samples saved beside them).
@@ -180,21 +182,25 @@ class RowNamer:
         offending = list(diagnosis.offending or ())
         parts = self._parts(diagnosis, micro)
         if not offending or parts is None:
-            return event
+            return rows
         wanted = list(dict.fromkeys([*offending, *extra]))  # the offending rows first: warnings name them
         named: dict[int, _Named] = {}
         with _kept_rng():
             for part in parts:
-                rows = [p - part.start for p in wanted if part.holds(p)]
+                wanted_here = [p - part.start for p in wanted if part.holds(p)]
                 told = [p - part.start for p in offending if part.holds(p)]  # warnings speak of the offending rows
-                if rows:
-                    found_rows = self._name_part(part, rows, told)
+                if wanted_here:
+                    found_rows = self._name_part(part, wanted_here, told)
                     named.update({part.start + row: found for row, found in found_rows.items()})
         micro.row_indices = {
             p: n.records[0] if n.records is not None and len(n.records) == 1 else None for p, n in named.items()
         }
         keys = [next((part.key for part in parts if part.holds(p)), None) for p in offending]
-        return _filled(event, [named[p] for p in offending], keys)
+        return _filled(rows, [named[p] for p in offending], keys)
+
+    def name(self, event: NanEvent, diagnosis: Diagnosis, micro: MicroBatch, extra: Sequence[int] = ()) -> NanEvent:
+        """``event`` with its rows named by :meth:`name_rows`."""
+        return with_sections(event, rows=self.name_rows(EventSections.of(event).rows, diagnosis, micro, extra))
 
     # ------------------------------------------------------------------ the parts of the batch
 
@@ -309,35 +315,31 @@ def _from_check(found: RowRecord) -> _Named:
     return _Named(None, False, found.reason)
 
 
-def _filled(event: NanEvent, rows: list[_Named], keys: list[LoaderKey | None]) -> NanEvent:
-    """The event's ``dataset_indices`` or ``sample_records``, ``indices_verified`` and the reasons."""
-    details = dict(event.details)
+def _filled(rows: Rows, named: list[_Named], keys: list[LoaderKey | None]) -> Rows:
+    """The rows' ``dataset_indices`` or ``sample_records``, ``indices_verified`` and the reasons."""
+    details = dict(rows.details)
 
     def said(found: _Named, key: LoaderKey | None) -> str:
         return f"loader {key!r}: {found.reason}" if key is not None else found.reason
 
-    if any(found.records is None for found in rows):  # unknown: not verified when there is a reason to say
-        reasons = [said(f, k) for f, k in zip(rows, keys, strict=True) if f.records is None and f.reason]
+    if any(found.records is None for found in named):  # unknown: not verified when there is a reason to say
+        reasons = [said(f, k) for f, k in zip(named, keys, strict=True) if f.records is None and f.reason]
         if reasons:
             details["dataset_indices_unknown"] = details["indices_unverified"] = "; ".join(dict.fromkeys(reasons))
         verified = False if reasons else None
-        return event.replace(dataset_indices=None, sample_records=None, indices_verified=verified, details=details)
+        return replace(rows, dataset_indices=None, sample_records=None, indices_verified=verified, details=details)
     details.pop("dataset_indices_unknown", None)
-    verified = all(found.verified for found in rows)
+    verified = all(found.verified for found in named)
     if not verified:
-        reasons = [said(f, k) for f, k in zip(rows, keys, strict=True) if not f.verified and f.reason]
+        reasons = [said(f, k) for f, k in zip(named, keys, strict=True) if not f.verified and f.reason]
         details["indices_unverified"] = "; ".join(dict.fromkeys(reasons)) or "not verified"
-    notes = [said(f, k) for f, k in zip(rows, keys, strict=True) if f.verified and f.reason]
+    notes = [said(f, k) for f, k in zip(named, keys, strict=True) if f.verified and f.reason]
     if notes:
         details["indices_note"] = "; ".join(dict.fromkeys(notes))
-    records = [found.records for found in rows if found.records is not None]
+    records = [found.records for found in named if found.records is not None]
     if all(len(r) == 1 for r in records):
-        return event.replace(
-            dataset_indices=tuple(r[0] for r in records),
-            sample_records=None,
-            indices_verified=verified,
-            details=details,
-        )
-    return event.replace(
-        dataset_indices=None, sample_records=tuple(records), indices_verified=verified, details=details
+        indices = tuple(r[0] for r in records)
+        return replace(rows, dataset_indices=indices, sample_records=None, indices_verified=verified, details=details)
+    return replace(
+        rows, dataset_indices=None, sample_records=tuple(records), indices_verified=verified, details=details
     )

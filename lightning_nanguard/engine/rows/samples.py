@@ -3,9 +3,9 @@
 With one training loader a sample is a position in the batch. With several
 (:mod:`~lightning_nanguard.diagnose.combined`) the diagnosis numbers the samples flat over the
 loaders' parts; here they become each sample's loader, its position in that loader's part and its
-index in that loader's dataset (:func:`fill_event`), the one loader's part the dashboard cuts its
-thumbnails from (:func:`context_samples`), and a bundle in which every loader keeps samples
-(:func:`bundle_samples`).
+index in that loader's dataset (:func:`fill_sections`: the event's forensics and rows), the one
+loader's part the dashboard cuts its thumbnails from (:func:`context_samples`), and a bundle in which
+every loader keeps samples (:func:`bundle_samples`).
 """
 
 from __future__ import annotations
@@ -16,26 +16,60 @@ from typing import Any
 
 import torch  # noqa: F401 (doctests)
 
+from lightning_nanguard.core.event_builder import EventSections, Forensics, Rows, noted, with_sections
 from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.diagnose.batch_diagnosis import Diagnosis
 from lightning_nanguard.diagnose.batching import slice_batch
 from lightning_nanguard.diagnose.combined import CombinedBatch, CombinedLayout, LoaderKey, LoaderSplit
-from lightning_nanguard.diagnose.event_fields import event_with_diagnosis
+from lightning_nanguard.diagnose.event_fields import diagnosis_sections
 from lightning_nanguard.engine.rows.record_names import RowNamer
 from lightning_nanguard.engine.step.window import MicroBatch
 
-__all__ = ["BundleSamples", "bundle_samples", "context_samples", "fill_event"]
+__all__ = ["BundleSamples", "bundle_samples", "context_samples", "fill_event", "fill_sections"]
 
 Slicer = Callable[[Any, Sequence[int]], Any]
 
 
-def fill_event(event: NanEvent, diagnosis: Diagnosis, micro: MicroBatch, naming: RowNamer | None = None) -> NanEvent:
-    """The event filled from the diagnosis of ``micro``: with several loaders, each sample's loader and index.
+def fill_sections(
+    diagnosis: Diagnosis,
+    micro: MicroBatch,
+    naming: RowNamer | None = None,
+    forensics: Forensics | None = None,
+    rows: Rows | None = None,
+) -> tuple[Forensics, Rows]:
+    """The forensics and rows of the diagnosis of ``micro``: with several loaders, each sample's loader and index.
 
     With ``naming`` the records of the offending rows are checked (and corrected) and
     ``indices_verified`` set (:class:`~lightning_nanguard.engine.rows.record_names.RowNamer`); the rows the repro
     bundle saves beside them are named too (``micro.row_indices``). Without it the indices are the
-    recorded ones, by position, unchecked.
+    recorded ones, by position, unchecked. ``forensics`` and ``rows``: the sections so far (default: empty).
+
+    Example:
+        >>> micro = MicroBatch(batch=None, batch_idx=3, dataset_indices=list(range(10, 18)))
+        >>> fill_sections(Diagnosis(8, [2], cause="data"), micro)[1].dataset_indices
+        (12,)
+    """
+    if micro.loaders is None or diagnosis.loaders is None:
+        forensics, rows = diagnosis_sections(
+            diagnosis, dataset_indices=micro.dataset_indices, forensics=forensics, rows=rows
+        )
+        if micro.loaders_note:
+            rows = noted(rows, sample_loaders_unknown=micro.loaders_note)
+    else:
+        flat = micro.loaders.flat(diagnosis.loaders)
+        offending_keys = [diagnosis.loaders.locate(p)[0] for p in diagnosis.offending or ()]
+        note = micro.loaders.why_unknown(offending_keys)
+        forensics, rows = diagnosis_sections(
+            diagnosis, dataset_indices=flat, indices_note=note, forensics=forensics, rows=rows
+        )
+    if naming is None or diagnosis.offending is None:
+        return forensics, rows
+    saved, _ = _selection(rows.offending_samples, diagnosis)
+    return forensics, naming.name_rows(rows, diagnosis, micro, extra=saved or ())
+
+
+def fill_event(event: NanEvent, diagnosis: Diagnosis, micro: MicroBatch, naming: RowNamer | None = None) -> NanEvent:
+    """``event`` with the sections of :func:`fill_sections` added to its own.
 
     Example:
         >>> micro = MicroBatch(batch=None, batch_idx=3, dataset_indices=list(range(10, 18)))
@@ -43,19 +77,9 @@ def fill_event(event: NanEvent, diagnosis: Diagnosis, micro: MicroBatch, naming:
         >>> fill_event(event, Diagnosis(8, [2], cause="data"), micro).dataset_indices
         (12,)
     """
-    if micro.loaders is None or diagnosis.loaders is None:
-        event = event_with_diagnosis(event, diagnosis, dataset_indices=micro.dataset_indices)
-        if micro.loaders_note:
-            event = event.replace(details={**event.details, "sample_loaders_unknown": micro.loaders_note})
-    else:
-        flat = micro.loaders.flat(diagnosis.loaders)
-        offending_keys = [diagnosis.loaders.locate(p)[0] for p in diagnosis.offending or ()]
-        note = micro.loaders.why_unknown(offending_keys)
-        event = event_with_diagnosis(event, diagnosis, dataset_indices=flat, indices_note=note)
-    if naming is None or diagnosis.offending is None:
-        return event
-    saved, _ = _selection(event, diagnosis)
-    return naming.name(event, diagnosis, micro, extra=saved or ())
+    own = EventSections.of(event)
+    forensics, rows = fill_sections(diagnosis, micro, naming, own.forensics, own.rows)
+    return with_sections(event, forensics=forensics, rows=rows)
 
 
 def context_samples(event: NanEvent, micro: MicroBatch) -> tuple[Any, list[int] | None]:
@@ -95,12 +119,14 @@ class BundleSamples:
     sample_loaders: list[LoaderKey] | None = None
 
 
-def _selection(event: NanEvent, diagnosis: Diagnosis | None) -> tuple[list[int] | None, list[int]]:
+def _selection(
+    offending_samples: Sequence[int] | None, diagnosis: Diagnosis | None
+) -> tuple[list[int] | None, list[int]]:
     """Positions to save (``None``: the whole batch) and the known-good ones among them (by position in the list)."""
-    if event.offending_samples is None or diagnosis is None or diagnosis.offending is None:
+    if offending_samples is None or diagnosis is None or diagnosis.offending is None:
         return None, []
     if diagnosis.loaders is None:
-        positions = list(event.offending_samples)
+        positions = list(offending_samples)
         good = [p for p in diagnosis.known_good if p not in positions]
         return ([good[0], *positions], [0]) if good else (positions, [])
     return _loaders_selection(diagnosis.loaders, list(diagnosis.offending), diagnosis.known_good)
@@ -154,7 +180,7 @@ def bundle_samples(
     Raises:
         Exception: whatever the slicer raises (the caller never lets it stop training).
     """
-    positions, reference = _selection(event, diagnosis)
+    positions, reference = _selection(event.offending_samples, diagnosis)
     if micro.loaders is None or diagnosis is None or diagnosis.loaders is None:
         samples = micro.batch if positions is None else (slicer or slice_batch)(micro.batch, positions)
         indices = micro.dataset_indices
