@@ -5,6 +5,8 @@ Run from the repository root::
     python -m benchmarks.fixed_cost            # 2,000 steps of a Linear(2, 1), 5 repetitions
     python -m benchmarks.fixed_cost --steps 500 --repeat 3
     python -m benchmarks.fixed_cost --logging  # also 4 logged values and 2 torchmetrics metrics a step
+    python -m benchmarks.fixed_cost --optimization manual  # opt.step() in a manual training_step
+    python -m benchmarks.fixed_cost --optimization lbfgs   # LBFGS (max_iter=4): the copy that undoes a bad step
 
 A ``Linear(2, 1)`` trained on batches of 4 has three tiny tensors to check (two gradients and the
 loss): what the guard spends per step there is its own Python and the handful of kernels it
@@ -43,10 +45,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class _Tiny(LightningModule):
-    def __init__(self, logging: bool = False) -> None:
+    def __init__(self, logging: bool = False, optimization: str = "automatic") -> None:
         super().__init__()
         self.layer = nn.Linear(2, 1)
         self.logging = logging
+        self.optimization = optimization
+        self.automatic_optimization = optimization != "manual"
         if logging:
             import torchmetrics
 
@@ -61,13 +65,22 @@ class _Tiny(LightningModule):
                 self.log(f"loss_{fx}", loss, on_step=False, on_epoch=True, reduce_fx=fx)
             self.mse.update(preds.detach(), y)
             self.mae.update(preds.detach(), y)
+        if not self.automatic_optimization:  # the manual loop of a user: zero, backward, step
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimization == "lbfgs":
+            return torch.optim.LBFGS(self.parameters(), lr=1e-3, max_iter=4)
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-def run(steps: int, logging: bool = False, accelerator: str = "cpu") -> tuple[float, float, dict[str, float]]:
+def run(
+    steps: int, logging: bool = False, accelerator: str = "cpu", optimization: str = "automatic"
+) -> tuple[float, float, dict[str, float]]:
     """One fit of ``steps`` steps: guard microseconds per step, the guard's share of the step, per hook."""
     x = torch.randn(steps * 4, 2)
     loader = DataLoader(TensorDataset(x, x.sum(1)), batch_size=4)
@@ -76,7 +89,7 @@ def run(steps: int, logging: bool = False, accelerator: str = "cpu") -> tuple[fl
     with tempfile.TemporaryDirectory() as root:
         trainer = benchmark_trainer(root, steps, [guard], accelerator=accelerator)
         begin = time.perf_counter()
-        trainer.fit(_Tiny(logging), loader)
+        trainer.fit(_Tiny(logging, optimization), loader)
         wall = time.perf_counter() - begin
     per_hook = {name: seconds / steps * 1e6 for name, seconds in guard.clock.seconds.items()}
     return guard.clock.total / steps * 1e6, guard.clock.total / wall, per_hook
@@ -90,6 +103,7 @@ def _one_process(checkout: str, args: argparse.Namespace) -> float:
     """
     command = [sys.executable, "-m", "benchmarks.fixed_cost", "--steps", str(args.steps), "--repeat", "1", "--json"]
     command += ["--accelerator", args.accelerator, *(["--logging"] if args.logging else [])]
+    command += ["--optimization", args.optimization] if args.optimization != "automatic" else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory() as cwd:
         shutil.copytree(ROOT / "benchmarks", Path(cwd) / "benchmarks", ignore=shutil.ignore_patterns("__pycache__"))
@@ -117,13 +131,14 @@ def main() -> None:
     parser.add_argument("--logging", action="store_true", help="4 logged values and 2 metrics every step")
     parser.add_argument("--accelerator", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--against", metavar="CHECKOUT", help="another checkout's root, measured side by side")
+    parser.add_argument("--optimization", default="automatic", choices=("automatic", "manual", "lbfgs"))
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.against:
         compare(args)
         return
-    results = [run(args.steps, args.logging, args.accelerator) for _ in range(args.repeat)]
+    results = [run(args.steps, args.logging, args.accelerator, args.optimization) for _ in range(args.repeat)]
     if args.json:
         print(json.dumps({"per_step_us": statistics.median(r[0] for r in results)}))
         return

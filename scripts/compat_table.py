@@ -1,7 +1,8 @@
 """The docs' compatibility table (``docs/guide/compatibility.md``), generated from the tests proving each row.
 
 Every test marked ``@pytest.mark.compat(feature=..., kind=..., status=..., note=...)`` is a row:
-``kind`` is ``"callback"`` (a Lightning callback), ``"flag"`` (a Trainer flag or call) or ``"strategy"``;
+``kind`` is ``"callback"`` (a Lightning callback), ``"flag"`` (a Trainer flag or call), ``"strategy"`` or
+``"optimization"`` (manual optimisation, several optimizers, closure optimizers);
 ``status`` is ``"works"`` (the guard works with it, bad steps included) or ``"refused"`` (refused at
 setup with a message that says why and what to do); ``note`` says what the test shows. Several tests
 of one feature make one row (their notes joined). A row exists only while its test exists, and CI runs
@@ -27,7 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "guide" / "compatibility.md"
 START, END = "<!-- compat-table:start -->", "<!-- compat-table:end -->"
-KINDS = {"callback": "Lightning callbacks", "flag": "Trainer flags and calls", "strategy": "Strategies"}
+KINDS = {
+    "callback": "Lightning callbacks",
+    "flag": "Trainer flags and calls",
+    "strategy": "Strategies",
+    "optimization": "Optimisation loops",
+}
 STATUS = {"works": "works", "refused": "refused at setup"}
 
 
@@ -85,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     wanted = replace_table(text, render(collect_rows()))
     if args.check:
         if wanted != text:
-            stale = f"{PAGE.relative_to(ROOT)}: the compatibility table is out of date: run python scripts/compat_table.py"
+            stale = (
+                f"{PAGE.relative_to(ROOT)}: the compatibility table is out of date: run python scripts/compat_table.py"
+            )
             print(stale, file=sys.stderr)
             return 1
         return 0

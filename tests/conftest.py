@@ -118,7 +118,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     for item in session.items:
         for mark in item.iter_markers("compat"):
             fields = {"feature": "", "kind": "", "status": "works", "note": "", **mark.kwargs}
-            if fields["kind"] not in ("callback", "flag", "strategy") or fields["status"] not in ("works", "refused"):
+            kinds = ("callback", "flag", "strategy", "optimization")
+            if fields["kind"] not in kinds or fields["status"] not in ("works", "refused"):
                 raise pytest.UsageError(f"{item.nodeid}: bad compat marker {mark.kwargs}")
             row = {key: str(fields[key]) for key in ("feature", "kind", "status", "note")}
             rows.append(row | {"test": item.nodeid})

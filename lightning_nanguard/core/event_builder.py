@@ -26,8 +26,8 @@ Rows        the diagnosis (``diagnose/event_fields``), each sample's   ``offendi
             a step (``inspector.with_rerun_note``)                     ``sample_records``,
                                                                        ``indices_verified``,
                                                                        ``blame_verified``
-Decided     what became of the step: ``StepOutcome.act``               ``action``, ``cause`` (the ranks'),
-            (``engine/outcome``), the weight check's rollback or       ``remedies``
+Decided     what became of the step: ``StepActions.act``               ``action``, ``cause`` (the ranks'),
+            (``engine/step_actions``), the weight check's rollback or       ``remedies``
             raise (``engine/after_step``), a guard error
 Files       the incident's files (``engine/incident/files``), a saved  ``repro_path``
             bundle (``reporting/repro``)

@@ -25,6 +25,9 @@ Glossary (each word has one meaning throughout the package; fuller in ``docs/glo
 - **guard error**: an error of the guard itself, an event of kind ``guard_error`` (``engine.parts.PartFailure``).
 - **bundle**: the directory that lets ``replay`` re-run a bad step in a fresh process (``reporting.repro``).
 - **section**: one stage's share of an event (where, found, forensics, rows, decided, files) (``core.event_builder``).
+- **front-end**: what connects the engine to a loop: ``FabricGuard``, ``NanGuard`` (``engine.frontend.FrontEnd``).
+- **moment**: a point of a loop the engine acts at: batch, loss, step, after step... (``engine.moments.GuardEngine``).
+- **optimizer step**: one ``optimizer.step()``, the unit the guard checks, drops and counts (per optimizer).
 """
 
 from __future__ import annotations

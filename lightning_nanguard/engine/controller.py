@@ -8,7 +8,7 @@
 3. a step that is healthy everywhere ends there; otherwise each rank describes what it found
    (:class:`~lightning_nanguard.engine.incident.inspector.IncidentInspector`), the reports are gathered, and
    :func:`~lightning_nanguard.decide.policy.decide` gives one decision for every rank, which
-   :class:`~lightning_nanguard.engine.outcome.StepOutcome` carries out;
+   :class:`~lightning_nanguard.engine.step_actions.StepActions` carries out;
 4. after the optimizer step, :meth:`StepController.after_optimizer_step` rolls back when due,
    checks the weights and refreshes the last good snapshot.
 """
@@ -37,21 +37,20 @@ from lightning_nanguard.decide.policy import (
 from lightning_nanguard.engine.after_step import AfterStep
 from lightning_nanguard.engine.failure import fail
 from lightning_nanguard.engine.frontend import StepView
-from lightning_nanguard.engine.incident.inspector import loss_scale_event
 from lightning_nanguard.engine.incident.sharded_inspector import inspect_rank, inspector_for
-from lightning_nanguard.engine.outcome import StepOutcome
 from lightning_nanguard.engine.parts import GuardParts
 from lightning_nanguard.engine.precursor_part import PrecursorPart
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.settings import GuardSettings
 from lightning_nanguard.engine.shard_layout import ShardingLayout, announce_sharding, sharding_notice
-from lightning_nanguard.engine.state import GuardState
+from lightning_nanguard.engine.state import GuardState, composed_state, load_composed_state
 from lightning_nanguard.engine.step.check import next_loss_scale, step_flags
+from lightning_nanguard.engine.step.closure_undo import is_closure_optimizer
 from lightning_nanguard.engine.step.params import StepParams
-from lightning_nanguard.engine.step.precursors import PrecursorWatch
 from lightning_nanguard.engine.step.spikes import SpikeWatch
 from lightning_nanguard.engine.step.syncfree import DeferredStep, SyncFreeSteps
 from lightning_nanguard.engine.step.window import StepWindow
+from lightning_nanguard.engine.step_actions import StepActions
 from lightning_nanguard.recover.recovery import Recovery
 from lightning_nanguard.reporting import notice_texts as say
 from lightning_nanguard.reporting.scalars import scalar_tags
@@ -86,8 +85,10 @@ class StepController:
         self.spike_state: dict[str, Any] = {}  # loaded before the detectors exist
         self.agreement = RankAgreement(None, 1)
         self.after_step = AfterStep(self.state, self.recovery, self.recorder, self.window)
-        self.outcome = StepOutcome(self.state, self.window, self.recovery, self.recorder, self.parts)
+        self.actions = StepActions(self.state, self.window, self.recovery, self.recorder, self.parts)
         self.step_params = StepParams()  # the tensors each optimizer updates, named
+        self.per_optimizer = self.actions.per_optimizer  # streaks, spike statistics, held schedulers
+        self._index: int | None = None  # the position of the optimizer being checked, with several
         self.params: list[nn.Parameter] = []
         self.sharding: ShardingLayout | None = None  # ModelParallelStrategy (engine/shard_layout.py)
         self._voted = False  # this step's check reached the ranks' reduce
@@ -97,10 +98,7 @@ class StepController:
         """Every tensor a step may update, named (the model's, then optimizer tensors the model lacks)."""
         return self.step_params.named
 
-    @property
-    def precursors(self) -> PrecursorWatch | None:
-        """The precursor watch (``None`` when off)."""
-        return self.attention.watch
+    precursors = property(lambda self: self.attention.watch, doc="The precursor watch (``None`` when off).")
 
     # ------------------------------------------------------------------ setup
 
@@ -185,11 +183,7 @@ class StepController:
             self.recorder.notices.warn("logged", say.logged_unsupported(self.window.logged_unsupported))
         if checking and self.sync_free:
             self.sync.capture()
-        self.arm_precursors(front)
-
-    def arm_precursors(self, front: FrontEnd) -> None:
-        """The step about to run: measure its attention when it is a sampled step (before its forward)."""
-        self.attention.arm(front.global_step)
+        self.attention.arm(front.global_step)  # a sampled step: measure its attention (before its forward)
 
     def checking(self, front: FrontEnd, every_n_steps: int) -> bool:
         """Whether the optimizer step about to run is checked (the same answer on every rank)."""
@@ -216,15 +210,29 @@ class StepController:
             if not self._voted:  # vote "failed" in this step's reduce: every rank drops it and stops
                 self._resolve(front, optimizer, [], self._agreed_vector(front, [], optimizer).tolist())
             elif not self.agreement.distributed:
-                self.outcome.stop_guarding(front, optimizer, drop=True)
+                self.actions.stop_guarding(front, optimizer, drop=True)
         finally:
             if self.parts.unreported:
                 self.report_failures(front)
 
     def _check_step(self, front: FrontEnd, optimizer: Optimizer) -> None:
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-        if isinstance(inner, torch.optim.LBFGS) and self.state.reported_step == front.global_step:
-            return  # LBFGS evaluates its closure (and this hook) many times per step: one event per step
+        if self.state.reported_step == front.global_step and is_closure_optimizer(inner):
+            for param in self.step_params.of(front.module, inner):  # LBFGS evaluates its closure again: the step
+                param.grad = None  # is undone at its end; no gradient moves it meanwhile, one event per step
+            return
+        optimizers = front.optimizers
+        self._index = self.per_optimizer.index(optimizers, inner) if len(optimizers) > 1 else None
+        first = self.spikes
+        if self._index:  # each optimizer's losses have their own statistic
+            self.spikes = self.per_optimizer.spike_watch(self._index, first)
+        try:
+            self._check_optimizer_step(front, optimizer, inner)
+        finally:
+            if self._index and self.spikes is not None:
+                self.spikes = first
+
+    def _check_optimizer_step(self, front: FrontEnd, optimizer: Optimizer, inner: Optimizer) -> None:
         self.attention.check(front)
         # manual optimisation steps optimizers one by one: the gradients this step applies are its own
         self.follow()  # BatchNorm buffers replaced during the step are checked as they are
@@ -235,8 +243,8 @@ class StepController:
         if sync_free and self._defer(front, optimizer, grads, vector):
             return  # skipped on the device if bad; resolved before the next step's forward
         self._resolve(front, optimizer, grads, vector.tolist())  # the one host read of a step
-        if not front.automatic_optimization:  # the next optimizer's check: only the losses backpropagated after
-            self.window.losses = []
+        if not front.automatic_optimization:  # the next optimizer's step: its own losses and BatchNorm updates
+            self.window.next_optimizer_step()
 
     def _resolve(self, front: FrontEnd, optimizer: Optimizer, grads: list[Tensor], values: list[float]) -> None:
         """Decide the step from its flags (read to the host) together with the other ranks, and act."""
@@ -245,19 +253,28 @@ class StepController:
             self.attention.clip_failed_elsewhere()  # no rank joins QK-clip's collective now
         if health.grad_norm >= 0 or math.isnan(health.grad_norm):
             self.state.last_grad_norm = health.grad_norm
+        index, per = self._index, self.per_optimizer
         if health.healthy:
             self._healthy(front, grads, health)
+            if index is not None:
+                self.state.counters = per.settle(self.state.counters, index)
             return
         report, event = self._inspect(front, health, grads)
         reports = self.agreement.gather(report) if self._collective(front) else [report]
-        policy = self._policy(front, optimizer)
+        policy = self._policy(optimizer)
         loss_scale = next_loss_scale(front.grad_scaler, updated=self._resolving is not None)
-        decision, after = decide(reports, self.state.counters, policy, loss_scale)
+        counters = self.state.counters if index is None else per.counters_for(self.state.counters, index)
+        decision, after = decide(reports, counters, policy, loss_scale)
+        if index is not None:
+            after = per.settle(after, index)
+        if event is not None:  # the optimizer whose step it was; reported here, not again by guard.check's
+            self.state.unreported_checks.clear()
+            event = event.replace(optimizer=per.index(front.optimizers, optimizer) if index is None else index)
         self._carry_out(front, optimizer, decision, after, event, grads, health)
 
     def _collective(self, front: FrontEnd) -> bool:
-        # manual optimisation may call optimizer.step() a different number of times per rank: no collectives
-        return self.agreement.distributed and front.automatic_optimization
+        # one reduce per optimizer step, manual optimisation too: DDP's backward already needs every rank in step
+        return self.agreement.distributed
 
     def _agreed_vector(self, front: FrontEnd, grads: list[Tensor], optimizer: Optimizer) -> Tensor:
         """The step's flags with their sums over ranks, on the device. A rank whose check fails still takes part."""
@@ -318,9 +335,9 @@ class StepController:
 
     # ------------------------------------------------------------------ a step that is bad somewhere
 
-    def _policy(self, front: FrontEnd, optimizer: Optimizer) -> Policy:
-        inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-        can_skip = front.automatic_optimization and not isinstance(inner, torch.optim.LBFGS)
+    def _policy(self, optimizer: Optimizer) -> Policy:
+        # a closure optimizer's step is undone at its end when the front-end announced it (closure_undo.before)
+        can_skip = not is_closure_optimizer(optimizer) or self.actions.closure_undo.holds(optimizer)
         return self.policy if can_skip == self.policy.can_skip else dataclasses.replace(self.policy, can_skip=can_skip)
 
     def _inspect(self, front: FrontEnd, health: StepHealth, grads: list[Tensor]) -> tuple[RankVote, NanEvent | None]:
@@ -343,7 +360,7 @@ class StepController:
         deferred = self._resolving
         due = deferred.logging_due if deferred is not None else None
         clip = deferred is None  # sync-free clipped it on the device
-        self.outcome.healthy(front, grads, health, self.spikes, self.diagnosis.batch_slicer, self.metrics, clip, due)
+        self.actions.healthy(front, grads, health, self.spikes, self.diagnosis.batch_slicer, self.metrics, clip, due)
 
     def _carry_out(
         self,
@@ -357,14 +374,16 @@ class StepController:
     ) -> None:
         before, self.state.counters = self.state.counters, counters
         if decision.outcome == "failed":  # some rank's core failed: the step is not vouched for
-            self.outcome.stop_guarding(front, optimizer, drop=decision.discard, decision=decision)
+            if decision.discard:
+                self.actions.closure_undo.mark_bad()
+            self.actions.stop_guarding(front, optimizer, drop=decision.discard, decision=decision)
             self.recorder.scalars(front, self.metrics(self.state.counters), previous=self.metrics(before))
             return
         try:
             if decision.outcome == "healthy":  # a finite tensor whose norm overflowed: not an incident
                 self._healthy(front, grads, health)
                 return
-            self.outcome.act(
+            self.actions.act(
                 front,
                 optimizer,
                 decision,
@@ -373,16 +392,13 @@ class StepController:
                 self.policy,
                 self.spikes,
                 self.metrics,
-                lambda: self._loss_scale_event(front),
+                updated_scale=self._resolving is not None,
             )
         finally:
+            if decision.discard:
+                self.actions.dropped(front, optimizer)
             if decision.disable:  # an incident somewhere, and a failed core on some rank
-                self.outcome.stop_guarding(front, optimizer, drop=False, decision=decision)
-
-    def _loss_scale_event(self, front: FrontEnd) -> NanEvent:
-        overflows = self.state.counters.consecutive_overflows
-        scale = next_loss_scale(front.grad_scaler, updated=self._resolving is not None)
-        return loss_scale_event(front, self.window.batch_idx, scale, overflows, self.state.last_grad_norm)
+                self.actions.stop_guarding(front, optimizer, drop=False, decision=decision)
 
     def metrics(self, counters: Counters) -> dict[str, float | None]:
         """The ``nanguard/`` scalar values for ``counters``."""
@@ -407,7 +423,8 @@ class StepController:
         state["window"] = window = StepWindow(self.parts)
         state["after_step"] = AfterStep(self.state, self.recovery, self.recorder, window)
         state["after_step"].settings = self.after_step.settings
-        state["outcome"] = StepOutcome(self.state, window, self.recovery, self.recorder, self.parts)
+        state["actions"] = actions = StepActions(self.state, window, self.recovery, self.recorder, self.parts)
+        state["per_optimizer"] = actions.per_optimizer
         state["sync"] = SyncFreeSteps()
         state["step_params"], state["params"] = StepParams(), []
         return state
@@ -418,32 +435,16 @@ class StepController:
         """An error of the core: the next check drops its step and turns the guard off (every rank together)."""
         fail(self.state, self.parts, self.agreement.distributed, error, where)
 
-    def disable_everywhere(self) -> None:
-        """Every rank saw some rank's failure in the same reduce: all stop guarding (and joining collectives) now."""
-        self.outcome.disable_everywhere()
-
     def report_failures(self, front: FrontEnd) -> None:
         """Record the ``guard_error`` event of each optional part that failed since the last call."""
-        self.outcome.report_failures(front)
+        self.actions.report_failures(front)
 
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """The guard's checkpoint state, composed from its parts' (primitives; the layout of 0.2.0 and 0.3).
-
-        The counters (flat) and ``last_grad_norm`` (:class:`GuardState`), ``spikes`` (the spike
-        statistic; the state loaded before the detectors exist while they do not), ``events`` (the
-        recorder's last ones) and ``recovery`` (remedy state and rollback count).
-        """
-        spikes = self.spikes.state_dict() if self.spikes is not None else self.spike_state
-        recovery = self.recovery.state_dict()
-        return {**self.state.state_dict(), "spikes": spikes, **self.recorder.state_dict(), "recovery": recovery}
+        """The guard's checkpoint state, composed from its parts' (:func:`~.state.composed_state`)."""
+        return composed_state(self.state, self.spikes, self.spike_state, self.recorder, self.recovery)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; keys added in later versions read as their defaults."""
-        self.state.load_state_dict(state)
-        self.recorder.load_state_dict(state)
-        self.spike_state = dict(state.get("spikes", {}))
-        if self.spikes is not None:
-            self.spikes.load_state_dict(self.spike_state)
-        self.recovery.load_state_dict(state.get("recovery", {}))
+        self.spike_state = load_composed_state(state, self.state, self.spikes, self.recorder, self.recovery)

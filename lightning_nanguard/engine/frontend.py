@@ -60,6 +60,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
@@ -72,7 +73,11 @@ from lightning_nanguard.recover.recovery import TrainingParts
 if TYPE_CHECKING:
     from lightning_nanguard.diagnose.combined import CombinedLayout
 
-__all__ = ["FrontEnd", "StepView", "training_parts"]
+__all__ = ["FrontEnd", "LossFn", "StepView", "call_loss_fn", "training_parts"]
+
+LossFn = Callable[
+    ..., Any
+]  # loss_fn(model, batch) or loss_fn(model, batch, optimizer) -> a loss, or a dict with "loss"
 
 
 class FrontEnd(Protocol):
@@ -212,3 +217,29 @@ def training_parts(front: FrontEnd) -> TrainingParts:
         scaler=front.grad_scaler,
         global_step=front.global_step,
     )
+
+
+def call_loss_fn(loss_fn: LossFn, model: Any, batch: Any, optimizer: Any) -> Any:
+    """``loss_fn(model, batch)``, or ``loss_fn(model, batch, optimizer)`` when it takes a third argument.
+
+    The optimizer is the one whose step is being checked (a GAN's discriminator's or generator's),
+    as the loop holds it (a Trainer's ``LightningOptimizer`` unwrapped: ``trainer.optimizers[i]``).
+
+    Example:
+        >>> call_loss_fn(lambda model, batch: batch * 2, None, 3, "opt")
+        6
+        >>> call_loss_fn(lambda model, batch, optimizer: optimizer, None, 3, "opt")
+        'opt'
+    """
+    if _takes_optimizer(loss_fn):
+        return loss_fn(model, batch, optimizer)
+    return loss_fn(model, batch)
+
+
+def _takes_optimizer(fn: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or a C extension: the two-argument form
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in parameters)

@@ -14,7 +14,9 @@ calls. Each loop maps its own hooks onto these moments, in this order:
                     (``open_step`` alone where the loop shows no batch)
 ``loss``            a loss about to be backpropagated (kept for the check, no host read)
 ``step``            before ``optimizer.step()``: check, agree over ranks, decide, act
+``begin_update``    ``optimizer.step()`` begins (a closure optimizer's state is copied: LBFGS)
 ``after_step``      after ``optimizer.step()``: rollback, weight check, snapshot, QK-clip
+``batch_end``       the end of a batch (manual optimisation: held schedulers released)
 ``epoch_end``       settle a step checked sync-free before the epoch's values are read
 ``end``             the same at the end of training
 ``state_dict``      the guard's checkpoint state (and ``load_state_dict``)
@@ -41,8 +43,9 @@ from lightning_nanguard.core.events import NanEvent
 from lightning_nanguard.core.timing import GuardClock
 from lightning_nanguard.engine.controller import StepController
 from lightning_nanguard.engine.recording import IncidentRecorder
-from lightning_nanguard.engine.settings import GuardSettings, warn_what_cannot_be_skipped
+from lightning_nanguard.engine.settings import GuardSettings
 from lightning_nanguard.engine.step.check import check_module
+from lightning_nanguard.engine.step.closure_undo import is_closure_optimizer
 from lightning_nanguard.recover.recovery import Recovery, apply_module_eps
 from lightning_nanguard.reporting.notice_texts import stray_params
 
@@ -86,9 +89,8 @@ class GuardEngine:
         self.action = str(arguments["action"])
 
     def open_logs(self, front: FrontEnd) -> None:
-        """Resolve where events, bundles and scalars go (every rank calls it); say what cannot be skipped."""
+        """Resolve where events, bundles and scalars go (every rank calls it)."""
         self.recorder.attach(front, self.controller.scalar_tags(front))
-        warn_what_cannot_be_skipped(front, self.action, self.recorder.notices)
 
     def start(self, front: FrontEnd, snapshot: bool = True) -> None:
         """The model sits on its device: find parameters and BatchNorm buffers; the first good snapshot."""
@@ -150,16 +152,39 @@ class GuardEngine:
         """A loss about to be backpropagated: kept for the check (no host read)."""
         self.controller.window.add_loss(loss)
 
+    def begin_update(self, optimizer: Optimizer) -> None:
+        """``optimizer.step()`` begins, before its closure runs: a closure optimizer's state is copied (LBFGS)."""
+        if is_closure_optimizer(optimizer):
+            self.controller.actions.closure_undo.before(optimizer)
+
     def step(self, front: FrontEnd, optimizer: Optimizer) -> None:
-        """Before ``optimizer.step()``: check the step, agree with the other ranks, carry out the decision."""
+        """Before ``optimizer.step()`` updates: check the step, agree with the other ranks, carry out the decision."""
         controller = self.controller
         controller.window.close()
         if controller.checking(front, self.every_n_steps):
             controller.check_step(front, optimizer)
 
-    def after_step(self, front: FrontEnd) -> None:
-        """After ``optimizer.step()``: rollback when due, the weight check, the snapshot, QK-clip."""
+    def after_step(self, front: FrontEnd, optimizer: Optimizer | None = None) -> None:
+        """After ``optimizer.step()``: a bad closure step undone, rollback when due, weight check, snapshot, QK-clip."""
+        if optimizer is not None:
+            self.controller.actions.closure_undo.after(optimizer)
         self.controller.after_optimizer_step(front)
+
+    def batch_end(self, front: FrontEnd) -> None:
+        """The batch is over: held schedulers step again; a step ``check`` found bad and the caller skipped is reported.
+
+        Its event says ``skipped``: its update was not made.
+        """
+        controller = self.controller
+        controller.per_optimizer.release_schedulers()
+        state = controller.state
+        for event in state.unreported_checks:
+            counters = state.counters
+            state.counters = counters.replace(
+                bad_steps_total=counters.bad_steps_total + 1, skipped_total=counters.skipped_total + 1
+            )
+            self.recorder.record(front, event.replace(action="skipped"))
+        state.unreported_checks.clear()
 
     def check(self, front: FrontEnd | None, module: nn.Module, loss: Tensor | None) -> NanEvent | None:
         """``NanGuard.check``: ``module``'s gradients, BatchNorm statistics, weights and ``loss``, now."""
@@ -169,10 +194,14 @@ class GuardEngine:
         if event is None:
             return None
         state = controller.state
-        if front is not None:
-            state.dropped_by_check = True  # the caller skips the step: its logs go at the batch's end
-        state.counters = state.counters.replace(bad_steps_total=state.counters.bad_steps_total + 1)
-        self.recorder.record(front, event)
+        if front is None:  # outside a fit: recorded now
+            state.counters = state.counters.replace(bad_steps_total=state.counters.bad_steps_total + 1)
+            self.recorder.record(front, event)
+            return event
+        # in a fit: the optimizer.step() that follows, if the caller takes it, is dropped and reported by the
+        # step's own check; a step the caller skips is reported at the batch's end (one event per bad step)
+        state.dropped_by_check = True  # its logs go at the batch's end
+        state.unreported_checks.append(event)
         return event
 
     # ------------------------------------------------------------------ state

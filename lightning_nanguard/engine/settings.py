@@ -24,8 +24,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, get_args
 
-import torch
-
 from lightning_nanguard.decide.policy import Policy, SpikeAction, StepAction
 from lightning_nanguard.detect.precursors import PrecursorSettings
 from lightning_nanguard.engine.after_step import ParamCheckSettings
@@ -35,9 +33,8 @@ from lightning_nanguard.engine.rows.record_names import RecordSettings
 from lightning_nanguard.engine.step.spikes import SpikeSettings
 from lightning_nanguard.recover.recovery import RecoverySettings
 from lightning_nanguard.recover.remedies import REMEDIES
-from lightning_nanguard.reporting.notices import RankNotices
 
-__all__ = ["ACTIONS", "SPIKE_ACTIONS", "GuardSettings", "Rule", "validate_arguments", "warn_what_cannot_be_skipped"]
+__all__ = ["ACTIONS", "SPIKE_ACTIONS", "GuardSettings", "Rule", "validate_arguments"]
 
 ACTIONS: tuple[str, ...] = get_args(StepAction)
 INTERNAL_ERROR_MODES: tuple[str, ...] = get_args(InternalErrorMode)
@@ -286,21 +283,4 @@ class GuardSettings:
             )
             if a.get("qk_clip") is not None and a.get("precursors", False) and strategy_kind in SHARDED_KINDS
             else None,
-        )
-
-
-def warn_what_cannot_be_skipped(front: Any, action: str, notices: RankNotices) -> None:
-    """One warning each for manual optimisation and LBFGS at fit start: their steps are reported, not skipped."""
-    if not front.automatic_optimization and action in ("skip", "rollback"):
-        notices.warn(
-            "manual",
-            "NanGuard: manual optimisation; bad steps are detected and reported but not "
-            "skipped, bisected or rolled back automatically. Call `guard.check(self)` in your "
-            "training_step before `optimizer.step()` to act on them.",
-        )
-    if any(isinstance(getattr(opt, "_optimizer", opt), torch.optim.LBFGS) for opt in front.optimizers):
-        notices.warn(
-            "lbfgs",
-            "NanGuard: LBFGS evaluates its closure many times per step, so a step cannot "
-            "be skipped halfway; bad steps are detected and reported only.",
         )

@@ -19,7 +19,7 @@ from typing import Any
 
 from lightning_nanguard.decide.policy import Counters
 
-__all__ = ["CounterView", "GuardState"]
+__all__ = ["CounterView", "GuardState", "composed_state", "load_composed_state"]
 
 
 @dataclass
@@ -37,6 +37,8 @@ class GuardState:
         reported_step: the global step of the last incident (LBFGS calls the check many times per step).
         dropped_by_check: ``guard.check`` found this batch bad (manual optimisation: the caller skips the
             step); its logged values and metric updates are undone at the batch's end.
+        unreported_checks: the events ``guard.check`` found in this batch, not yet recorded: the step's own
+            check reports a step the caller takes anyway (once), the batch's end one the caller skipped.
     """
 
     counters: Counters = field(default_factory=Counters)
@@ -47,6 +49,7 @@ class GuardState:
     step_was_bad: bool = False
     reported_step: int | None = None
     dropped_by_check: bool = False
+    unreported_checks: list[Any] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps (primitives): every :class:`Counters` field, flat, and ``last_grad_norm``.
@@ -84,3 +87,29 @@ class CounterView:
         if guard is None:
             return self  # type: ignore[return-value]  # on the class: for help() and documentation tools
         return int(getattr(guard.counters, self.name))
+
+
+def composed_state(
+    state: GuardState, spikes: Any, spike_state: dict[str, Any], recorder: Any, recovery: Any
+) -> dict[str, Any]:
+    """The guard's checkpoint state, composed from its parts' (primitives; the layout of 0.2.0 and 0.3).
+
+    The counters (flat) and ``last_grad_norm`` (``state``), ``spikes`` (the spike statistic; the
+    state loaded before the detectors exist, ``spike_state``, while they do not), ``events`` (the
+    recorder's last ones) and ``recovery`` (remedy state and rollback count).
+    """
+    saved_spikes = spikes.state_dict() if spikes is not None else spike_state
+    return {**state.state_dict(), "spikes": saved_spikes, **recorder.state_dict(), "recovery": recovery.state_dict()}
+
+
+def load_composed_state(
+    saved: dict[str, Any], state: GuardState, spikes: Any, recorder: Any, recovery: Any
+) -> dict[str, Any]:
+    """Restore :func:`composed_state` output into the parts; the spike state (kept until a watch exists)."""
+    state.load_state_dict(saved)
+    recorder.load_state_dict(saved)
+    spike_state = dict(saved.get("spikes", {}))
+    if spikes is not None:
+        spikes.load_state_dict(spike_state)
+    recovery.load_state_dict(saved.get("recovery", {}))
+    return spike_state

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_nanguard.engine.frontend import LossFn, call_loss_fn
+
 if TYPE_CHECKING:
     from lightning_nanguard.diagnose.combined import CombinedLayout
 
@@ -36,8 +38,6 @@ __all__ = ["NANGUARD_DIR", "FabricFrontEnd", "LossFn"]
 
 NANGUARD_DIR = "NANGUARD_DIR"  # environment variable: where events and bundles go
 LOGGING_EVERY_N_STEPS = 50  # the nanguard/ scalars are written this often (and at every incident)
-
-LossFn = Callable[[Any, Any], Any]  # loss_fn(model, batch) -> loss (a tensor, or a dict with "loss")
 
 
 class FabricFrontEnd:
@@ -54,6 +54,7 @@ class FabricFrontEnd:
         self.models: list[nn.Module] = [_unwrapped(module)]  # the user's modules, behind Fabric's wrappers
         self.module: nn.Module = self.models[0]
         self.loss_fn = loss_fn
+        self.optimizer_in_step: Any = None  # the optimizer whose step is being checked
         self.global_step = 0
         self.current_epoch = 0
         self.optimizers: list[Any] = []  # learned as they step (Fabric keeps no list)
@@ -96,7 +97,7 @@ class FabricFrontEnd:
         """Guard another model set up in the same loop: ``module`` becomes a container of all of them.
 
         Parameter names then start with the model's class name in snake case (``generator.fc.weight``);
-        ``loss_fn`` still receives the first model.
+        ``loss_fn`` receives the model whose parameters the optimizer being stepped updates.
         """
         model = _unwrapped(module)
         if any(known is model for known in self.models):
@@ -114,13 +115,25 @@ class FabricFrontEnd:
     # ------------------------------------------------------------------ re-running a step
 
     def step_fn(self) -> Callable[[Any, int], Any]:
+        """``loss_fn(model, batch)`` or ``loss_fn(model, batch, optimizer)`` for the optimizer being stepped.
+
+        ``model``: the model set up whose parameters that optimizer updates (the first one set up when
+        none or unknown), as the user gave it to ``fabric.setup`` (sharded in place under FSDP2), run
+        under the precision's autocast (``step_context``): Fabric's wrapper would insist on
+        ``fabric.backward`` for the re-run's own backward. Batches are kept as the loader gave them.
+        """
         loss_fn = self.loss_fn
         if loss_fn is None:
             raise RuntimeError("re-running a Fabric step needs NanGuard(loss_fn=...): loss_fn(model, batch) -> loss")
-        # the module the user gave fabric.setup (sharded in place under FSDP2), under the precision's autocast
-        # (step_context): Fabric's wrapper would insist on fabric.backward for the re-run's own backward
-        module, to_device = self.models[0], self.fabric.to_device
-        return lambda batch, batch_idx: loss_fn(module, to_device(batch))  # batches are kept as the loader gave them
+        optimizer, to_device = self.optimizer_in_step, self.fabric.to_device
+        module = self.model_of(optimizer)
+        return lambda batch, batch_idx: call_loss_fn(loss_fn, module, to_device(batch), optimizer)
+
+    def model_of(self, optimizer: Any) -> nn.Module:
+        """The model set up whose parameters ``optimizer`` updates (the first one set up otherwise)."""
+        inner = getattr(optimizer, "optimizer", optimizer)
+        stepped = {id(p) for group in getattr(inner, "param_groups", []) for p in group["params"]}
+        return next((m for m in self.models if any(id(p) in stepped for p in m.parameters())), self.models[0])
 
     def cannot_rerun(self) -> str | None:
         if self.loss_fn is None:

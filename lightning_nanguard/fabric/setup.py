@@ -55,5 +55,5 @@ def take_hold_of_fabric(
     for loader in early_loaders(fabric):
         controller.parts.run("remedies", quarantine_in_fabric, steps, loader)  # first: the batches noted are cut
         steps.watch_loader(loader)
-    controller.arm_precursors(front)  # the first step's forward comes next
+    controller.attention.arm(front.global_step)  # the first step's forward comes next
     return steps

@@ -12,7 +12,7 @@ hands them here:
 - ``fabric.clip_gradients(...)`` or ``optimizer.step()``, whichever comes first: the step is
   checked once per optimizer, and a bad one dropped (its gradients set to ``None``); clipping a
   dropped step does nothing (no ``RuntimeError`` for a non-finite norm); ``optimizer.step(closure)``
-  (LBFGS): checked once the closure has computed the gradients, reported but not skipped;
+  (LBFGS): every evaluation of the closure is checked, and a bad step is undone at its end;
 - after ``optimizer.step()`` (Fabric's ``on_after_optimizer_step``): the after-step work (rollback,
   weight check, snapshot), and the step count moves on.
 
@@ -34,7 +34,7 @@ from lightning_nanguard.core.swapped import swapped_subclass
 from lightning_nanguard.engine.data.indices import RecordingBatchSampler, next_recorded_indices, record_batch_indices
 from lightning_nanguard.engine.data.readers import RecordReader
 from lightning_nanguard.engine.moments import GuardEngine
-from lightning_nanguard.engine.settings import warn_what_cannot_be_skipped
+from lightning_nanguard.engine.step.closure_undo import is_closure_optimizer
 from lightning_nanguard.fabric.frontend import FabricFrontEnd
 
 __all__ = ["FabricSteps"]
@@ -93,15 +93,15 @@ class FabricSteps:
     def before_update(self, optimizer: Any) -> bool:
         """Check the step for ``optimizer`` (once per step); ``True`` when its update was dropped."""
         key = id(optimizer)
-        if key in self._checked:
+        if key in self._checked and not is_closure_optimizer(optimizer):  # LBFGS: every closure evaluation
             return self._checked[key]
         first = not self.front.optimizers
         controller = self.controller
         if self.front.saw_optimizer(optimizer):
             controller.optimizer_added(self.front, optimizer)
-            warn_what_cannot_be_skipped(self.front, self.engine.action, controller.recorder.notices)
         if first and self.engine.action == "rollback":  # the first snapshot, once the optimizer is known
             controller.after_step.initial_snapshot(self.front)
+        self.front.optimizer_in_step = optimizer  # loss_fn(model, batch, optimizer) receives it
         self.engine.step(self.front, optimizer)
         dropped = all(p.grad is None for group in optimizer.param_groups for p in group["params"])
         self._checked[key] = dropped
@@ -116,10 +116,12 @@ class FabricSteps:
 
     def after_update(self, optimizer: Any) -> None:
         """The after-step work, then the next step's number."""
-        self.engine.after_step(self.front)
+        self.engine.after_step(self.front, optimizer)
         self.front.global_step += 1
         self._checked = {}
-        self.controller.arm_precursors(self.front)  # before the next step's forward (Fabric has no hook there)
+        self.controller.attention.arm(
+            self.front.global_step
+        )  # before the next step's forward (Fabric has no hook there)
 
 
 def _note_batches(loader: Any, note: Callable[[Any], None] | None, sampler: RecordingBatchSampler | None) -> None:

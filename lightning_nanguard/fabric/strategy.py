@@ -47,10 +47,11 @@ class NanGuardFabricMixin(abc.ABC):  # ABC: the metaclass and instance layout of
         steps = self.__dict__.get("_nanguard_steps")
         closure = kwargs.get("closure")
         if steps is not None and callable(closure):  # LBFGS & co: the gradients exist only once the closure ran
+            guarded(steps, steps.engine.begin_update, optimizer)  # a closure optimizer's bad step is undone
 
             def checked_closure() -> Any:
                 loss = closure()
-                guarded(steps, _before_update, self, optimizer)  # reported, not skipped (see the engine's policy)
+                guarded(steps, _before_update, self, optimizer)  # every evaluation: the bad one undoes the step
                 return loss
 
             kwargs["closure"] = checked_closure

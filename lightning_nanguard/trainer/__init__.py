@@ -1,6 +1,7 @@
 """The Trainer front-end: ``NanGuard`` as a Lightning callback over the step engine.
 
-- ``callback.py``: ``NanGuard``, Lightning's hooks mapped onto the engine's moments of a step.
+- ``callback.py``: ``NanGuard``, the Fabric guard (:mod:`lightning_nanguard.fabric.guard`) with
+  Lightning's hooks mapped onto the engine's moments of a step.
 - ``frontend.py``: :class:`~.frontend.TrainerFrontEnd`, the engine's interface read off a Trainer
   (precision plugin, strategy, loggers, logger connector, ``gradient_clip_val``).
 - ``strategy.py``: the strategy wrapper (the hook after ``optimizer.step``, index recording).

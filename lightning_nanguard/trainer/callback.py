@@ -111,6 +111,7 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
             self.recovery.book.quarantined,
             self.clock,
             exclude_by_loader=self.recovery.book.quarantined_by_loader,
+            before_optimizer_step=self._before_optimizer_step,
         )
         self._hooks.enforce_quarantine(self.recovery.book, self.index_key, self.batch_slicer, self.recorder.notices)
         apply_nanguard_strategy(trainer.strategy, self._hooks)
@@ -130,7 +131,7 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
     @failsafe
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Find parameters and BatchNorm buffers once the model sits on its device; first snapshot."""
-        self.engine.start(self._front_of(trainer, pl_module), snapshot=pl_module.automatic_optimization)
+        self.engine.start(self._front_of(trainer, pl_module))
 
     @override
     @failsafe
@@ -163,18 +164,21 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
     @override
     @failsafe
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        """Open the step's window at its first micro-batch (every batch in manual optimisation)."""
+        """Open the step's window at its first micro-batch (manual optimisation: the first after an update)."""
         window = self.controller.window
         indices = self.controller.parts.run("dataset_indices", self._batch_indices, batch)
         if forward_only(trainer):  # SWA's BatchNorm epoch: no training step, only statistics to keep finite
             self._forward_only.before_batch(window, indices)
             return
         # a new optimizer step: the first micro-batch, or a window left open by a step Lightning never took
-        # (training_step returned None); every batch in manual optimisation
+        # (training_step returned None); in manual optimisation the first batch after an optimizer.step()
+        # (a loop that steps every k batches accumulates k batches)
         first = batch_idx % max(1, getattr(trainer, "accumulate_grad_batches", 1)) == 0
-        new_step = not window.open or first or not pl_module.automatic_optimization
+        new_step = not window.open or (first and pl_module.automatic_optimization)
         readers = self._hooks.readers() if self._hooks is not None else ()  # to check the indices at an incident
-        self.engine.batch(self._front_of(trainer, pl_module), batch, batch_idx, indices, readers, new_step)
+        front = self._front_of(trainer, pl_module)
+        keep = None if front.cannot_rerun() is None else False  # manual optimisation without a loss to re-run
+        self.engine.batch(front, batch, batch_idx, indices, readers, new_step, keep=keep)
 
     def _batch_indices(self, batch: Any) -> list[int] | CombinedIndices | None:
         if self._hooks is not None:  # per loader with several training loaders
@@ -186,12 +190,13 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Manual optimisation: a batch that ``guard.check`` found bad leaves no trace in logs and metrics."""
+        """Manual optimisation: held schedulers step again; a batch ``guard.check`` found bad leaves no logs."""
         if forward_only(trainer):
             event = self._forward_only.after_batch(trainer, self.controller.window, batch_idx)
             if event is not None:
                 self.controller.recorder.record(self._front_of(trainer, pl_module), event)
             return
+        self.engine.batch_end(self._front_of(trainer, pl_module))
         state = self.controller.state
         if state.dropped_by_check:
             state.dropped_by_check = False
@@ -211,14 +216,20 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
         if forward_only(trainer):  # no backward ran: there is no step to check (each batch was, after its forward)
             self.controller.window.close()
             return
-        self.engine.step(self._front_of(trainer, pl_module), optimizer)
+        front = self._front_of(trainer, pl_module)
+        front.optimizer_in_step = optimizer  # a manual loop's loss_fn/nanguard_loss receives it
+        self.engine.step(front, optimizer)
+
+    @failsafe
+    def _before_optimizer_step(self, optimizer: Optimizer) -> None:
+        """Called by the strategy wrapper as ``optimizer.step()`` begins, before its closure runs."""
+        self.engine.begin_update(optimizer)
 
     @failsafe
     def _after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Called by the strategy wrapper on every rank after the update: rollback, weight check, snapshot."""
-        front = self._front
-        if front is not None and front.automatic_optimization:
-            self.engine.after_step(front)
+        if self._front is not None:
+            self.engine.after_step(self._front, optimizer)
 
     @property
     def _trainer(self) -> Trainer | None:
@@ -229,7 +240,7 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
         """The engine's view of this fit (made once per fit: a Trainer or module change makes a new one)."""
         front = self._front
         if front is None or front.trainer is not trainer or front.module is not pl_module:
-            front = self._front = TrainerFrontEnd(trainer, pl_module)
+            front = self._front = TrainerFrontEnd(trainer, pl_module, self.loss_fn)
         return front
 
     def _strategy_active(self) -> bool:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_nanguard.engine.frontend import LossFn, call_loss_fn
 from lightning_nanguard.engine.recording import Count
 from lightning_nanguard.trainer._compat import tensorboard_logger_types
 from lightning_nanguard.trainer.logged_values import LoggedValues
@@ -32,7 +33,14 @@ if TYPE_CHECKING:
 
     from lightning_nanguard.diagnose.combined import CombinedLayout
 
-__all__ = ["TrainerFrontEnd", "training_step_of"]
+__all__ = ["MANUAL_LOSS_HOOK", "MANUAL_RERUN", "TrainerFrontEnd", "training_step_of"]
+
+MANUAL_LOSS_HOOK = "nanguard_loss"  # LightningModule.nanguard_loss(batch, optimizer) -> the loss of that step
+MANUAL_RERUN = (
+    "under manual optimisation naming the offending samples needs the loss the step's gradients came from: "
+    "pass NanGuard(loss_fn=...), with loss_fn(module, batch) or loss_fn(module, batch, optimizer) -> loss, or "
+    "define nanguard_loss(self, batch, optimizer) -> loss in the LightningModule"
+)
 
 
 def training_step_of(pl_module: LightningModule) -> Callable[[Any, int], Any]:
@@ -45,11 +53,16 @@ def training_step_of(pl_module: LightningModule) -> Callable[[Any, int], Any]:
 
 
 class TrainerFrontEnd:
-    """The engine's view of one fit (see module docs); ``trainer`` and ``pl_module`` as the hooks get them."""
+    """The engine's view of one fit (see module docs); ``trainer`` and ``pl_module`` as the hooks get them.
 
-    def __init__(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    ``loss_fn``: ``NanGuard(loss_fn=...)``, to re-run a step of manual optimisation (see :meth:`step_fn`).
+    """
+
+    def __init__(self, trainer: Trainer, pl_module: LightningModule, loss_fn: LossFn | None = None) -> None:
         self.trainer = trainer
         self.module = pl_module
+        self.loss_fn = loss_fn
+        self.optimizer_in_step: Any = None  # the optimizer whose step is being checked
         self.logged = LoggedValues()  # the epoch aggregates of `self.log`, kept for a possible drop
         self._clip_val: float | None = None  # the Trainer's gradient_clip_val, off during a dropped step
 
@@ -104,13 +117,31 @@ class TrainerFrontEnd:
     # ------------------------------------------------------------------ re-running a step
 
     def step_fn(self) -> Callable[[Any, int], Any]:
-        return training_step_of(self.module)
+        """``training_step``; under manual optimisation the loss of the optimizer being stepped.
+
+        ``training_step`` of manual optimisation steps the optimizers itself: it cannot be re-run.
+        The loss whose gradients this optimizer applies comes from ``NanGuard(loss_fn=...)``
+        (``loss_fn(module, batch)`` or ``loss_fn(module, batch, optimizer)``), else from the module's
+        ``nanguard_loss(batch, optimizer)``.
+        """
+        if self.module.automatic_optimization:
+            return training_step_of(self.module)
+        optimizer, module, loss_fn = self.optimizer_in_step, self.module, self.loss_fn
+        if loss_fn is not None:
+            return lambda batch, batch_idx: call_loss_fn(loss_fn, module, batch, optimizer)
+        hook = getattr(module, MANUAL_LOSS_HOOK, None)
+        if hook is None:
+            raise RuntimeError(MANUAL_RERUN)
+        return lambda batch, batch_idx: hook(batch, optimizer)
 
     def step_context(self) -> AbstractContextManager[Any]:
         return self.trainer.precision_plugin.train_step_context()
 
     def cannot_rerun(self) -> str | None:
-        return None  # training_step is always there to re-run
+        """Manual optimisation without ``loss_fn`` or ``nanguard_loss``: why no sample is named."""
+        if self.module.automatic_optimization or self.loss_fn is not None:
+            return None
+        return None if callable(getattr(self.module, MANUAL_LOSS_HOOK, None)) else MANUAL_RERUN
 
     def as_training_batch(
         self, record: Any, layout: CombinedLayout | None = None, part: int = 0, batch: Any = None

@@ -93,6 +93,8 @@ class StrategyHooks:
             the batches of a loader without a batch sampler).
         batch_slicer: the user's batch slicer (else the module's ``nanguard_slice_batch``, else the built-in one).
         streams: the loaders made to cut quarantined records out of their batches (undone at teardown).
+        before_optimizer_step: called on every rank as an optimizer step begins, before its closure runs
+            (a closure optimizer's state is copied, to undo a bad step).
     """
 
     after_optimizer_step: Callable[[Any], None]
@@ -107,6 +109,7 @@ class StrategyHooks:
     index_key: int | str | None = None
     batch_slicer: Callable[[Any, Any], Any] | None = None
     streams: list[Any] = field(default_factory=list)
+    before_optimizer_step: Callable[[Any], None] | None = None
 
     def enforce_quarantine(
         self,
@@ -239,8 +242,10 @@ class NanGuardStrategyMixin(abc.ABC):  # ABC: same metaclass and layout as Light
     _nanguard_original_class: type
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         hooks = getattr(self, "_nanguard", None)
+        if hooks is not None and hooks.before_optimizer_step is not None and hooks.active():
+            hooks.before_optimizer_step(optimizer)
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         if hooks is not None and hooks.active():
             hooks.after_optimizer_step(optimizer)
         return output

@@ -165,6 +165,15 @@ def _two_task_run(
 # ------------------------------------------------------------------------------------ 1. drop per optimizer.step()
 
 
+@pytest.mark.compat(
+    feature="automatic_optimization = False",
+    kind="optimization",
+    status="works",
+    note=(
+        "each bad opt.step() dropped alone (no guard.check), BatchNorm restored, the optimizer named; "
+        "bit for bit with dropping it by hand"
+    ),
+)
 @pytest.mark.parametrize("value", list(VALUES), ids=list(VALUES))
 def test_the_bad_optimizer_step_is_dropped_and_the_healthy_one_of_the_same_batch_goes_ahead(
     tmp_path: Path, value: str
@@ -234,6 +243,12 @@ def _assert_names(event: NanEvent, index: int) -> None:
     assert event.indices_verified is True, event.details
 
 
+@pytest.mark.compat(
+    feature="automatic_optimization = False",
+    kind="optimization",
+    status="works",
+    note="records named and verified with NanGuard(loss_fn=...) or a nanguard_loss(batch, optimizer) method",
+)
 @pytest.mark.parametrize("way", ["loss_fn", "nanguard_loss"])
 def test_a_loss_given_with_the_optimizer_names_the_record(tmp_path: Path, way: str) -> None:
     """``loss_fn(module, batch, optimizer)`` (it branches on which optimizer) or ``nanguard_loss(batch, optimizer)``."""
@@ -283,6 +298,12 @@ def _lbfgs_run(tmp_path: Path, guard: NanGuard | None, manual: bool) -> tuple[An
     return _fit(module, lbfgs_data(bad=(9,)), tmp_path, *callbacks), module, states
 
 
+@pytest.mark.compat(
+    feature="torch.optim.LBFGS (closure optimizers)",
+    kind="optimization",
+    status="works",
+    note="a bad step is undone (weights and optimizer state as before it), automatic and manual",
+)
 @pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
 def test_a_bad_lbfgs_step_is_undone(tmp_path: Path, manual: bool) -> None:
     """Record 9 (batch 2) is all zeros: ``x / ||x||`` is NaN in the closure; LBFGS would step on it several times."""
@@ -303,6 +324,12 @@ def test_a_bad_lbfgs_step_is_undone(tmp_path: Path, manual: bool) -> None:
 # ------------------------------------------------------------------------------------ 4. counting per optimizer
 
 
+@pytest.mark.compat(
+    feature="several optimizers (GANs, actor-critic)",
+    kind="optimization",
+    status="works",
+    note="each optimizer's own streak of bad steps escalates; a healthy generator does not hide a failing critic",
+)
 def test_a_discriminator_failing_three_steps_in_a_row_raises_although_the_generator_is_healthy(tmp_path: Path) -> None:
     """D is bad at batches 3, 4, 5, 6; G steps healthy between them: D's own streak reaches 3 at batch 5."""
     guard = _guard(max_consecutive_bad_steps=3)
@@ -333,6 +360,12 @@ def test_a_discriminator_whose_streak_is_broken_by_its_own_healthy_steps_finishe
 # ------------------------------------------------------------------------------------ 5. manual-loop patterns
 
 
+@pytest.mark.compat(
+    feature="several optimizers (GANs, actor-critic)",
+    kind="optimization",
+    status="works",
+    note="toggle_optimizer/untoggle_optimizer",
+)
 def test_toggle_optimizer_with_several_optimizers(tmp_path: Path) -> None:
     guard = _guard()
     trainer, module, _ = _two_task_run(tmp_path / "guarded", guard, toggle=True)
@@ -355,6 +388,12 @@ def _regressor_runs(
     return guard, trainer, module, states, reference_trainer, reference
 
 
+@pytest.mark.compat(
+    feature="automatic_optimization = False",
+    kind="optimization",
+    status="works",
+    note="manual gradient accumulation: the step of every batch it accumulated dropped",
+)
 def test_manual_gradient_accumulation_drops_the_whole_step(tmp_path: Path) -> None:
     """``manual_backward`` every batch, ``opt.step()`` every 2: the NaN of batch 2 (first of a pair) spoils step 2-3."""
     guard, trainer, module, states, reference_trainer, reference = _regressor_runs(tmp_path, accumulate=2)
@@ -364,6 +403,12 @@ def test_manual_gradient_accumulation_drops_the_whole_step(tmp_path: Path) -> No
     _assert_same_as_hand_dropped(module, trainer, reference, reference_trainer)
 
 
+@pytest.mark.compat(
+    feature="automatic_optimization = False",
+    kind="optimization",
+    status="works",
+    note="self.clip_gradients before a bad step does not raise",
+)
 def test_clip_gradients_before_a_bad_step_does_not_raise_and_the_step_is_dropped(tmp_path: Path) -> None:
     guard, trainer, module, _, reference_trainer, reference = _regressor_runs(tmp_path, clip=1.0)
     assert reference.dropped_by_hand == [(2, 0)]
@@ -372,6 +417,12 @@ def test_clip_gradients_before_a_bad_step_does_not_raise_and_the_step_is_dropped
     _assert_same_as_hand_dropped(module, trainer, reference, reference_trainer)
 
 
+@pytest.mark.compat(
+    feature="automatic_optimization = False",
+    kind="optimization",
+    status="works",
+    note="a scheduler the user steps after a dropped step does not advance",
+)
 def test_a_dropped_step_does_not_advance_the_lr_scheduler_the_user_steps(tmp_path: Path) -> None:
     """StepLR(step_size=1, gamma=0.5) stepped after each ``opt.step()``: not after the dropped one."""
     guard, trainer, module, _, reference_trainer, reference = _regressor_runs(tmp_path, scheduler=True)

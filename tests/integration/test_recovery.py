@@ -493,28 +493,28 @@ def test_internal_failure_never_kills_training(
     assert (step, part, action) == (dropped, "core", "skipped")
 
 
-def test_lbfgs_is_detected_and_reported_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_bad_lbfgs_step_is_undone_without_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     guard = _quiet()
     trainer = build_trainer("lightning", tmp_path, callbacks=[guard])
+    module = Regressor(optimizer="lbfgs")
     with caplog.at_level(logging.WARNING, logger="lightning_nanguard"):
-        trainer.fit(Regressor(optimizer="lbfgs"), _loader(Indexed(nan_at=(11,))))
+        trainer.fit(module, _loader(Indexed(nan_at=(11,))))
     assert trainer.global_step == 4
     assert guard.active
-    assert guard.events
     first = guard.events[0]
-    assert (first.global_step, first.action, first.dataset_indices) == (1, "warned", (11,))
-    assert {e.action for e in guard.events} == {"warned"}
-    assert guard.skipped_total == 0
-    assert sum("LBFGS" in r.getMessage() for r in caplog.records) == 1
+    assert (first.global_step, first.action, first.dataset_indices) == (1, "skipped", (11,))
+    assert _finite(module)  # the step holding sample 11 was undone: the later steps are healthy
+    assert [e.global_step for e in guard.events] == [1] and guard.skipped_total == 1
+    assert not any("LBFGS" in r.getMessage() for r in caplog.records)
 
 
 def test_lbfgs_reports_one_event_per_step(tmp_path: Path) -> None:
     guard = _quiet(bisect=False, localize=False)
     trainer = build_trainer("lightning", tmp_path, callbacks=[guard])
     trainer.fit(Regressor(optimizer="lbfgs"), _loader(Indexed(nan_at=(11,))))
-    # the NaN of step 1 reaches the weights (LBFGS cannot skip), so steps 1, 2 and 3 are bad
-    assert [e.global_step for e in guard.events] == [1, 2, 3]
-    assert guard.bad_steps_total == 3
+    # one event for the many closure evaluations of step 1, which is undone: no later step is bad
+    assert [e.global_step for e in guard.events] == [1]
+    assert guard.bad_steps_total == 1
 
 
 class ManualRegressor(Regressor):
@@ -547,6 +547,10 @@ def _manual_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> tuple[NanGu
     return guard, module
 
 
+def _same_but_action(checked: NanEvent | None, recorded: NanEvent) -> bool:
+    return checked is not None and checked.replace(action=recorded.action) == recorded
+
+
 def test_manual_optimisation_check_api(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     guard, module = _manual_run(tmp_path, caplog)
     assert [i for i, e in enumerate(module.checks) if e is not None] == [1, 5]  # sample 11, both epochs
@@ -556,29 +560,30 @@ def test_manual_optimisation_check_api(tmp_path: Path, caplog: pytest.LogCapture
     assert set(event.nonfinite_grads) == {"inp.weight", "head.weight", "head.bias"}
     assert event.nonfinite_params == ()
     assert event.loss is not None and math.isnan(event.loss)
-    assert module.checks[1] in guard.events and module.checks[5] in guard.events
+    # recorded at the batch's end, as skipped: the user did not take the step
+    assert [e.action for e in guard.events] == ["skipped", "skipped"]
+    assert _same_but_action(module.checks[1], guard.events[0]) and _same_but_action(module.checks[5], guard.events[1])
     assert _finite(module)  # the user skipped the bad steps
-    assert guard.skipped_total == 0
-    assert sum("manual optimisation" in r.getMessage() for r in caplog.records) == 1
+    assert guard.skipped_total == 2
+    assert not any("manual optimisation" in r.getMessage() for r in caplog.records)  # nothing left to warn about
 
 
-def test_manual_optimisation_reports_bad_steps_but_does_not_skip_them_by_itself(
+def test_manual_optimisation_a_step_taken_despite_check_is_dropped_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The notice says bad steps are "detected and reported but not skipped ... automatically": the NaN goes in."""
+    """The user steps although ``guard.check`` found the step bad: the guard drops it, and reports it once."""
     guard = _quiet()
     module = ManualRegressor(guard, skip_bad=False)
-    with caplog.at_level(logging.WARNING, logger="lightning_nanguard"):
-        build_trainer("lightning", tmp_path, callbacks=[guard]).fit(module, _loader(Indexed(nan_at=(11,))))
-    (told,) = [r.getMessage() for r in caplog.records if "manual optimisation" in r.getMessage()]
-    assert "not skipped" in told
-    assert module.checks[1] is not None and guard.skipped_total == 0
-    assert not _finite(module)  # the user stepped anyway, and the guard did not drop the update
+    build_trainer("lightning", tmp_path, callbacks=[guard]).fit(module, _loader(Indexed(nan_at=(11,))))
+    assert module.checks[1] is not None and guard.skipped_total == 1
+    assert [(e.global_step, e.action) for e in guard.events] == [(1, "skipped")]
+    assert _finite(module)
 
 
 def test_manual_optimisation_user_skip_leaves_no_stale_event(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     guard, module = _manual_run(tmp_path, caplog)
-    assert guard.events == [module.checks[1], module.checks[5]]
+    assert len(guard.events) == 2
+    assert all(_same_but_action(c, e) for c, e in zip([module.checks[1], module.checks[5]], guard.events, strict=True))
 
 
 class TwoOptimizers(pl.LightningModule):
@@ -621,17 +626,18 @@ def test_manual_optimisation_checks_each_optimizer_on_its_own(tmp_path: Path) ->
     x[11, 0] = float("inf")
     build_trainer("lightning", tmp_path, callbacks=[guard]).fit(module, DataLoader(TensorDataset(x), batch_size=8))
     assert [i for i, e in enumerate(module.critic_checks) if e is not None] == [1]
-    assert guard.events == [module.critic_checks[1]]  # one report of the critic's step, none of the generator's
-    assert guard.events[0].nonfinite_grads == ("0.weight", "0.bias", "2.weight", "2.bias")  # of the critic
+    (event,) = guard.events  # one report of the critic's step, none of the generator's
+    assert _same_but_action(module.critic_checks[1], event) and event.action == "skipped"
+    assert event.nonfinite_grads == ("0.weight", "0.bias", "2.weight", "2.bias")  # of the critic
     assert _finite(module)
 
 
-def test_manual_optimisation_is_not_skipped_automatically(tmp_path: Path) -> None:
+def test_manual_optimisation_is_skipped_automatically(tmp_path: Path) -> None:
     guard = _quiet()
     module = ManualRegressor(guard, skip_bad=False)
     trainer = build_trainer("lightning", tmp_path, callbacks=[guard])
     trainer.fit(module, _loader(Indexed(nan_at=(11,))))
-    assert not _finite(module)  # nobody skipped: the guard only reports in manual loops
-    assert guard.skipped_total == 0
-    assert {e.action for e in guard.events} == {"warned"}
+    assert _finite(module)  # the guard dropped the bad optimizer.step() the user took
+    assert guard.skipped_total == 1
+    assert {e.action for e in guard.events} == {"skipped"}
     assert guard.active

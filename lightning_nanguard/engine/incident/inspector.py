@@ -9,7 +9,7 @@ localisation, repro bundle) from the BatchNorm state before the step, and return
 The event is built from sections (:mod:`lightning_nanguard.core.event_builder`): ``Where`` (with
 the optimizer's index a front-end passes as ``optimizer``) and ``Found`` here, ``Forensics`` and
 ``Rows`` from the diagnosis, ``Files`` from the incident's files; the step's decision adds
-``Decided`` (:meth:`~lightning_nanguard.engine.outcome.StepOutcome.act`).
+``Decided`` (:meth:`~lightning_nanguard.engine.step_actions.StepActions.act`).
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ class IncidentInspector:
     # ------------------------------------------------------------------ the diagnosis
 
     def _may_diagnose(self, front: FrontEnd) -> bool:
-        if not (front.automatic_optimization and self.settings.diagnose_here and self.settings.diagnoses):
+        if not (self.settings.diagnose_here and self.settings.diagnoses) or front.cannot_rerun() is not None:
             return False
         if front.world_size > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in front.module.modules()):
             self.recorder.notices.warn(

@@ -70,7 +70,7 @@ def step_flags(
         flag = scaler_flag.reshape(1).to(device=summary.device, dtype=summary.dtype)
         summary = torch.cat((summary[0:1] + flag, summary[1:]))
     spiked: tuple[Tensor | None, Tensor | None] | None = None
-    if spikes is not None and front.automatic_optimization:
+    if spikes is not None:
         norm = summary[1:2] if with_norm and sharding is None else None
         if parts is None:
             spiked = _spike_flag(spikes, front, window, norm)

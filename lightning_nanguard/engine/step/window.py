@@ -163,6 +163,12 @@ class StepWindow:
             micro = MicroBatch(batch, batch_idx, dataset_indices, readers=readers)
         self.micro_batches.append(micro)
 
+    def next_optimizer_step(self) -> None:
+        """Manual optimisation: the next ``optimizer.step()`` starts here, with its own losses and BatchNorm updates."""
+        self.losses = []
+        if self.checking and self._bn is not None:
+            self._bn.capture()
+
     def add_loss(self, loss: Tensor) -> None:
         """Keep a micro-batch's loss for the check (no host read)."""
         if self.checking:

@@ -1,11 +1,11 @@
 """What becomes of a checked step: the ranks' one decision carried out on this rank.
 
-A step healthy on every rank updates the counters and the statistics (:meth:`StepOutcome.healthy`).
+A step healthy on every rank updates the counters and the statistics (``StepActions.healthy``).
 Otherwise :func:`~lightning_nanguard.decide.policy.decide` gives every rank the same
-:class:`~lightning_nanguard.decide.policy.StepDecision`, and :meth:`StepOutcome.act` carries it
+:class:`~lightning_nanguard.decide.policy.StepDecision`, and ``StepActions.act`` carries it
 out: drop the update, roll back (after the optimizer step), apply remedies, finish and record the
 event, raise. A ``failed`` decision (some rank's core failed) drops the step in hand and turns the
-guard off on every rank, with a ``guard_error`` event (:meth:`StepOutcome.stop_guarding`).
+guard off on every rank, with a ``guard_error`` event (``StepActions.stop_guarding``).
 
 Example:
     >>> from lightning_nanguard.engine.parts import GuardParts
@@ -14,8 +14,8 @@ Example:
     >>> from lightning_nanguard.engine.step.window import StepWindow
     >>> from lightning_nanguard.recover.recovery import Recovery
     >>> parts = GuardParts()
-    >>> outcome = StepOutcome(GuardState(), StepWindow(parts), Recovery(), IncidentRecorder(verbose=False), parts)
-    >>> outcome.state.disabled
+    >>> actions = StepActions(GuardState(), StepWindow(parts), Recovery(), IncidentRecorder(verbose=False), parts)
+    >>> actions.state.disabled
     False
 """
 
@@ -32,10 +32,13 @@ from lightning_nanguard.core.events import EventAction, GuardInternalError, NanE
 from lightning_nanguard.decide.messages import stop_history, stop_message
 from lightning_nanguard.decide.policy import Counters, Policy, StepDecision, StepHealth
 from lightning_nanguard.engine.frontend import training_parts
-from lightning_nanguard.engine.incident.inspector import quarantine_refusal
+from lightning_nanguard.engine.incident.inspector import loss_scale_event, quarantine_refusal
 from lightning_nanguard.engine.parts import CORE, GuardParts, PartFailure
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.state import GuardState
+from lightning_nanguard.engine.step.check import next_loss_scale
+from lightning_nanguard.engine.step.closure_undo import ClosureUndo
+from lightning_nanguard.engine.step.optimizers import PerOptimizer
 from lightning_nanguard.engine.step.spikes import SpikeWatch
 from lightning_nanguard.engine.step.window import StepWindow
 from lightning_nanguard.recover.recovery import Recovery
@@ -47,7 +50,7 @@ if TYPE_CHECKING:
 
     from lightning_nanguard.engine.frontend import FrontEnd
 
-__all__ = ["DONE", "StepOutcome"]
+__all__ = ["DONE", "StepActions"]
 
 REFERENCE_EVERY_N_STEPS = 100  # a healthy step's rows are kept as the reference this often
 DONE: dict[str, EventAction] = {"skip": "skipped", "raise": "raised", "warn": "warned", "rollback": "skipped"}
@@ -55,7 +58,7 @@ DONE: dict[str, EventAction] = {"skip": "skipped", "raise": "raised", "warn": "w
 Metrics = Callable[[Counters], "dict[str, float | None]"]
 
 
-class StepOutcome:
+class StepActions:
     """Carries out a decision that is not healthy (see module docs).
 
     Args:
@@ -70,6 +73,8 @@ class StepOutcome:
         self, state: GuardState, window: StepWindow, recovery: Recovery, recorder: IncidentRecorder, parts: GuardParts
     ) -> None:
         self.state, self.window, self.recovery, self.recorder, self.parts = state, window, recovery, recorder, parts
+        self.closure_undo = ClosureUndo()  # LBFGS: a bad step undone at its end
+        self.per_optimizer = PerOptimizer()  # streaks, spike statistics, held schedulers (several optimizers)
 
     def healthy(
         self,
@@ -92,7 +97,8 @@ class StepOutcome:
             self.parts.run("remedies", self._healthy_norm, grads, grad_norm, clip=clip)
         step = front.global_step
         self.parts.run("diagnosis", self.window.refresh_reference, step, REFERENCE_EVERY_N_STEPS, slicer)
-        self.window.forget_batches()
+        if front.automatic_optimization:  # manual: another optimizer of the batch may step on them next
+            self.window.forget_batches()
         self.recorder.scalars(front, metrics(self.state.counters), due=due)
 
     def _healthy_norm(self, grads: list[Tensor], grad_norm: float, clip: bool) -> None:
@@ -112,7 +118,7 @@ class StepOutcome:
         policy: Policy,
         spikes: SpikeWatch | None,
         metrics: Metrics,
-        loss_scale_event: Callable[[], NanEvent | None],
+        updated_scale: bool = False,
     ) -> None:
         """Carry out a decision other than ``healthy`` and ``failed``: drop, roll back, remedies, the event, raising."""
         if spikes is not None:
@@ -124,7 +130,8 @@ class StepOutcome:
         self.state.reported_step = front.global_step
         if decision.discard:
             self.window.discard_update(optimizer, front)
-        self.window.forget_batches()
+        if front.automatic_optimization:  # manual: another optimizer of the batch may step on them next
+            self.window.forget_batches()
         if decision.rollback_due:
             self.state.pending_rollback = True  # done after the optimizer step, when the scaler has updated
         remedies = self.parts.run(
@@ -138,7 +145,7 @@ class StepOutcome:
             quarantine_items=decision.quarantine_items,
         )
         if event is None and decision.outcome == "loss_scale" and front.global_rank == 0:
-            event = self.parts.run("diagnosis", loss_scale_event)  # no rank's own NaN/Inf: rank zero records it
+            event = self.parts.run("diagnosis", self._loss_scale_event, front, updated_scale)  # no rank's own NaN/Inf
         if event is not None and self.recovery.book.can_apply("quarantine"):
             self.parts.run("remedies", self._tell_quarantine_refusal, event)
         if event is not None:
@@ -158,6 +165,18 @@ class StepOutcome:
                 stop_message(decision, counters, policy, event, self.recorder.events_path),
                 stop_history(decision, events, policy, event),
             )
+
+    def _loss_scale_event(self, front: FrontEnd, updated: bool) -> NanEvent:
+        """A collapsed loss scale (no rank's own NaN/Inf): the event rank zero records."""
+        overflows = self.state.counters.consecutive_overflows
+        scale = next_loss_scale(front.grad_scaler, updated=updated)
+        return loss_scale_event(front, self.window.batch_idx, scale, overflows, self.state.last_grad_norm)
+
+    def dropped(self, front: FrontEnd, optimizer: Any) -> None:
+        """A dropped step: a closure optimizer's is undone at its end; a manual loop's schedulers skip a step."""
+        self.closure_undo.mark_bad()
+        if not front.automatic_optimization:
+            self.per_optimizer.hold_schedulers(front.lr_schedulers, optimizer)
 
     def _spike_seen(self, front: FrontEnd, spikes: SpikeWatch, rebaselining: bool, policy: Policy) -> None:
         """A step that was not healthy: its values stay out of the statistic; several spikes in a row re-baseline."""
