@@ -217,7 +217,7 @@ class StepController:
 
     def _check_step(self, front: FrontEnd, optimizer: Optimizer) -> None:
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-        if self.state.reported_step == front.global_step and is_closure_optimizer(inner):
+        if is_closure_optimizer(inner) and self.state.reported_step == front.global_step:  # no step read otherwise
             for param in self.step_params.of(front.module, inner):  # LBFGS evaluates its closure again: the step
                 param.grad = None  # is undone at its end; no gradient moves it meanwhile, one event per step
             return

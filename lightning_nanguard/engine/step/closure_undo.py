@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_nanguard.engine.step.params import optimizer_params
+
 __all__ = ["ClosureUndo", "is_closure_optimizer"]
 
 
@@ -47,7 +49,7 @@ class ClosureUndo:
     def before(self, optimizer: Any) -> None:
         """A step of ``optimizer`` begins: copy what it may change."""
         inner = getattr(optimizer, "_optimizer", optimizer)
-        params = [p for group in inner.param_groups for p in group["params"]]
+        params = optimizer_params(inner)
         with torch.no_grad():
             self._params = [(p, p.detach().clone()) for p in params]
         self._state = {param: {k: _copied(v) for k, v in state.items()} for param, state in inner.state.items()}
