@@ -19,12 +19,17 @@ on the bad path only, so a step is reported bad iff some element is NaN or +/-In
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+# what the torch.utils wrapper calls, without its no_grad decorator (a context manager per call; grouping
+# runs no autograd op)
+_group_by_device_and_dtype = getattr(torch._C, "_group_tensors_by_device_and_dtype", None)
 
 __all__ = [
     "SMALL_NUMEL",
@@ -194,8 +199,13 @@ def _nonfinite_total(tensors: Sequence[Tensor], device: torch.device, sqrt: bool
         own = scalar if scalar.dtype == _FLOAT32 else scalar.to(_FLOAT32)
         return own if own.device == device else own.to(device, non_blocking=True)
     total: Tensor | None = None
-    for (group_device, dtype), ([group], _) in _group_tensors_by_device_and_dtype([list(tensors)]).items():
-        part = _group_total(group, dtype, sqrt)  # type: ignore[arg-type]
+    listed = tensors if isinstance(tensors, list) else list(tensors)
+    if _group_by_device_and_dtype is not None:
+        grouped = _group_by_device_and_dtype([listed], False)
+    else:
+        grouped = _group_tensors_by_device_and_dtype([listed])
+    for (group_device, dtype), ([group], _) in grouped.items():
+        part = _group_total(group, dtype, sqrt)
         if part is None:
             continue
         if group_device != device:
@@ -266,6 +276,43 @@ def _fast_summary(grads_total: Tensor | None, others_total: Tensor | None, devic
     return torch.nan_to_num(torch.addcmul(healthy, totals, zeros), nan=1.0)
 
 
+_ZERO_NAN: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+
+def _raw_totals(
+    grads: Sequence[Tensor],
+    others: Sequence[Tensor],
+    nonnegative: Sequence[Tensor],
+    value: Tensor | None,
+    device: torch.device,
+    with_norm: bool,
+) -> Tensor:
+    """``[grads_total, others_total, value(, grad_norm)]`` on ``device`` (:func:`fused_health_check`, ``raw=True``)."""
+    if device not in _ZERO_NAN:
+        _ZERO_NAN[device] = (
+            torch.zeros((), dtype=_FLOAT32, device=device),
+            torch.full((), math.nan, dtype=_FLOAT32, device=device),
+        )
+    zero, nan = _ZERO_NAN[device]
+    norm: tuple[Tensor, ...] = ()
+    if with_norm and grads:  # the per-tensor norms' sum is the total: non-finite with any of them
+        norms = grouped_norms(grads, device)
+        grads_total: Tensor | None = norms.sum()
+        norm = (torch.linalg.vector_norm(norms),)
+    else:
+        grads_total = _nonfinite_total(grads, device)
+        norm = (zero,) if with_norm else ()
+    others_total = _others_total(others, nonnegative, device)
+    if value is not None:
+        value = (value if value.dim() == 0 else value.reshape(())).to(device=device, dtype=_FLOAT32)
+    totals = (
+        zero if grads_total is None else grads_total,
+        zero if others_total is None else others_total,
+        nan if value is None else value,
+    )
+    return torch.stack(totals + norm)
+
+
 def _first_device(*groups: Sequence[Tensor]) -> torch.device:
     first = next((t for group in groups for t in group), None)
     return first.device if first is not None else torch.device("cpu")
@@ -277,6 +324,8 @@ def fused_health_check(
     nonnegative: Sequence[Tensor] = (),
     device: torch.device | None = None,
     with_norm: bool = True,
+    raw: bool = False,
+    value: Tensor | None = None,
 ) -> Tensor:
     """Check many tensors for NaN/Inf in one fused pass; return ``[flag, grad_norm, others_flag]``.
 
@@ -291,6 +340,14 @@ def fused_health_check(
         device: where the result lives; defaults to the device of the first tensor given.
         with_norm: compute the global gradient norm with ``_foreach_norm``; otherwise ``grad_norm``
             is -1 and the test uses the cheaper staged sums of :func:`nonfinite_candidate`.
+        raw: return the raw totals ``[grads_total, others_total, value]`` instead, followed by
+            ``grad_norm`` with ``with_norm``: each total is non-finite if some element of its tensors
+            may be NaN/Inf (``nonnegative``: also a negative value), 0 when there is nothing to check.
+            The cheapest check for a caller that reads the result to the host anyway (one process,
+            no collective): the host tests the totals with ``math.isfinite`` instead of the device
+            turning them into flags.
+        value: with ``raw``, a one-element float (e.g. the step's loss) read with the totals; NaN
+            when ``None``.
 
     Returns:
         float32 tensor ``[flag, grad_norm, others_flag]``. ``flag`` is > 0 when some tensor *may*
@@ -306,9 +363,17 @@ def fused_health_check(
         [1.0, nan]
         >>> fused_health_check([torch.tensor([1.0, float("inf")])], with_norm=False).tolist()
         [1.0, -1.0, 0.0]
+        >>> fused_health_check([torch.ones(4)], others=[torch.tensor(0.5)], raw=True, value=torch.tensor(0.5)).tolist()
+        [4.0, 0.5, 0.5, 2.0]
+        >>> fused_health_check([torch.ones(4)], raw=True, with_norm=False).tolist()
+        [4.0, 0.0, nan]
+        >>> [math.isfinite(t) for t in fused_health_check([torch.tensor([1.0, float("nan")])], raw=True).tolist()]
+        [False, True, False]
     """
     if device is None:
         device = _first_device(grads, others, nonnegative)
+    if raw:
+        return _raw_totals(grads, others, nonnegative, value, device, with_norm)
     if not with_norm:  # the fast path: a handful of kernels whatever the number of tensors
         return _fast_summary(_nonfinite_total(grads, device), _others_total(others, nonnegative, device), device)
     grad_norms = grouped_norms(grads, device)

@@ -18,9 +18,11 @@ The caller's protocol, once per step::
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import statistics
+import struct
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -151,8 +153,8 @@ class SpikeDetector:
         self._stale = 0  # accepted values since the statistic was last computed
         self._statistic = _Statistic.warming_up(0)  # what the device threshold holds
         self._thresholds: dict[torch.device, Tensor] = {}  # the threshold on each device it was used on
-        self._pending: Tensor | None = None  # the value of the last check, until accept()
-        self._checked: tuple[_Statistic, Tensor] | None = None  # the last check: its statistic and value
+        self._pending: Tensor | float | None = None  # the value of the last check, until accept()
+        self._checked: tuple[_Statistic, Tensor | float] | None = None  # the last check: its statistic and value
 
     # ------------------------------------------------------------------ the healthy path
 
@@ -188,6 +190,25 @@ class SpikeDetector:
         )
         return (finite > threshold).to(_FLOAT32)
 
+    def check_value(self, value: float) -> bool:
+        """:meth:`check` of a value already on the host (read with the step's other results): no kernel.
+
+        The same comparison as on the device: ``value`` (a float32 read to the host) against the
+        threshold rounded to float32; NaN and +/-Inf are never a spike. The value is kept for
+        :meth:`accept` and :meth:`stats`.
+
+        Examples:
+            >>> detector = SpikeDetector(warmup=2, refresh_every=1)
+            >>> for loss in [1.0, 1.0]:
+            ...     _ = detector.check_value(loss)
+            ...     detector.accept(True)
+            >>> detector.check_value(1.5), detector.check_value(4.0), detector.check_value(math.inf)
+            (False, True, False)
+        """
+        self._pending = value
+        self._checked = (self._statistic, value)
+        return math.isfinite(value) and value > self._statistic.threshold32
+
     def accept(self, accepted: Tensor | bool, value: float | None = None) -> None:
         """Tell whether the value of the last :meth:`check` came from a healthy step.
 
@@ -211,7 +232,10 @@ class SpikeDetector:
         if not accepted:
             return
         self.consecutive_spikes = 0
-        current = float(pending.float().reshape(-1)[0]) if value is None else float(value)
+        if value is not None:
+            current = float(value)
+        else:
+            current = pending if isinstance(pending, float) else float(pending.float().reshape(-1)[0])
         if not math.isfinite(current):
             return
         self._history.append(current)
@@ -248,7 +272,7 @@ class SpikeDetector:
         if self._checked is None:
             return SpikeStats(None, math.inf, math.nan, math.nan, "log", len(self._history), None)
         statistic, raw = self._checked
-        value = float(raw.float().reshape(-1)[0])
+        value = raw if isinstance(raw, float) else float(raw.float().reshape(-1)[0])
         positive = statistic.baseline > 0
         ratio = value / statistic.baseline if positive and math.isfinite(value) else None
         spread = statistic.margin / self.sigmas  # the larger of the measured spread and the min_ratio floor
@@ -338,6 +362,11 @@ class _Statistic:
     baseline: float
     margin: float
     history: int
+
+    @functools.cached_property
+    def threshold32(self) -> float:
+        """:attr:`threshold` rounded to float32, as the device compares with it (always representable)."""
+        return float(struct.unpack("f", struct.pack("f", self.threshold))[0])
 
     @classmethod
     def warming_up(cls, history: int, baseline: float = math.nan) -> _Statistic:

@@ -44,7 +44,7 @@ from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.settings import GuardSettings
 from lightning_nanguard.engine.shard_layout import ShardingLayout, announce_sharding, sharding_notice
 from lightning_nanguard.engine.state import GuardState, composed_state, load_composed_state
-from lightning_nanguard.engine.step.check import next_loss_scale, step_flags
+from lightning_nanguard.engine.step.check import decided_on_host, host_step_values, next_loss_scale, step_flags
 from lightning_nanguard.engine.step.closure_undo import is_closure_optimizer
 from lightning_nanguard.engine.step.params import StepParams
 from lightning_nanguard.engine.step.spikes import SpikeWatch
@@ -238,11 +238,14 @@ class StepController:
         self.follow()  # BatchNorm buffers replaced during the step are checked as they are
         params = self.step_params.of(front.module, inner)  # the tensors this step really updates
         grads = [g for p in params if (g := p.grad) is not None]
-        vector = self._agreed_vector(front, grads, optimizer)
-        sync_free = self.sync_free and front.automatic_optimization and not self.state.failing
-        if sync_free and self._defer(front, optimizer, grads, vector):
-            return  # skipped on the device if bad; resolved before the next step's forward
-        self._resolve(front, optimizer, grads, vector.tolist())  # the one host read of a step
+        values = self._host_values(front, grads)
+        if values is None:  # flags on the device: reduced over ranks, or handed to a fused optimizer
+            vector = self._agreed_vector(front, grads, optimizer)
+            sync_free = self.sync_free and front.automatic_optimization and not self.state.failing
+            if sync_free and self._defer(front, optimizer, grads, vector):
+                return  # skipped on the device if bad; resolved before the next step's forward
+            values = vector.tolist()  # the one host read of a step
+        self._resolve(front, optimizer, grads, values)
         if not front.automatic_optimization:  # the next optimizer's step: its own losses and BatchNorm updates
             self.window.next_optimizer_step()
 
@@ -275,6 +278,22 @@ class StepController:
     def _collective(self, front: FrontEnd) -> bool:
         # one reduce per optimizer step, manual optimisation too: DDP's backward already needs every rank in step
         return self.agreement.distributed
+
+    def _host_values(self, front: FrontEnd, grads: list[Tensor]) -> list[float] | None:
+        """The step decided on the host from raw totals (one process, no GradScaler); ``None``: on the device."""
+        sync_free = self.sync_free and front.automatic_optimization
+        if self.agreement.distributed or self.sharding is not None or self.state.failing or sync_free:
+            return None
+        if not decided_on_host(front):
+            return None
+        self._voted = True  # no reduce to take part in: a failure below is this rank's alone
+        try:
+            return host_step_values(front, grads, self.window, self.spikes, self.with_norm, self.parts)
+        except GuardInternalError:
+            raise
+        except Exception as error:  # a bug in the guard: the step is not vouched for
+            self.fail(error, "the per-step check")
+            return [0.0, -1.0, 0.0, 0.0, 1.0, math.nan, 0.0]
 
     def _agreed_vector(self, front: FrontEnd, grads: list[Tensor], optimizer: Optimizer) -> Tensor:
         """The step's flags with their sums over ranks, on the device. A rank whose check fails still takes part."""

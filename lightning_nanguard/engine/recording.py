@@ -184,10 +184,15 @@ class IncidentRecorder:
         ``due`` says whether the step is a logging step when the loop has moved on since (a step
         resolved late); by default the front-end is asked.
         """
-        if self._scalars is None or not front.is_global_zero:
-            return
-        if force or previous is not None or (due if due is not None else front.logging_due()):
+        logged = force or previous is not None or self.scalars_due(front, due)
+        if logged and self._scalars is not None and front.is_global_zero:
             self.parts.run("scalars", self._write_scalars, front, self._scalars, metrics, previous)
+
+    def scalars_due(self, front: FrontEnd, due: bool | None = None) -> bool:
+        """Whether a healthy step's :meth:`scalars` would log (``due``: as there)."""
+        if self._scalars is None or not (due if due is not None else front.logging_due()):
+            return False
+        return front.is_global_zero
 
     @staticmethod
     def _write_scalars(

@@ -99,7 +99,8 @@ class StepActions:
         self.parts.run("diagnosis", self.window.refresh_reference, step, REFERENCE_EVERY_N_STEPS, slicer)
         if front.automatic_optimization:  # manual: another optimizer of the batch may step on them next
             self.window.forget_batches()
-        self.recorder.scalars(front, metrics(self.state.counters), due=due)
+        if self.recorder.scalars_due(front, due):  # the values are made only when they are logged
+            self.recorder.scalars(front, metrics(self.state.counters), due=True)
 
     def _healthy_norm(self, grads: list[Tensor], grad_norm: float, clip: bool) -> None:
         """A healthy step's norm for ``clip_grad``; clipped now unless sync-free clipped it on the device."""

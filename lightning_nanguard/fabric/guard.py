@@ -386,6 +386,9 @@ class FabricGuard:
             >>> FabricGuard(verbose=False).check(net).nonfinite_grads
             ('weight',)
         """
+        moment = getattr(self._front, "new_moment", None)  # a Trainer fit: called from training_step, not a hook
+        if moment is not None:
+            moment()
         return self.engine.check(self._front, module, loss)
 
     def __getstate__(self) -> dict[str, Any]:

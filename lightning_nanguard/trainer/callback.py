@@ -229,6 +229,7 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
     def _after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Called by the strategy wrapper on every rank after the update: rollback, weight check, snapshot."""
         if self._front is not None:
+            self._front.new_moment()
             self.engine.after_step(self._front, optimizer)
 
     @property
@@ -241,6 +242,7 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
         front = self._front
         if front is None or front.trainer is not trainer or front.module is not pl_module:
             front = self._front = TrainerFrontEnd(trainer, pl_module, self.loss_fn)
+        front.new_moment()
         return front
 
     def _strategy_active(self) -> bool:
@@ -263,6 +265,7 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
         except NonFiniteTrainingError as error:
             raise NonFiniteTrainingError(str(error), self.events[-1:]) from None
         if self._front is not None:
+            self._front.new_moment()
             self.controller.report_failures(self._front)
         if substituted is not None:
             key = f"checkpoint-{checkpoint.get('nanguard_substituted_step')}"

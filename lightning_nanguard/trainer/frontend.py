@@ -65,12 +65,29 @@ class TrainerFrontEnd:
         self.optimizer_in_step: Any = None  # the optimizer whose step is being checked
         self.logged = LoggedValues()  # the epoch aggregates of `self.log`, kept for a possible drop
         self._clip_val: float | None = None  # the Trainer's gradient_clip_val, off during a dropped step
+        self._moment: dict[str, Any] | None = None  # facts read once in the hook in progress (new_moment)
+
+    def new_moment(self) -> None:
+        """A hook of the guard begins: the step count and whether logging is due are read once until the next.
+
+        Lightning reaches both through chains of properties (trainer, fit loop, epoch loop,
+        progress; logger connector, active loop, stage), and neither changes inside one of the
+        guard's hooks; the engine asks for them several times a step. A front-end no hook has
+        announced (one made by hand) reads them afresh each time.
+        """
+        self._moment = {}
 
     # ------------------------------------------------------------------ where the run is
 
     @property
     def global_step(self) -> int:
-        return self.trainer.global_step
+        moment = self._moment
+        if moment is None:
+            return self.trainer.global_step
+        step = moment.get("global_step")
+        if step is None:
+            step = moment["global_step"] = self.trainer.global_step
+        return step
 
     @property
     def current_epoch(self) -> int:
@@ -205,6 +222,15 @@ class TrainerFrontEnd:
 
     def logging_due(self) -> bool:
         """Whether the Trainer logs metrics at this step (``log_every_n_steps``)."""
+        moment = self._moment
+        due = moment.get("logging_due") if moment is not None else None
+        if due is None:
+            due = self._logging_due()
+            if moment is not None:
+                moment["logging_due"] = due
+        return due
+
+    def _logging_due(self) -> bool:
         if not self.trainer.loggers:
             return False
         connector = getattr(self.trainer, "_logger_connector", None)

@@ -9,6 +9,7 @@ ranks and reads it once). :func:`check_module` is the check of ``NanGuard.check`
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from lightning_nanguard.engine.step.spikes import SpikeWatch
     from lightning_nanguard.engine.step.window import StepWindow
 
-__all__ = ["check_module", "loss_scale", "next_loss_scale", "step_flags"]
+__all__ = ["check_module", "decided_on_host", "host_step_values", "loss_scale", "next_loss_scale", "step_flags"]
 
 
 def step_flags(
@@ -80,12 +81,63 @@ def step_flags(
     return local_vector(summary, spike, loss=loss, part_failed=part_failed)
 
 
+def decided_on_host(front: FrontEnd) -> bool:
+    """Whether this rank's step can be decided from raw totals on the host (:func:`host_step_values`).
+
+    In one process (the caller's test: no collective carries the flags) and without a GradScaler
+    (whose own NaN/Inf flag stays on the device): the flags :func:`step_flags` would build on the
+    device are then plain comparisons the host makes after its one read.
+    """
+    return front.grad_scaler is None
+
+
+def host_step_values(
+    front: FrontEnd,
+    grads: list[Tensor],
+    window: StepWindow,
+    spikes: SpikeWatch | None,
+    with_norm: bool,
+    parts: GuardParts,
+) -> list[float]:
+    """This rank's values laid out as :data:`~lightning_nanguard.decide.policy.LOCAL_FIELDS`, with one host read.
+
+    The same check as :func:`step_flags`, decided on the host: the device computes the raw totals of
+    the gradients and of the losses and BatchNorm statistics, the step's loss and, when due, the
+    gradient norm (:func:`~lightning_nanguard.detect.check.fused_health_check` with ``raw``: a few
+    kernels); one ``tolist`` reads them; the host tests the totals with ``math.isfinite`` and
+    compares the loss (and, with ``with_norm``, the norm) with the spike thresholds, in float32 as
+    the device would. For :func:`decided_on_host` steps of one process only.
+    """
+    bn = window.batchnorm_buffers
+    norm_due = with_norm or front.logging_due()
+    loss = window.step_loss() if spikes is not None else None
+    totals = fused_health_check(
+        grads,
+        others=[*window.losses, *(t for _, t in bn if t.is_floating_point())] if bn else window.losses,
+        nonnegative=window.running_vars if bn else (),
+        device=front.device,
+        with_norm=norm_due,
+        raw=True,
+        value=loss,
+    ).tolist()  # the one host read of the step
+    grads_total, others_total, loss_value = totals[:3]
+    grad_norm = totals[3] if norm_due else -1.0
+    others_bad = not math.isfinite(others_total)
+    bad = others_bad or not math.isfinite(grads_total)
+    spike = False
+    if spikes is not None:
+        checked = loss_value if loss is not None else None
+        spike = bool(parts.run("spikes", spikes.check, checked, grad_norm if with_norm else None))
+    return [float(bad), grad_norm, float(others_bad), float(spike), 0.0, loss_value, 0.0]
+
+
 def _spike_flag(
     spikes: SpikeWatch, front: FrontEnd, window: StepWindow, grad_norm: Tensor | None
 ) -> tuple[Tensor | None, Tensor | None]:
     """The step's spike flag and loss on the device (sharded: no norm, slot 1 holds a share of it)."""
     loss = window.step_loss(loss_scale(front.grad_scaler))
-    return spikes.check(loss, grad_norm), loss
+    flag = spikes.check(loss, grad_norm)
+    return (flag if isinstance(flag, Tensor) else None), loss
 
 
 def loss_scale(scaler: Any) -> Tensor | None:

@@ -90,12 +90,24 @@ class SpikeWatch:
         watch.load_state_dict(current.state_dict() if current is not None else saved)
         return watch
 
-    def check(self, loss: Tensor | None, grad_norm: Tensor | None) -> Tensor | None:
-        """The step's spike flag on the device (``None`` when nothing was checked); no host read."""
+    def check(self, loss: Tensor | float | None, grad_norm: Tensor | float | None = None) -> Tensor | bool | None:
+        """The step's spike flag on the device (``None`` when nothing was checked); no host read.
+
+        Values already read to the host (floats, or ``None``) are compared there: the flag is a
+        ``bool`` and no kernel runs.
+        """
+        if not isinstance(loss, Tensor) and not isinstance(grad_norm, Tensor):
+            self._checked = []
+            spike = False
+            for detector, number in ((self.loss, loss), (self.grad_norm, grad_norm)):
+                if detector is not None and number is not None:
+                    spike = detector.check_value(number) or spike
+                    self._checked.append(detector)
+            return spike
         self._checked = []
         flags: list[Tensor] = []
         for detector, value in ((self.loss, loss), (self.grad_norm, grad_norm)):
-            if detector is not None and value is not None:
+            if detector is not None and isinstance(value, Tensor):
                 flags.append(detector.check(value))
                 self._checked.append(detector)
         if not flags:
