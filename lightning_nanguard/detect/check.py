@@ -19,13 +19,18 @@ on the bad path only, so a step is reported bad iff some element is NaN or +/-In
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+from lightning_nanguard.detect.staging import STAGING as _STAGING  # noqa: F401  (tests inspect the cache)
+from lightning_nanguard.detect.staging import Selector, Staging, pick, selector, staged
 
 # what the torch.utils wrapper calls, without its no_grad decorator (a context manager per call; grouping
 # runs no autograd op)
@@ -94,68 +99,11 @@ def _sum(flat: Tensor) -> Tensor:
     return flat.sum(dtype=_FLOAT32) if flat.dtype in _LOW else flat.sum()
 
 
-class _Staging:
-    """A flat buffer of one device and dtype that many tensors are copied into, with a few kernels.
-
-    Built for a list of tensor shapes: tensors of a shape that occurs more than once are copied by
-    one ``torch.stack`` per shape (a plain copy per tensor, ~4x cheaper than ``_foreach_copy_`` on
-    a CPU), the others by one ``_foreach_copy_``. The sources are only read. :meth:`load` raises
-    ``RuntimeError`` for a list of other shapes.
-    """
-
-    def __init__(self, like: Sequence[Tensor]) -> None:
-        first = like[0]
-        self.flat = torch.empty(sum(t.numel() for t in like), dtype=first.dtype, device=first.device)
-        by_shape: dict[torch.Size, list[int]] = {}
-        for index, tensor in enumerate(like):
-            by_shape.setdefault(tensor.shape, []).append(index)
-        self.stacks: list[tuple[list[int], torch.Size, Tensor]] = []
-        self.single_indices: list[int] = []
-        self.single_views: list[Tensor] = []
-        offset = 0
-        for shape, indices in by_shape.items():
-            size = like[indices[0]].numel() * len(indices)
-            view = self.flat[offset : offset + size].view(len(indices), *shape)
-            offset += size
-            if len(indices) > 1:
-                self.stacks.append((indices, shape, view))
-            else:
-                self.single_indices.append(indices[0])
-                self.single_views.append(view[0])
-
-    def load(self, tensors: Sequence[Tensor]) -> Tensor:
-        for indices, shape, view in self.stacks:
-            if tensors[indices[0]].shape != shape:
-                raise RuntimeError("other shapes than the staging buffer was built for")
-            torch.stack([tensors[i] for i in indices], out=view)
-        if self.single_indices:
-            torch._foreach_copy_(self.single_views, [tensors[i] for i in self.single_indices])
-        return self.flat
-
-
-_STAGING: OrderedDict[tuple[torch.device, torch.dtype, tuple[int, ...]], _Staging] = OrderedDict()
-
-
-def _staged(tensors: list[Tensor], sizes: list[int]) -> Tensor:
-    """A flat copy of ``tensors`` (one device and dtype, dense; ``sizes`` their numels) through a cached buffer."""
-    key = (tensors[0].device, tensors[0].dtype, tuple(sizes))
-    staging = _STAGING.get(key)
-    if staging is not None:
-        _STAGING.move_to_end(key)
-        try:
-            return staging.load(tensors)
-        except RuntimeError:  # the same sizes in other shapes: rebuild
-            pass
-    staging = _STAGING[key] = _Staging(tensors)
-    while len(_STAGING) > _STAGING_CACHE_SIZE:
-        _STAGING.popitem(last=False)
-    return staging.load(tensors)
-
-
-def _group_total(group: list[Tensor], dtype: torch.dtype, sqrt: bool = False) -> Tensor | None:
+def _group_total(group: list[Tensor], dtype: torch.dtype, sqrt: bool = False, norm: bool = False) -> Tensor | None:
     """0-dim float32 that is non-finite if some element of ``group`` (one device and dtype) may be NaN/Inf.
 
-    With ``sqrt``, negative values count too (their square root is NaN). ``None``: nothing to check.
+    With ``sqrt``, negative values count too (their square root is NaN); with ``norm`` the total is
+    the group's L2 norm (NaN with a NaN, +Inf with an Inf). ``None``: nothing to check.
     """
     if not (dtype.is_floating_point or dtype.is_complex):
         return None  # integers are always finite
@@ -166,23 +114,100 @@ def _group_total(group: list[Tensor], dtype: torch.dtype, sqrt: bool = False) ->
         small = [t for t, n in zip(group, sizes, strict=True) if n < SMALL_NUMEL]
         small_sizes = [n for n in sizes if n < SMALL_NUMEL]
         large = [t for t, n in zip(group, sizes, strict=True) if n >= SMALL_NUMEL]
-    total: Tensor | None = None
+    flat: Tensor | None = None
     if small:
         try:
-            flat = _staged(small, small_sizes)
-            if sqrt:
-                flat.sqrt_()  # of the staged copy: a negative value becomes NaN
+            flat = staged(small, small_sizes)
+        except (RuntimeError, NotImplementedError):  # sparse tensors cannot be copied into a dense buffer
+            large = large + small
+    return _reduced(flat, large, dtype, sqrt, norm)
+
+
+def _reduced(flat: Tensor | None, large: list[Tensor], dtype: torch.dtype, sqrt: bool, norm: bool) -> Tensor | None:
+    """The total (or L2 norm) of a staged buffer and of ``large`` tensors of one device and ``dtype``, in float32."""
+    total: Tensor | None = None
+    if flat is not None:
+        if sqrt:
+            flat.sqrt_()  # of the staged copy: a negative value becomes NaN
+        if norm:
+            total = torch.linalg.vector_norm(flat, dtype=_FLOAT32 if dtype in _LOW else None)
+        else:
             total = _sum(flat)
             if total.is_complex():
                 total = torch.view_as_real(total).sum()
-        except (RuntimeError, NotImplementedError):  # sparse tensors cannot be copied into a dense buffer
-            large = large + small
     if large:
         if sqrt:
             large = list(torch._foreach_sqrt(_dense(large)))
-        norms = torch.stack(_foreach_norm(large, dtype)).sum()
-        total = norms if total is None else total + norms
+        norms = torch.stack(_foreach_norm(large, dtype))
+        part = torch.linalg.vector_norm(norms) if norm else norms.sum()
+        if total is None:
+            total = part
+        else:
+            total = torch.linalg.vector_norm(torch.stack((total.to(part.dtype), part))) if norm else total + part
     return total.to(_FLOAT32) if total is not None and total.dtype != _FLOAT32 else total
+
+
+def _grouped(tensors: Sequence[Tensor], with_indices: bool = False) -> dict[Any, Any]:
+    listed = tensors if isinstance(tensors, list) else list(tensors)
+    if _group_by_device_and_dtype is not None:
+        return _group_by_device_and_dtype([listed], with_indices)
+    return _group_tensors_by_device_and_dtype([listed], with_indices)
+
+
+def _combined(parts: list[Tensor], norm: bool) -> Tensor | None:
+    """One total of several groups' (on one device): their sum, or with ``norm`` the norm of their norms."""
+    if len(parts) < 2:
+        return parts[0] if parts else None
+    return torch.linalg.vector_norm(torch.stack(parts)) if norm else torch.stack(parts).sum()
+
+
+class _LayoutPlan:
+    """How a list laid out like ``layout`` (shapes, dtypes, devices in order) is totalled: worked out once.
+
+    The gradients of a model's parameters have their parameters' layout: built from the parameter
+    list, the plan's grouping by device and dtype, sizes and staging selectors serve every step, so
+    a step costs a few kernels and no Python per tensor (:func:`fused_health_check`'s ``layout``).
+    """
+
+    def __init__(self, layout: list[Tensor]) -> None:
+        self.layout = layout  # held: the cache's key is its id
+        self.usable = True
+        self.groups: list[tuple[torch.device, torch.dtype, Staging | None, Selector | None]] = []
+        for (device, dtype), ([group], positions) in _grouped(layout, with_indices=True).items():
+            if not (dtype.is_floating_point or dtype.is_complex):
+                continue
+            small = [(t, at) for t, at in zip(group, positions, strict=True) if t.numel() < SMALL_NUMEL]
+            large = [at for t, at in zip(group, positions, strict=True) if t.numel() >= SMALL_NUMEL]
+            staging = Staging([t for t, _ in small], [at for _, at in small]) if small else None
+            self.groups.append((device, dtype, staging, selector(large) if large else None))
+
+    def total(self, tensors: list[Tensor], device: torch.device, norm: bool) -> Tensor | None:
+        parts = []
+        for group_device, dtype, staging, large in self.groups:
+            flat = staging.load(tensors) if staging is not None else None
+            part = _reduced(flat, pick(tensors, large) if large is not None else [], dtype, False, norm)
+            if part is not None:
+                parts.append(part if group_device == device else part.to(device, non_blocking=True))
+        return _combined(parts, norm)
+
+
+_PLANS: OrderedDict[int, _LayoutPlan] = OrderedDict()
+
+
+def _planned_total(tensors: list[Tensor], layout: list[Tensor], device: torch.device, norm: bool) -> Tensor | None:
+    """:func:`_nonfinite_total` through the plan of ``layout``; raises ``RuntimeError`` where it does not apply."""
+    plan = _PLANS.get(id(layout))
+    if plan is None or plan.layout is not layout:
+        plan = _PLANS[id(layout)] = _LayoutPlan(layout)
+        while len(_PLANS) > _STAGING_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    if not plan.usable:
+        raise RuntimeError("this layout's tensors cannot be staged")
+    try:
+        return plan.total(tensors, device, norm)
+    except (RuntimeError, NotImplementedError, IndexError):  # sparse, or other shapes: the general path from now on
+        plan.usable = False
+        raise RuntimeError("this layout's tensors cannot be staged") from None
 
 
 def _plain_float(tensor: Tensor) -> bool:
@@ -190,28 +215,33 @@ def _plain_float(tensor: Tensor) -> bool:
     return tensor.is_floating_point() and tensor.layout is torch.strided and not tensor.requires_grad
 
 
-def _nonfinite_total(tensors: Sequence[Tensor], device: torch.device, sqrt: bool = False) -> Tensor | None:
-    """0-dim float32 on ``device``, non-finite if some element of ``tensors`` may be NaN/Inf; ``None`` if none."""
+def _nonfinite_total(
+    tensors: Sequence[Tensor],
+    device: torch.device,
+    sqrt: bool = False,
+    norm: bool = False,
+    layout: list[Tensor] | None = None,
+) -> Tensor | None:
+    """0-dim float32 on ``device``, non-finite if some element of ``tensors`` may be NaN/Inf; ``None`` if none.
+
+    ``norm``: the L2 norm of all elements (not with ``sqrt``). ``layout``: tensors laid out as
+    ``tensors`` (see :class:`_LayoutPlan`), used when as many.
+    """
     if not tensors:
         return None
     scalar = tensors[0]  # one dense 0-dim float (the step's loss) is its own total: nothing staged
-    if len(tensors) == 1 and not sqrt and scalar.dim() == 0 and _plain_float(scalar):
+    if len(tensors) == 1 and not (sqrt or norm) and scalar.dim() == 0 and _plain_float(scalar):
         own = scalar if scalar.dtype == _FLOAT32 else scalar.to(_FLOAT32)
         return own if own.device == device else own.to(device, non_blocking=True)
-    total: Tensor | None = None
-    listed = tensors if isinstance(tensors, list) else list(tensors)
-    if _group_by_device_and_dtype is not None:
-        grouped = _group_by_device_and_dtype([listed], False)
-    else:
-        grouped = _group_tensors_by_device_and_dtype([listed])
-    for (group_device, dtype), ([group], _) in grouped.items():
-        part = _group_total(group, dtype, sqrt)
-        if part is None:
-            continue
-        if group_device != device:
-            part = part.to(device, non_blocking=True)
-        total = part if total is None else total + part
-    return total
+    if layout is not None and not sqrt and len(layout) == len(tensors) and isinstance(tensors, list):
+        with contextlib.suppress(RuntimeError):
+            return _planned_total(tensors, layout, device, norm)
+    parts = []
+    for (group_device, dtype), ([group], _) in _grouped(tensors).items():
+        part = _group_total(group, dtype, sqrt, norm)
+        if part is not None:
+            parts.append(part if group_device == device else part.to(device, non_blocking=True))
+    return _combined(parts, norm)
 
 
 def nonfinite_candidate(tensors: Sequence[Tensor], device: torch.device | None = None, sqrt: bool = False) -> Tensor:
@@ -286,6 +316,7 @@ def _raw_totals(
     value: Tensor | None,
     device: torch.device,
     with_norm: bool,
+    layout: list[Tensor] | None,
 ) -> Tensor:
     """``[grads_total, others_total, value(, grad_norm)]`` on ``device`` (:func:`fused_health_check`, ``raw=True``)."""
     if device not in _ZERO_NAN:
@@ -294,14 +325,9 @@ def _raw_totals(
             torch.full((), math.nan, dtype=_FLOAT32, device=device),
         )
     zero, nan = _ZERO_NAN[device]
-    norm: tuple[Tensor, ...] = ()
-    if with_norm and grads:  # the per-tensor norms' sum is the total: non-finite with any of them
-        norms = grouped_norms(grads, device)
-        grads_total: Tensor | None = norms.sum()
-        norm = (torch.linalg.vector_norm(norms),)
-    else:
-        grads_total = _nonfinite_total(grads, device)
-        norm = (zero,) if with_norm else ()
+    # with the norm, the gradients' total is their L2 norm: NaN with a NaN, +Inf with an Inf
+    grads_total = _nonfinite_total(grads, device, norm=with_norm, layout=layout)
+    norm = ((zero if grads_total is None else grads_total),) if with_norm else ()
     others_total = _others_total(others, nonnegative, device)
     if value is not None:
         value = (value if value.dim() == 0 else value.reshape(())).to(device=device, dtype=_FLOAT32)
@@ -326,6 +352,7 @@ def fused_health_check(
     with_norm: bool = True,
     raw: bool = False,
     value: Tensor | None = None,
+    layout: list[Tensor] | None = None,
 ) -> Tensor:
     """Check many tensors for NaN/Inf in one fused pass; return ``[flag, grad_norm, others_flag]``.
 
@@ -341,13 +368,17 @@ def fused_health_check(
         with_norm: compute the global gradient norm with ``_foreach_norm``; otherwise ``grad_norm``
             is -1 and the test uses the cheaper staged sums of :func:`nonfinite_candidate`.
         raw: return the raw totals ``[grads_total, others_total, value]`` instead, followed by
-            ``grad_norm`` with ``with_norm``: each total is non-finite if some element of its tensors
-            may be NaN/Inf (``nonnegative``: also a negative value), 0 when there is nothing to check.
-            The cheapest check for a caller that reads the result to the host anyway (one process,
-            no collective): the host tests the totals with ``math.isfinite`` instead of the device
-            turning them into flags.
+            ``grad_norm`` with ``with_norm`` (then also the gradients' total): each total is
+            non-finite if some element of its tensors may be NaN/Inf (``nonnegative``: also a
+            negative value), 0 when there is nothing to check. The cheapest check for a caller
+            that reads the result to the host anyway (one process, no collective): the host tests
+            the totals with ``math.isfinite`` instead of the device turning them into flags.
         value: with ``raw``, a one-element float (e.g. the step's loss) read with the totals; NaN
             when ``None``.
+        layout: a list laid out as ``grads`` (the same shapes, dtypes and devices in order: the
+            parameters whose gradients they are), kept from step to step: the grouping, sizes and
+            staging of that layout are worked out once, and a step then runs no Python per tensor.
+            Used when ``grads`` is a list as long as ``layout``.
 
     Returns:
         float32 tensor ``[flag, grad_norm, others_flag]``. ``flag`` is > 0 when some tensor *may*
@@ -364,18 +395,20 @@ def fused_health_check(
         >>> fused_health_check([torch.tensor([1.0, float("inf")])], with_norm=False).tolist()
         [1.0, -1.0, 0.0]
         >>> fused_health_check([torch.ones(4)], others=[torch.tensor(0.5)], raw=True, value=torch.tensor(0.5)).tolist()
-        [4.0, 0.5, 0.5, 2.0]
+        [2.0, 0.5, 0.5, 2.0]
         >>> fused_health_check([torch.ones(4)], raw=True, with_norm=False).tolist()
         [4.0, 0.0, nan]
-        >>> [math.isfinite(t) for t in fused_health_check([torch.tensor([1.0, float("nan")])], raw=True).tolist()]
+        >>> totals = fused_health_check([torch.tensor([1.0, float("nan")])], raw=True, with_norm=False).tolist()
+        >>> [math.isfinite(t) for t in totals]
         [False, True, False]
     """
     if device is None:
         device = _first_device(grads, others, nonnegative)
     if raw:
-        return _raw_totals(grads, others, nonnegative, value, device, with_norm)
+        return _raw_totals(grads, others, nonnegative, value, device, with_norm, layout)
     if not with_norm:  # the fast path: a handful of kernels whatever the number of tensors
-        return _fast_summary(_nonfinite_total(grads, device), _others_total(others, nonnegative, device), device)
+        grads_total = _nonfinite_total(grads, device, layout=layout)
+        return _fast_summary(grads_total, _others_total(others, nonnegative, device), device)
     grad_norms = grouped_norms(grads, device)
     grads_bad = ~torch.isfinite(grad_norms).all()
     grad_norm = torch.linalg.vector_norm(grad_norms) if grads else torch.zeros((), dtype=_FLOAT32, device=device)

@@ -19,7 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_nanguard.core.dtensor import local_tensor
 from lightning_nanguard.core.host import all_true
 
-__all__ = ["Rows", "bn_bad_channels", "bn_channels_of", "finite", "floating"]
+__all__ = ["WHOLE", "Rows", "bn_bad_channels", "bn_channels_of", "finite", "floating"]
 
 
 def floating(t: Any) -> bool:
@@ -74,6 +74,39 @@ class Rows:
         follow._by_size = {int(n): list(rows) for n, rows in rows_by_size.items()}
         return follow
 
+    def follows(self, t: Any) -> bool:
+        """Whether ``t`` is tested by rows (its first dimension is a followed size), not whole."""
+        if self._by_size is None or not floating(t):
+            return False
+        t = local_tensor(t)
+        return t.dim() > 0 and not t.is_sparse and t.shape[0] in self._by_size
+
+    def showing(self, tensors: Sequence[Any], nan_only: bool = False) -> Rows | None:
+        """The test under which the NaN/Inf (``nan_only``: the NaN) of ``tensors`` is seen; ``None``: none is.
+
+        ``self`` when the followed rows show it; :data:`WHOLE` when only tensors tested whole do (their
+        first dimension is no followed size: a reshaped or reduced batch, a buffer). Inputs are
+        to be judged by the same test as the outputs that showed it: judged by their followed rows,
+        the inputs of an op that reshapes the batch would hide the very value it carries on (any row
+        may have reached a tensor tested whole).
+
+        Example:
+            >>> x = torch.tensor([[1.0], [float("nan")], [2.0]])
+            >>> follow = Rows([0], 3)
+            >>> follow.showing([x]) is None, follow.showing([x.view(1, 3)]) is WHOLE, follow.showing([x / 0]) is follow
+            (True, True, True)
+            >>> WHOLE.finite([x])  # the reshaped NaN came from x: not born in the reshape
+            False
+        """
+        check: Callable[[Sequence[Any]], bool] = self.nan_free if nan_only else self.finite
+        followed = [t for t in tensors if self.follows(t)]
+        if followed and not check(followed):
+            return self
+        whole = [t for t in tensors if floating(t) and not self.follows(t)]
+        if whole and not (WHOLE.nan_free(whole) if nan_only else WHOLE.finite(whole)):
+            return WHOLE
+        return None
+
     def _view(self, t: Tensor) -> Tensor | None:
         """The part of ``t`` to test: its chosen rows, the whole tensor, or ``None`` (a healthy part's)."""
         t = local_tensor(t)
@@ -105,6 +138,10 @@ class Rows:
     def nan_free(self, tensors: Sequence[Any]) -> bool:
         """Whether the followed rows of every floating-point tensor hold no NaN (infinities allowed)."""
         return self._all(tensors, lambda t: ~torch.isnan(t).any())
+
+
+WHOLE = Rows(None, None)
+"""Every tensor tested whole (no rows followed)."""
 
 
 def bn_bad_channels(bn: nn.Module) -> list[int]:

@@ -82,6 +82,68 @@ _CONSTANT_OPS = frozenset(
         "contiguous",
     }
 )
+# Ops that only move, copy or select values (reshapes, permutations, indexing, joins): they cannot
+# make a NaN/Inf, so one in their output was in their input (a healthy sample's deliberate -inf, or
+# memory not yet written, such as FSDP2's all-gather buffers, viewed before the collective fills them).
+# Never an origin: read by rows, the input of one that reshapes or permutes the batch dimension is
+# not the same samples' rows as its output, and would look finite.
+_MOVING_OPS = frozenset(
+    {
+        "view",
+        "view_as",
+        "reshape",
+        "reshape_as",
+        "flatten",
+        "unflatten",
+        "permute",
+        "transpose",
+        "transpose_",
+        "t",
+        "t_",
+        "swapaxes",
+        "swapdims",
+        "movedim",
+        "moveaxis",
+        "squeeze",
+        "squeeze_",
+        "unsqueeze",
+        "unsqueeze_",
+        "expand",
+        "expand_as",
+        "broadcast_to",
+        "repeat",
+        "tile",
+        "repeat_interleave",
+        "narrow",
+        "select",
+        "__getitem__",
+        "index_select",
+        "gather",
+        "take",
+        "take_along_dim",
+        "masked_select",
+        "split",
+        "split_with_sizes",
+        "tensor_split",
+        "chunk",
+        "unbind",
+        "cat",
+        "concat",
+        "concatenate",
+        "stack",
+        "hstack",
+        "vstack",
+        "dstack",
+        "flip",
+        "fliplr",
+        "flipud",
+        "roll",
+        "rot90",
+        "as_strided",
+        "unfold",
+        "diagonal",
+    }
+)
 # Python operators, shown as the torch function they call
 _OPERATORS = {
     "__truediv__": "div",
@@ -313,10 +375,15 @@ class ForwardTracer(TorchFunctionMode):
         tensors = [t for t in tree_leaves(inputs) if isinstance(t, Tensor)]
         if not tensors:  # an op of no tensor makes a constant, not a NaN/Inf of the run
             return
-        if self.rows.finite(tensors):  # NaN/Inf from finite inputs
+        if _moves(name, tensors, outputs):  # what it outputs was in its inputs
+            return
+        # the inputs are judged by the test that saw the outputs' NaN/Inf: by the followed rows, or
+        # whole when only a tensor tested whole (a reshaped batch, a reduction, a buffer) shows it
+        shown = self.rows.showing(outputs)
+        if shown is not None and shown.finite(tensors):  # NaN/Inf from finite inputs
             born = _birth_node(created, nan_only=False)
-        elif self.rows.nan_free(tensors) and not self.rows.nan_free(outputs):  # NaN from infinities
-            born = _birth_node(created, nan_only=True)
+        elif (nan_shown := self.rows.showing(outputs, nan_only=True)) is not None and nan_shown.nan_free(tensors):
+            born = _birth_node(created, nan_only=True)  # NaN from infinities
             self.origin_from_infinity = True
         else:  # infinities carried on (scores + mask), or a NaN that was there already
             return
@@ -367,6 +434,18 @@ class ForwardTracer(TorchFunctionMode):
             if node is not None and not _tagged(node):
                 site = site or self._site(frame, label, False)
                 node.metadata[_TAG] = site
+
+
+def _moves(name: str, inputs: Sequence[Tensor], outputs: Sequence[Tensor]) -> bool:
+    """Whether the op only moves its inputs' values: one of :data:`_MOVING_OPS`, keeping their dtype.
+
+    A view that reinterprets other bits as floating point (``x.view(torch.float32)`` of integers)
+    can make a NaN of finite data: that is no move.
+    """
+    if name not in _MOVING_OPS:
+        return False
+    dtypes = {t.dtype for t in inputs}
+    return all(t.dtype in dtypes for t in outputs if floating(t))
 
 
 def _torch_owned(cls: type) -> bool:
@@ -429,7 +508,9 @@ class BackwardTracer:
         def hook(grad_inputs: Sequence[Tensor | None], grad_outputs: Sequence[Tensor | None]) -> None:
             if self.origin is not None:
                 return
-            if self.rows.finite(list(grad_outputs)) and not self.rows.finite(list(grad_inputs)):
+            # the incoming gradients are judged by the test that saw the NaN/Inf of the outgoing ones
+            shown = self.rows.showing(list(grad_inputs))
+            if shown is not None and shown.finite(list(grad_outputs)):
                 self.origin = (node.name(), node.metadata.get(_TAG))
 
         return hook

@@ -36,7 +36,6 @@ from lightning_nanguard.decide.policy import (
 )
 from lightning_nanguard.engine.after_step import AfterStep
 from lightning_nanguard.engine.failure import fail
-from lightning_nanguard.engine.frontend import StepView
 from lightning_nanguard.engine.incident.sharded_inspector import inspect_rank, inspector_for
 from lightning_nanguard.engine.parts import GuardParts
 from lightning_nanguard.engine.precursor_part import PrecursorPart
@@ -48,7 +47,7 @@ from lightning_nanguard.engine.step.check import decided_on_host, host_step_valu
 from lightning_nanguard.engine.step.closure_undo import is_closure_optimizer
 from lightning_nanguard.engine.step.params import StepParams
 from lightning_nanguard.engine.step.spikes import SpikeWatch
-from lightning_nanguard.engine.step.syncfree import DeferredStep, SyncFreeSteps
+from lightning_nanguard.engine.step.syncfree import SyncFreeSteps
 from lightning_nanguard.engine.step.window import StepWindow
 from lightning_nanguard.engine.step_actions import StepActions
 from lightning_nanguard.recover.recovery import Recovery
@@ -81,7 +80,6 @@ class StepController:
         self.spikes: SpikeWatch | None = None
         self.attention = PrecursorPart(self.parts, recorder)  # attention collapse ahead, QK-clip
         self.sync = SyncFreeSteps()
-        self._resolving: DeferredStep | None = None
         self.spike_state: dict[str, Any] = {}  # loaded before the detectors exist
         self.agreement = RankAgreement(None, 1)
         self.after_step = AfterStep(self.state, self.recovery, self.recorder, self.window)
@@ -221,8 +219,7 @@ class StepController:
             for param in self.step_params.of(front.module, inner):  # LBFGS evaluates its closure again: the step
                 param.grad = None  # is undone at its end; no gradient moves it meanwhile, one event per step
             return
-        optimizers = front.optimizers
-        self._index = self.per_optimizer.index(optimizers, inner) if len(optimizers) > 1 else None
+        self._index = self.per_optimizer.index(optimizers, inner) if len(optimizers := front.optimizers) > 1 else None
         first = self.spikes
         if self._index:  # each optimizer's losses have their own statistic
             self.spikes = self.per_optimizer.spike_watch(self._index, first)
@@ -238,9 +235,10 @@ class StepController:
         self.follow()  # BatchNorm buffers replaced during the step are checked as they are
         params = self.step_params.of(front.module, inner)  # the tensors this step really updates
         grads = [g for p in params if (g := p.grad) is not None]
-        values = self._host_values(front, grads)
+        layout = params if len(grads) == len(params) else None  # the gradients are laid out as their tensors
+        values = self._host_values(front, grads, layout)
         if values is None:  # flags on the device: reduced over ranks, or handed to a fused optimizer
-            vector = self._agreed_vector(front, grads, optimizer)
+            vector = self._agreed_vector(front, grads, optimizer, layout)
             sync_free = self.sync_free and front.automatic_optimization and not self.state.failing
             if sync_free and self._defer(front, optimizer, grads, vector):
                 return  # skipped on the device if bad; resolved before the next step's forward
@@ -263,9 +261,10 @@ class StepController:
                 self.state.counters = per.settle(self.state.counters, index)
             return
         report, event = self._inspect(front, health, grads)
-        reports = self.agreement.gather(report) if self._collective(front) else [report]
+        # one reduce per optimizer step, manual optimisation too: DDP's backward already needs every rank in step
+        reports = self.agreement.gather(report) if self.agreement.distributed else [report]
         policy = self._policy(optimizer)
-        loss_scale = next_loss_scale(front.grad_scaler, updated=self._resolving is not None)
+        loss_scale = next_loss_scale(front.grad_scaler, updated=self.sync.resolving is not None)
         counters = self.state.counters if index is None else per.counters_for(self.state.counters, index)
         decision, after = decide(reports, counters, policy, loss_scale)
         if index is not None:
@@ -275,27 +274,23 @@ class StepController:
             event = event.replace(optimizer=per.index(front.optimizers, optimizer) if index is None else index)
         self._carry_out(front, optimizer, decision, after, event, grads, health)
 
-    def _collective(self, front: FrontEnd) -> bool:
-        # one reduce per optimizer step, manual optimisation too: DDP's backward already needs every rank in step
-        return self.agreement.distributed
-
-    def _host_values(self, front: FrontEnd, grads: list[Tensor]) -> list[float] | None:
+    def _host_values(self, front: FrontEnd, grads: list[Tensor], layout: list[Tensor] | None) -> list[float] | None:
         """The step decided on the host from raw totals (one process, no GradScaler); ``None``: on the device."""
-        sync_free = self.sync_free and front.automatic_optimization
-        if self.agreement.distributed or self.sharding is not None or self.state.failing or sync_free:
-            return None
-        if not decided_on_host(front):
+        device_flags = self.agreement.distributed or self.sharding is not None or self.state.failing
+        if device_flags or (self.sync_free and front.automatic_optimization) or not decided_on_host(front):
             return None
         self._voted = True  # no reduce to take part in: a failure below is this rank's alone
         try:
-            return host_step_values(front, grads, self.window, self.spikes, self.with_norm, self.parts)
+            return host_step_values(front, grads, self.window, self.spikes, self.with_norm, self.parts, layout)
         except GuardInternalError:
             raise
         except Exception as error:  # a bug in the guard: the step is not vouched for
             self.fail(error, "the per-step check")
             return [0.0, -1.0, 0.0, 0.0, 1.0, math.nan, 0.0]
 
-    def _agreed_vector(self, front: FrontEnd, grads: list[Tensor], optimizer: Optimizer) -> Tensor:
+    def _agreed_vector(
+        self, front: FrontEnd, grads: list[Tensor], optimizer: Optimizer, layout: list[Tensor] | None = None
+    ) -> Tensor:
         """The step's flags with their sums over ranks, on the device. A rank whose check fails still takes part."""
         vector: Tensor | None = None
         part_failed = self.attention.collective and self.attention.clip_failed_here()
@@ -311,6 +306,7 @@ class StepController:
                     self.sharding,
                     parts=self.parts,
                     part_failed=part_failed,
+                    layout=layout,
                 )
             except GuardInternalError:
                 raise
@@ -321,8 +317,8 @@ class StepController:
             vector = local_vector(summary, failed=True, part_failed=part_failed)
         self._voted = True  # from here on this rank takes part in the step's reduce
         if self.sharding is not None:  # the norm's shares travel with the flags: still one reduce
-            return self.sharding.agree(vector, self.agreement, self._collective(front))
-        if self._collective(front):
+            return self.sharding.agree(vector, self.agreement, self.agreement.distributed)
+        if self.agreement.distributed:
             vector = torch.cat((vector, self.agreement.sum(shared_part(vector))))
         return vector
 
@@ -335,22 +331,7 @@ class StepController:
 
     def resolve_pending(self, front: FrontEnd) -> None:
         """Read and act on the flags of a step checked sync-free (before the next forward, or at the end)."""
-        taken = self.sync.take()
-        if taken is None:
-            return
-        step, values = taken
-        if not StepHealth.from_values(values).healthy:
-            self.sync.show_step_batchnorm()  # as at the check: the diagnosis sees what the default mode sees
-        window = self.window
-        window.micro_batches, window.losses, window.batch_idx = step.micro_batches, step.losses, step.batch_idx
-        self._resolving = step
-        try:
-            view: Any = StepView(front, step.global_step, step.epoch)
-            self._resolve(view, step.optimizer, step.grads, values)
-        finally:
-            self._resolving = None
-            self.window.forget_batches()
-            self.window.losses = []
+        self.sync.resolve_pending(front, self.window, self._resolve)
 
     # ------------------------------------------------------------------ a step that is bad somewhere
 
@@ -376,7 +357,7 @@ class StepController:
         return inspect_rank(inspector, front, health, grads, self.fail)
 
     def _healthy(self, front: FrontEnd, grads: list[Tensor], health: StepHealth) -> None:
-        deferred = self._resolving
+        deferred = self.sync.resolving
         due = deferred.logging_due if deferred is not None else None
         clip = deferred is None  # sync-free clipped it on the device
         self.actions.healthy(front, grads, health, self.spikes, self.diagnosis.batch_slicer, self.metrics, clip, due)
@@ -411,7 +392,7 @@ class StepController:
                 self.policy,
                 self.spikes,
                 self.metrics,
-                updated_scale=self._resolving is not None,
+                updated_scale=self.sync.resolving is not None,
             )
         finally:
             if decision.discard:
@@ -429,9 +410,9 @@ class StepController:
         """The after-step work (rollback, weight check, snapshot, QK-clip), on every rank."""
         front.resume_clipping()
         try:
-            collective = self._collective(front)
-            self.after_step.run(front, collective)
-            self.attention.clip(collective, self.agreement.distributed, self.agreement.max)
+            distributed = self.agreement.distributed  # every rank takes part in the after-step collectives
+            self.after_step.run(front, distributed)
+            self.attention.clip(distributed, distributed, self.agreement.max)
         finally:
             if self.parts.unreported:
                 self.report_failures(front)

@@ -356,13 +356,12 @@ def test_weight_check_step_does_not_grow_with_tensors() -> None:
     assert _per_step(runs[LARGE], steps) == _per_step(runs[SMALL], steps)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the healthy step's Python grows with the number of tensors (numel per tensor in the staging, "
-    "sets of tensors hashed, named_parameters walked, the gradient list rebuilt); docs/guide/performance.md",
-)
 def test_python_calls_do_not_grow_with_tensors() -> None:
+    """The healthy step's Python calls are the same on 4 and 1,500 tensors (the layout's plan is worked out once).
+
+    The gradient list itself (``p.grad`` of each tensor) is the one per-tensor Python left: attribute
+    reads, not calls, and the optimizer would make the same Python objects next.
+    """
     calls = {}
     for size in (SMALL, LARGE):
         run = measure(Stacked(size), {}, counter=PythonCalls())

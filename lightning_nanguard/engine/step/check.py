@@ -44,6 +44,7 @@ def step_flags(
     sharding: ShardingLayout | None = None,
     parts: GuardParts | None = None,
     part_failed: bool = False,
+    layout: list[Tensor] | None = None,
 ) -> Tensor:
     """This rank's flags from the fused check, laid out as :data:`~lightning_nanguard.decide.policy.LOCAL_FIELDS`.
 
@@ -59,14 +60,14 @@ def step_flags(
     bn = window.batchnorm_buffers
     norm_due = with_norm or front.logging_due()
     scaler_flag = None if norm_due else scaler_found_inf(front.grad_scaler, optimizer)
-    check = sharding.check if sharding is not None else fused_health_check
-    summary = check(
-        grads if scaler_flag is None else [],
-        others=[*window.losses, *(t for _, t in bn if t.is_floating_point())],
-        nonnegative=window.running_vars,
-        device=front.device,
-        with_norm=norm_due,
-    )
+    others = [*window.losses, *(t for _, t in bn if t.is_floating_point())]
+    checked = grads if scaler_flag is None else []
+    if sharding is not None:
+        summary = sharding.check(checked, others, window.running_vars, front.device, norm_due)
+    else:
+        summary = fused_health_check(
+            checked, others, window.running_vars, front.device, with_norm=norm_due, layout=layout
+        )
     if scaler_flag is not None:
         flag = scaler_flag.reshape(1).to(device=summary.device, dtype=summary.dtype)
         summary = torch.cat((summary[0:1] + flag, summary[1:]))
@@ -98,6 +99,7 @@ def host_step_values(
     spikes: SpikeWatch | None,
     with_norm: bool,
     parts: GuardParts,
+    layout: list[Tensor] | None = None,
 ) -> list[float]:
     """This rank's values laid out as :data:`~lightning_nanguard.decide.policy.LOCAL_FIELDS`, with one host read.
 
@@ -106,7 +108,8 @@ def host_step_values(
     gradient norm (:func:`~lightning_nanguard.detect.check.fused_health_check` with ``raw``: a few
     kernels); one ``tolist`` reads them; the host tests the totals with ``math.isfinite`` and
     compares the loss (and, with ``with_norm``, the norm) with the spike thresholds, in float32 as
-    the device would. For :func:`decided_on_host` steps of one process only.
+    the device would. ``layout``: the parameters whose gradients ``grads`` are, when each has one
+    (see ``fused_health_check``). For :func:`decided_on_host` steps of one process only.
     """
     bn = window.batchnorm_buffers
     norm_due = with_norm or front.logging_due()
@@ -119,6 +122,7 @@ def host_step_values(
         with_norm=norm_due,
         raw=True,
         value=loss,
+        layout=layout,
     ).tolist()  # the one host read of the step
     grads_total, others_total, loss_value = totals[:3]
     grad_norm = totals[3] if norm_due else -1.0

@@ -21,15 +21,16 @@ This module keeps the pending step; the controller resolves it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_nanguard.decide.policy import LOCAL_FIELDS, Policy, shared_part
+from lightning_nanguard.decide.policy import LOCAL_FIELDS, Policy, StepHealth, shared_part
 from lightning_nanguard.detect.syncfree import DeferredRead, DeviceSkip, SelectRestore, device_skip_unsupported
+from lightning_nanguard.engine.frontend import StepView
 from lightning_nanguard.engine.step.window import MicroBatch, StepWindow
 from lightning_nanguard.recover.remedies import clip_gradients_
 
@@ -50,12 +51,17 @@ class DeferredStep:
     grads: list[Tensor] = field(default_factory=list)
 
 
+Resolve = Callable[[Any, Any, list[Tensor], list[float]], None]
+"""Decides a step from its values read to the host: ``(front-end, optimizer, gradients, values)``."""
+
+
 class SyncFreeSteps:
     """The device-side skip, BatchNorm select, deferred read and the one pending step (see module docs)."""
 
     def __init__(self) -> None:
         self.reader = DeferredRead()
         self.pending: DeferredStep | None = None
+        self.resolving: DeferredStep | None = None  # the step being decided a step late (resolve_pending)
         self._skips: dict[int, DeviceSkip] = {}
         self._batchnorm: SelectRestore | None = None  # the buffers before the step's forward
         self._stepped: SelectRestore | None = None  # the buffers as the step left them (for its diagnosis)
@@ -155,6 +161,27 @@ class SyncFreeSteps:
         step, self.pending = self.pending, None
         return step, self.reader.result()
 
+    def resolve_pending(self, front: Any, window: StepWindow, resolve: Resolve) -> None:
+        """Read the pending step's flags and decide it (``resolve(view, optimizer, grads, values)``), if any.
+
+        The window holds that step's batches and losses meanwhile (as at its check), and the
+        front-end is seen at that step (:class:`~lightning_nanguard.engine.frontend.StepView`).
+        """
+        taken = self.take()
+        if taken is None:
+            return
+        step, values = taken
+        if not StepHealth.from_values(values).healthy:
+            self.show_step_batchnorm()  # as at the check: the diagnosis sees what the default mode sees
+        window.micro_batches, window.losses, window.batch_idx = step.micro_batches, step.losses, step.batch_idx
+        self.resolving = step
+        try:
+            resolve(StepView(front, step.global_step, step.epoch), step.optimizer, step.grads, values)
+        finally:
+            self.resolving = None
+            window.forget_batches()
+            window.losses = []
+
     def remove(self) -> None:
         """Remove the optimizer hooks."""
         for skip in self._skips.values():
@@ -162,4 +189,11 @@ class SyncFreeSteps:
         self._skips.clear()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"reader": DeferredRead(), "pending": None, "_skips": {}, "_batchnorm": None, "_stepped": None}
+        return {
+            "reader": DeferredRead(),
+            "pending": None,
+            "resolving": None,
+            "_skips": {},
+            "_batchnorm": None,
+            "_stepped": None,
+        }
