@@ -13,7 +13,10 @@ The forward origin is the first op that gives birth to a non-finite value:
   met another infinity or a zero (the softmax of a row masked entirely, ``inf - inf``, ``0 * inf``).
 
 Ops that write infinities on purpose (``masked_fill``, ``full``, ``where``...) are never origins, and
-an op that merely carries an infinity on (``scores + mask``) is not one either. A NaN born inside a
+an op that merely carries an infinity on (``scores + mask``) is not one either, nor is an op that
+only moves values (``view``, ``flatten``, ``t``, ``cat``, indexing...). An op's inputs are judged by
+the test that saw its outputs' NaN/Inf (:meth:`Rows.showing`): by the followed rows, or whole when
+only a tensor whose first dimension is no followed size shows it (a reshaped batch, a buffer). A NaN born inside a
 composite function that the mode sees as one call (``F.multi_head_attention_forward``) is named by
 the autograd node whose saved result first holds it (``SoftmaxBackward0``), when there is one.
 
