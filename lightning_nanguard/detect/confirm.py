@@ -15,7 +15,7 @@ from torch import Tensor
 
 from lightning_nanguard.core.dtensor import local_tensor
 from lightning_nanguard.core.host import read_flags
-from lightning_nanguard.detect.check import _dense, grouped_norms
+from lightning_nanguard.detect.check import _dense, nonfinite_candidate
 
 __all__ = ["all_finite", "bad_batchnorm_names", "negative_names", "nonfinite_names"]
 
@@ -65,8 +65,10 @@ def bad_batchnorm_names(named_buffers: Iterable[tuple[str, Tensor]]) -> list[str
 def all_finite(tensors: Sequence[Tensor]) -> bool:
     """Element-wise: no NaN/Inf in any of ``tensors`` (floating/complex; others are ignored).
 
-    One fused norm pass and one host read; only when a norm is non-finite (which a finite tensor
-    can also cause, by overflowing its norm) are the tensors checked element by element.
+    One fused pass (the staged sums of :func:`~lightning_nanguard.detect.check.nonfinite_candidate`:
+    a few kernels whatever the number of tensors, none per tensor) and one host read; only when a
+    total is non-finite (which finite values can also cause, by overflowing it) are the tensors
+    checked element by element. Tensors that require grad are read as they are (no ``detach``).
 
     Examples:
         >>> all_finite([torch.ones(2), torch.full((4,), 1e30)])  # the float32 norm overflows
@@ -74,10 +76,11 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
         >>> all_finite([torch.tensor([1.0, float("nan")]), torch.arange(3)])
         False
     """
-    floats = [local_tensor(t.detach()) for t in tensors if t.is_floating_point() or t.is_complex()]
-    if not floats or bool(torch.isfinite(grouped_norms(floats)).all()):
-        return True
-    return not nonfinite_names((str(i), t) for i, t in enumerate(floats))
+    with torch.no_grad():
+        floats = [local_tensor(t) for t in tensors if t.is_floating_point() or t.is_complex()]
+        if not floats or not bool(nonfinite_candidate(floats)):
+            return True
+        return not nonfinite_names((str(i), t) for i, t in enumerate(floats))
 
 
 def _unzip(named_tensors: Iterable[tuple[str, Tensor]]) -> tuple[list[str], list[Tensor]]:

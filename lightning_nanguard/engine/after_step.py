@@ -88,7 +88,7 @@ class AfterStep:
         )
         if not (check_params or snapshot_due):
             return
-        finite_here = True if state.failing else all_finite(list(front.module.state_dict().values()))
+        finite_here = True if state.failing else all_finite(list(front.module.state_dict(keep_vars=True).values()))
         nonfinite_anywhere = self.agreement.any(not finite_here) if collective else not finite_here
         if state.failing:
             return
@@ -158,7 +158,7 @@ class AfterStep:
         Every rank calls it: with sharded weights one rank's shards can be non-finite alone, and every
         rank must have a snapshot, or none.
         """
-        finite = all_finite(list(front.module.state_dict().values()))
+        finite = all_finite(list(front.module.state_dict(keep_vars=True).values()))
         if self.agreement.distributed:
             finite = not self.agreement.any(not finite)
         if finite:
