@@ -34,7 +34,8 @@ __all__ = ["SpikeDetector", "SpikeStats"]
 
 _FLOAT32 = torch.float32
 _FLOAT32_MAX = torch.finfo(_FLOAT32).max
-_TINY = 1e-30  # log() floor: values <= 0 in a log-scale window give huge changes (a lenient spread)
+_TINY = 5e-324  # log() floor, the smallest positive double: a value <= 0 in a log-scale window is a huge change
+# (a lenient spread), while values in float32's subnormal range (1e-38 and below) keep their real ratios
 _Q = 0.9  # quantile of the step-to-step changes that measures their spread
 _Q_TO_SIGMA = 2.326348  # 90% quantile of |N(0, 2)|: |x[i] - x[i-1]| for Gaussian noise of std 1
 

@@ -387,3 +387,27 @@ def test_check_takes_any_one_element_value_and_keeps_no_graph(shape: tuple[int, 
     flag = detector.check(torch.full(shape, 1e4, dtype=dtype, requires_grad=True) * 1)
     assert flag.tolist() == [1.0] and detector.stats().value == float(torch.tensor(1e4, dtype=dtype))
     assert detector.check(torch.full(shape, math.inf, dtype=dtype)).tolist() == [0.0]
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-38, 1e-42], ids=["normal", "float32-tiny", "float32-subnormal"])
+def test_a_tiny_loss_scale_changes_nothing_in_what_is_a_spike(scale: float) -> None:
+    """The statistic is relative: losses of 1e-38 (float32's subnormal range) are judged as losses of 1.
+
+    Noisy healthy losses (log-normal, a factor of ~2 from step to step) flag the same steps at every
+    scale; a floor of the logs above the losses made every change 0, and the min_ratio floor alone
+    then flagged 31 of these 300 healthy steps at 1e-38 (none at 1).
+    """
+    generator = torch.Generator().manual_seed(3)
+    flagged: dict[float, list[int]] = {}
+    for factor in (1.0, scale):
+        detector = SpikeDetector()
+        flagged[factor] = []
+        for step in range(300):
+            noise = math.exp(0.8 * float(torch.randn((), generator=generator)))
+            loss = torch.tensor(noise * factor, dtype=torch.float32)
+            if detector.check(loss).item():
+                flagged[factor].append(step)
+            detector.accept(True, value=float(loss))
+        assert detector.check(torch.tensor(1e4 * factor, dtype=torch.float32)).item() == 1.0
+        generator.manual_seed(3)
+    assert len(flagged[scale]) <= len(flagged[1.0]) + 2, flagged
