@@ -19,8 +19,14 @@ What counts as attention:
   projection weights and inputs, honouring ``attn_mask``, ``key_padding_mask`` and ``is_causal``.
 
 Each is attributed to the innermost module of the watched model whose ``forward`` is running
-(``blocks.1.attn``). The measurement costs one ``q @ k^T`` of ``rows`` batch rows per attention call
-on the sampled step only; the values stay on the device until :meth:`AttentionProbe.take`.
+(``blocks.1.attn``). An attention call is only kept (references to its ``query`` and ``key``, or a
+copy of the measured rows of a softmax's input: at most 3 aten calls, views but one); when the
+forward that made the calls returns, the calls of one shape are measured together (their ``q @ k^T``
+of ``rows`` batch rows, one ``bmm`` for all, and 9 kernels of statistics), into one ``(calls, 4)``
+tensor per device (:class:`ProbeCalls`) that stays on the device until :meth:`AttentionProbe.take_calls`
+(the host reads it once per step; :func:`summarise` makes it each module's values). The kept calls
+and a batch's work are bounded in memory (64 MiB each: beyond, they are measured sooner, in several
+batches); ``nn.MultiheadAttention``'s logits are made when it is called (from its weights).
 
 Example:
     >>> import torch
@@ -53,12 +59,17 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["AttentionProbe", "AttentionStats", "attention_stats"]
+__all__ = ["AttentionProbe", "AttentionStats", "ProbeCalls", "attention_stats", "merged_stats", "summarise"]
 
 log = logging.getLogger("lightning_nanguard")
 
-_SDPA = (F.scaled_dot_product_attention,)
-_SOFTMAX = (torch.softmax, F.softmax, Tensor.softmax)
+_SDPA, _SOFTMAX = 1, 2
+_WATCHED = {
+    F.scaled_dot_product_attention: _SDPA,
+    torch.softmax: _SOFTMAX,
+    F.softmax: _SOFTMAX,
+    Tensor.softmax: _SOFTMAX,
+}
 
 
 @dataclass
@@ -111,8 +122,74 @@ def attention_stats(logits: Tensor, per_head: bool = False) -> AttentionStats:
     return AttentionStats(logits.amax(), means[0], means[1].neg(), head_max=head_max)
 
 
+class ProbeCalls:
+    """One step's measured attention calls on one device: one row of :attr:`values` per call.
+
+    ``values`` is ``(calls, 4)`` on the device: the max logit, the sum of ``p log p`` over the
+    measured rows, the sum of ``max log p`` over them and how many rows were measured (rows with
+    every key masked are not); :func:`summarise` turns the rows, read to the host, into each
+    module's max logit, mean entropy and mean ``min_entropy``. ``head_max``: the max logit per head
+    of each call (``None`` when not asked for or without a head dimension).
+    """
+
+    __slots__ = ("head_max", "names", "values")
+
+    def __init__(self, names: list[str], values: Tensor, head_max: list[Tensor | None]) -> None:
+        self.names, self.values, self.head_max = names, values, head_max
+
+    def stats(self) -> dict[str, AttentionStats]:
+        """Each module's :class:`AttentionStats` on the device (calls of one module merged)."""
+        out: dict[str, AttentionStats] = {}
+        for name, row, head_max in zip(self.names, self.values, self.head_max, strict=True):
+            stats = AttentionStats(row[0], row[1].neg() / row[3], row[2].neg() / row[3], head_max=head_max)
+            known = out.get(name)
+            out[name] = stats if known is None else known.merge(stats)
+        return out
+
+
+def merged_stats(parts: list[ProbeCalls]) -> dict[str, AttentionStats]:
+    """Each module's :class:`AttentionStats` on the device, over the calls of ``parts``."""
+    stats: dict[str, AttentionStats] = {}
+    for part in parts:
+        for name, found in part.stats().items():
+            known = stats.get(name)
+            stats[name] = found if known is None else known.merge(found)
+    return stats
+
+
+def summarise(names: list[str], rows: list[list[float]]) -> dict[str, tuple[float, float, float]]:
+    """Each module's ``(max_logit, entropy, min_entropy)`` from :attr:`ProbeCalls.values` read to the host.
+
+    A module called several times in the step: the largest max logit (NaN if any is), the mean of
+    its calls' entropies (as :meth:`AttentionStats.merge`).
+
+    Example:
+        >>> summarise(["a", "a"], [[3.0, -2.0, -1.0, 4.0], [5.0, -4.0, -4.0, 4.0]])
+        {'a': (5.0, 0.75, 0.625)}
+    """
+    found: dict[str, list[float]] = {}
+    for name, (max_logit, plogp, max_log_p, count) in zip(names, rows, strict=True):
+        count = round(count)  # a sum of probabilities: the rows measured, to float rounding
+        entropy = -plogp / count if count else math.nan
+        min_entropy = -max_log_p / count if count else math.nan
+        known = found.get(name)
+        if known is None:
+            found[name] = [max_logit, entropy, min_entropy, 1.0]
+        else:
+            known[0] = max_logit if math.isnan(max_logit) or max_logit > known[0] else known[0]
+            known[1] += entropy
+            known[2] += min_entropy
+            known[3] += 1.0
+    return {name: (v[0], v[1] / v[3], v[2] / v[3]) for name, v in found.items()}
+
+
 class AttentionProbe:
     """Measure every attention of ``model`` during :meth:`measuring` (see module docs).
+
+    Per attention call the probe only keeps what it needs (references to the call's ``query`` and
+    ``key``, or a copy of the measured rows of a softmax's input); the logits and their statistics
+    are computed for all the calls of one forward at once, when it returns, one batch of kernels per
+    shape of call (a handful whatever the number of calls), into one ``(calls, 4)`` tensor.
 
     Args:
         model: the model whose modules calls are attributed to.
@@ -138,10 +215,14 @@ class AttentionProbe:
         self.multihead = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
         self.rediscover_every = rediscover_every
         self.attention: set[str] | None = None  # the modules found calling attention (None: not looked yet)
+        self.roots: set[str] = set()  # the outermost modules whose forward holds attention calls
+        self._found_roots: set[str] = set()
         self._passes = 0
         self._discovering = True
         self._stack: list[str] = []
-        self._stats: dict[str, AttentionStats] = {}
+        self._pending: list[tuple[Any, ...]] = []  # the calls kept, not measured yet
+        self._held = 0  # bytes the kept calls hold
+        self._results: list[tuple[list[str], Tensor, Tensor | None]] = []  # (names, values, head max) per batch
         self._mode = _Intercept(self)
         self.broken = False  # a measurement raised: the probe stops (the user's forward never fails for it)
         self.host_seconds = 0.0  # host time spent measuring since the last ``measuring()`` began
@@ -161,9 +242,16 @@ class AttentionProbe:
             return
         self._discovering = self.attention is None or self._passes % self.rediscover_every == 0
         self._passes += 1
+        if self._discovering:
+            self._found_roots = set()
         handles = self._hooks() if self._discovering else self._attention_hooks()
         for module in self.multihead:
             handles.append(module.register_forward_pre_hook(self._multihead, with_kwargs=True))
+        if not self._discovering:  # the calls are measured when the forward that holds them returns
+            for name in sorted(self.roots):
+                root = self.modules.get(name)
+                if root is not None:
+                    handles.append(root.register_forward_hook(self._flush_hook, always_call=True))
         try:
             yield
         finally:
@@ -173,17 +261,37 @@ class AttentionProbe:
                 self._stack = []
                 self._mode.__exit__(None, None, None)
 
-    def take(self) -> dict[str, AttentionStats]:
-        """The measurements since the last ``take``, per module name (device tensors).
+    def take_calls(self) -> list[ProbeCalls]:
+        """The calls measured since the last ``take``: one :class:`ProbeCalls` per device (usually one).
 
         After a pass that looked at every module (the first, then one in ``rediscover_every``), the
         next passes watch only the modules found calling attention: the function mode is then
         active only inside them, and the other modules run without any hook.
         """
-        stats, self._stats = self._stats, {}
+        if self._pending:  # calls whose forward has not returned (recomputed under checkpointing)
+            start = perf_counter()
+            self._flush()
+            self.host_seconds += perf_counter() - start
+        results, self._results = self._results, []
         if self._discovering:
-            self.attention = set(stats)
-        return stats
+            self.attention = {name for names, _, _ in results for name in names}
+            self.roots = self._found_roots
+        by_device: dict[torch.device, list[tuple[list[str], Tensor, Tensor | None]]] = {}
+        for result in results:
+            by_device.setdefault(result[1].device, []).append(result)
+        out = []
+        for parts in by_device.values():
+            names = [name for part_names, _, _ in parts for name in part_names]
+            values = parts[0][1] if len(parts) == 1 else torch.cat([values for _, values, _ in parts])
+            head_max: list[Tensor | None] = []
+            for part_names, _, maxima in parts:
+                head_max.extend(maxima.unbind(0) if maxima is not None else [None] * len(part_names))
+            out.append(ProbeCalls(names, values, head_max))
+        return out
+
+    def take(self) -> dict[str, AttentionStats]:
+        """The measurements since the last ``take``, per module name (device tensors; see :meth:`take_calls`)."""
+        return merged_stats(self.take_calls())
 
     # ------------------------------------------------------------------ internals
 
@@ -199,6 +307,17 @@ class AttentionProbe:
             self._stack.pop()
             if not self._stack:
                 self._mode.__exit__(None, None, None)
+                if self._discovering and self._pending:  # the outermost forward returned: measure its calls
+                    start = perf_counter()
+                    self._flush()
+                    self.host_seconds += perf_counter() - start
+
+    def _flush_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        """A root's forward returned (see :attr:`roots`): measure the calls it made."""
+        if self._pending:
+            start = perf_counter()
+            self._flush()
+            self.host_seconds += perf_counter() - start
 
     def _hooks(self) -> list[RemovableHandle]:
         """Global hooks: every module of the model is watched (the pass that finds the attention modules)."""
@@ -229,14 +348,32 @@ class AttentionProbe:
             handles.append(module.register_forward_hook(lambda m, a, o: self._leave(), always_call=True))
         return handles
 
-    def _record(self, logits: Tensor, name: str | None = None) -> None:
-        name = name or (self._stack[-1] if self._stack else None)
-        if name is None:
-            return  # outside the watched model
-        with torch.no_grad():
-            stats = attention_stats(logits, self.per_head)
-        known = self._stats.get(name)
-        self._stats[name] = stats if known is None else known.merge(stats)
+    def _keep(self, call: tuple[Any, ...], nbytes: int) -> None:
+        """Keep one attention call until its forward returns (or the calls kept hold too much memory)."""
+        self._pending.append(call)
+        if self._discovering and self._stack:
+            self._found_roots.add(self._stack[0])
+        self._held += nbytes
+        if self._held > _HELD_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Measure the calls kept: one batch of kernels per shape of call (see :func:`_batch_logits`)."""
+        pending, self._pending, self._held = self._pending, [], 0
+        if self.broken:
+            return
+        try:
+            with torch.no_grad():
+                groups: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
+                for call in pending:
+                    key, item = _prepare(call, self.rows, self.queries)
+                    groups.setdefault(key, []).append(item)
+                for key, items in groups.items():
+                    for batch in _batches(items):
+                        values, head_max = _call_stats(_batch_logits(key, batch), self.per_head)
+                        self._results.append(([item[0] for item in batch], values, head_max))
+        except Exception as error:  # never the user's forward's failure
+            self._fail(error)
 
     def _measuring(self) -> bool:
         return bool(self._stack) and torch.is_grad_enabled() and not self.broken  # not a no-grad pass (validation)
@@ -250,7 +387,7 @@ class AttentionProbe:
                 error,
             )
         self.broken = True
-        self._stats = {}
+        self._pending, self._results, self._held = [], [], 0
 
     def _softmax(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         x = args[0] if args else kwargs.get("input")
@@ -259,16 +396,25 @@ class AttentionProbe:
             return
         if dim % x.ndim != x.ndim - 1 or not self._measuring():
             return
-        self._record(x[: self.rows][..., :: _stride(x.size(-2), self.queries), :])
+        stride = _stride(x.size(-2), self.queries)
+        if x.size(0) > self.rows or stride > 1:  # a copy of the measured rows: the input itself is freed
+            with torch.no_grad():
+                x = x[: self.rows] if x.size(0) > self.rows else x
+                x = x[..., ::stride, :] if stride > 1 else x
+                x = x.float() if x.dtype != torch.float32 else x.clone()
+        self._keep(("l", self._stack[-1], x), x.nbytes)
 
     def _sdpa(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
-        given = {**dict(zip(names, args, strict=False)), **kwargs}
-        q, k = given["query"], given["key"]
+        n = len(args)
+        q = args[0] if n else kwargs.get("query")
         if not isinstance(q, Tensor) or q.ndim < 3 or not self._measuring():
             return
-        with torch.no_grad():
-            self._record(_sdpa_logits(q, k, given, self.rows, self.queries))
+        k = args[1] if n > 1 else kwargs["key"]
+        mask = args[3] if n > 3 else kwargs.get("attn_mask")
+        causal = args[5] if n > 5 else kwargs.get("is_causal", False)
+        scale = args[6] if n > 6 else kwargs.get("scale")
+        gqa = args[7] if n > 7 else kwargs.get("enable_gqa", False)
+        self._keep(("s", self._stack[-1], q, k, mask, bool(causal), scale, bool(gqa)), q.nbytes + k.nbytes)
 
     def _multihead(self, module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """``nn.MultiheadAttention``: its functional form hides the inner calls; its logits from its weights."""
@@ -278,10 +424,117 @@ class AttentionProbe:
         start = perf_counter()
         try:
             with torch.no_grad():
-                self._record(_multihead_logits(module, args, kwargs, self.rows, self.queries), name)
+                logits = _multihead_logits(module, args, kwargs, self.rows, self.queries)
+            self._keep(("l", name, logits), logits.nbytes)
         except Exception as error:  # the module's own forward reports a bad call; the probe stays out of it
             self._fail(error)
         self.host_seconds += perf_counter() - start
+
+
+_HELD_BYTES = 64 << 20  # the calls kept may hold this much (more: measured at once, not when their forward returns)
+_BATCH_BYTES = 64 << 20  # the most one batch of calls may take for its logits and their statistics
+
+
+def _prepare(call: tuple[Any, ...], rows: int, queries: int) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """A kept call's batch key (calls of one key are measured together) and its item ``(name, ...)``.
+
+    Scaled-dot-product attention: the first ``rows`` batch rows of ``query`` at the measured query
+    positions and of ``key``, and its mask at those rows and positions. A logits tensor (a softmax's
+    input, kept already cut to the measured rows): as it is.
+    """
+    if call[0] == "l":
+        x = call[2]
+        return ("l", x.shape, x.dtype, x.device), (call[1], x, None, x.numel())
+    _, name, q, k, mask, causal, scale, gqa = call
+    length = q.size(-2)
+    stride = _stride(length, queries)
+    q = q[:rows] if q.size(0) > rows else q
+    q = q[..., ::stride, :] if stride > 1 else q
+    k = k[:rows] if k.size(0) > rows else k
+    scale = scale or 1.0 / math.sqrt(q.size(-1))
+    mask_key = None
+    if isinstance(mask, Tensor):
+        original = mask
+        if mask.ndim == q.ndim and mask.size(0) > q.size(0):
+            mask = mask[: q.size(0)]
+        if stride > 1:
+            mask = _strided_mask(mask, stride)
+        mask_key = (mask.shape, mask.dtype)
+        mask = (original, mask)
+    key = ("s", q.shape, k.shape, q.dtype, k.dtype, q.device, scale, gqa, causal and (length, stride), mask_key)
+    return key, (name, q, k, math.prod(q.shape[:-1]) * k.size(-2), mask)
+
+
+def _batches(items: list[tuple[Any, ...]]) -> Iterator[list[tuple[Any, ...]]]:
+    """``items`` in batches whose logits and statistics take at most ``_BATCH_BYTES`` (one call at least)."""
+    batch: list[tuple[Any, ...]] = []
+    size = 0
+    for item in items:
+        cost = 16 * item[3]  # the logits, their log-softmax and the probabilities, in float32, and slack
+        if batch and size + cost > _BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += cost
+    if batch:
+        yield batch
+
+
+def _stacked(tensors: list[Tensor]) -> Tensor:
+    """``tensors`` stacked on a new first dimension, in float32 (one call: a view)."""
+    stacked = torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
+    return stacked.float()
+
+
+def _batch_logits(key: tuple[Any, ...], batch: list[tuple[Any, ...]]) -> Tensor:
+    """The logits of a batch of calls of one key, stacked: ``(calls, *one call's logits)``."""
+    if key[0] == "l":
+        return _stacked([item[1] for item in batch])
+    return _sdpa_logits(key, batch)
+
+
+def _sdpa_logits(key: tuple[Any, ...], batch: list[tuple[Any, ...]]) -> Tensor:
+    """``q @ k^T * scale`` of a batch of calls, masked as ``scaled_dot_product_attention`` masks."""
+    _, _, _, _, _, device, scale, gqa, causal, mask_key = key
+    q, k = _stacked([item[1] for item in batch]), _stacked([item[2] for item in batch])
+    if gqa and k.size(-3) != q.size(-3):
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
+    logits = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
+    if mask_key is not None:
+        masks = [item[4] for item in batch]
+        first = masks[0][0]
+        if all(original is first for original, _ in masks):  # one mask for every call (as is usual): as it is
+            mask = masks[0][1]
+        else:
+            mask = torch.stack([cut for _, cut in masks])
+            mask = mask.view(len(masks), *([1] * (logits.ndim - mask.ndim)), *mask.shape[1:])
+        if mask.dtype == torch.bool:
+            logits.masked_fill_(~mask, -math.inf)
+        else:
+            logits.add_(mask)
+    if causal:
+        length, stride = causal
+        logits.masked_fill_(_hidden(length, logits.size(-1), stride, device), -math.inf)
+    return logits
+
+
+def _call_stats(logits: Tensor, per_head: bool) -> tuple[Tensor, Tensor | None]:
+    """Per call of ``logits`` ``(calls, ..., queries, keys)``: ``(calls, 4)`` values (see :class:`ProbeCalls`).
+
+    Nine kernels whatever the number of calls. Rows with every key masked (``-inf``) have NaN
+    log-probabilities: the ``nansum`` leave them out, and out of the row count (a sum of probabilities).
+    """
+    dims = tuple(range(1, logits.ndim))
+    log_p = torch.log_softmax(logits, dim=-1)
+    p = log_p.exp()
+    count = p.nansum(dims)
+    plogp = p.mul_(log_p).nansum(dims)  # 0 * -inf at masked keys: NaN, left out
+    max_log_p = log_p.amax(dim=-1).nansum(dims[:-1])  # max log p = -(lse - max)
+    values = torch.stack((logits.amax(dims), plogp, max_log_p, count), dim=1)
+    head_max = None
+    if per_head and logits.ndim >= 5:  # (calls, ..., heads, queries, keys): the max per head
+        head_max = logits.amax(dim=(-2, -1)).flatten(1, -2).amax(dim=1)
+    return values, head_max
 
 
 def _stride(length: int, queries: int) -> int:
@@ -302,28 +555,6 @@ def _hidden(length: int, keys: int, stride: int, device: torch.device) -> Tensor
 def _strided_mask(mask: Tensor, stride: int) -> Tensor:
     """An attention mask's query dimension (``-2``) at the measured positions; a broadcast one as it is."""
     return mask[..., ::stride, :] if mask.ndim >= 2 and mask.size(-2) > 1 else mask
-
-
-def _sdpa_logits(q: Tensor, k: Tensor, given: dict[str, Any], rows: int, queries: int) -> Tensor:
-    """``q @ k^T * scale`` for the first ``rows`` batch rows, masked as ``scaled_dot_product_attention`` masks."""
-    length = q.size(-2)
-    stride = _stride(length, queries)
-    q, k = q[:rows, ..., ::stride, :].float(), k[:rows].float()
-    if given.get("enable_gqa") and q.ndim >= 3 and k.size(-3) != q.size(-3):
-        k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
-    scale = given.get("scale") or 1.0 / math.sqrt(q.size(-1))
-    logits = (q @ k.transpose(-2, -1)) * scale
-    mask = given.get("attn_mask")
-    if isinstance(mask, Tensor):
-        if mask.ndim == logits.ndim and mask.size(0) not in (1, logits.size(0)):
-            mask = mask[:rows]
-        elif mask.ndim == logits.ndim:
-            mask = mask[: logits.size(0)]
-        mask = _strided_mask(mask, stride)
-        logits = logits.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else logits + mask.float()
-    if given.get("is_causal"):
-        logits = logits.masked_fill(_hidden(length, logits.size(-1), stride, logits.device), -math.inf)
-    return logits
 
 
 def _multihead_logits(
@@ -375,17 +606,23 @@ class _Intercept(TorchFunctionMode):
         self.probe = probe
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         result = func(*args, **kwargs)
-        if func not in _SDPA and func not in _SOFTMAX:
+        try:
+            kind = _WATCHED.get(func)
+        except TypeError:  # an unhashable callable: not one of the watched functions
             return result
+        if kind is None:
+            return result
+        probe = self.probe
         start = perf_counter()
         try:
-            if func in _SDPA:
-                self.probe._sdpa(args, kwargs)
+            if kind == _SDPA:
+                probe._sdpa(args, kwargs)
             else:
-                self.probe._softmax(args, kwargs)
+                probe._softmax(args, kwargs)
         except Exception as error:  # never the user's forward's failure
-            self.probe._fail(error)
-        self.probe.host_seconds += perf_counter() - start
+            probe._fail(error)
+        probe.host_seconds += perf_counter() - start
         return result

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_nanguard.core.events import NanEvent
-from lightning_nanguard.detect.attention import AttentionProbe, AttentionStats
+from lightning_nanguard.detect.attention import AttentionProbe, AttentionStats, merged_stats, summarise
 from lightning_nanguard.detect.precursors import EarlyWarning, PrecursorSettings
 from lightning_nanguard.recover.qk_clip import QKProjection, find_qk_projections, qk_clip_
 
@@ -85,7 +85,7 @@ class PrecursorWatch:
         self.probe: AttentionProbe | None = None
         self._armed: ExitStack | None = None
         self._armed_step = -1
-        self._pending: list[tuple[int, list[str], Tensor, Any]] = []  # (step, modules, host copy, copy event)
+        self._pending: list[tuple[int, list[tuple[list[str], Tensor, Any]]]] = []  # (step, [(calls, host copy, event)])
         self.projections: dict[str, QKProjection] = {}  # QK-clip's modules (``qk_clip`` set)
         self._to_clip: dict[str, AttentionStats] | None = None  # a sampled step's values, until its update
 
@@ -121,37 +121,42 @@ class PrecursorWatch:
             return
         self.disarm()
         assert self.probe is not None
+        parts = self.probe.take_calls()
         self._govern(self.probe.host_seconds)
-        stats = self.probe.take()
         if self._armed_step != step:
             return
         if self.projections:  # every rank clips on every sampled step, measured or not (one collective each)
-            self._to_clip = stats
-        if not stats:
+            self._to_clip = merged_stats(parts)
+        if not parts:
             return
-        modules = sorted(stats)
-        values = torch.stack([v for m in modules for v in (stats[m].max_logit, stats[m].entropy, stats[m].min_entropy)])
-        event = None
-        if values.is_cuda:
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host = values
-        self._pending.append((step, modules, host, event))
+        copies = []
+        for part in parts:  # one device in the usual case: one copy of the step's (calls, 4) values
+            values, event = part.values, None
+            if values.is_cuda:
+                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                host.copy_(values, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            else:
+                host = values
+            copies.append((part.names, host, event))
+        self._pending.append((step, copies))
 
     def ready(self) -> list[Sample]:
         """The samples whose copy has landed (earlier steps first); nothing waits for the device."""
         out: list[Sample] = []
         while self._pending:
-            step, modules, host, event = self._pending[0]
-            if event is not None and not event.query():
+            step, copies = self._pending[0]
+            if any(event is not None and not event.query() for _, _, event in copies):
                 break
             self._pending.pop(0)
-            flat = host.tolist()
-            for i, module in enumerate(modules):
-                out.append(Sample(step, module, *flat[3 * i : 3 * i + 3]))
+            names: list[str] = []
+            rows: list[list[float]] = []
+            for calls, host, _ in copies:
+                names += calls
+                rows += host.tolist()
+            for module, values in sorted(summarise(names, rows).items()):
+                out.append(Sample(step, module, *values))
         return out
 
     def judge(self, samples: list[Sample]) -> list[tuple[EarlyWarning, Sample]]:

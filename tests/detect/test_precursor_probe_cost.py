@@ -1,0 +1,160 @@
+"""The attention probe's cost per attention call, counted (aten operator calls), never timed.
+
+On a GPU the probe's cost is host time: about one kernel launch per aten call that is not a view.
+An attention call only keeps references (or a copy of its measured rows); the logits and their
+statistics are computed once per forward for all the calls of one shape. So the calls the probe adds
+per attention call are a few views, whatever the number of heads, the sequence length or the
+number of layers, and a forward's batch costs a fixed number of calls (issue 35, item 4: it was 29
+per call, 31 with the two row slices).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_nanguard.detect import attention
+from lightning_nanguard.detect.attention import AttentionProbe
+from lightning_nanguard.detect.precursors import PrecursorSettings
+from lightning_nanguard.engine.step.precursors import PrecursorWatch
+
+# at most, per attention call: the row slices of query and key and the strided query positions (views,
+# no kernel); for a softmax's input, the row and query slices and their copy (one kernel)
+PER_CALL = 3
+# at most, per forward and shape of call: 2 stacks, q @ k^T (a bmm and 5 views), the scale, the causal mask,
+# 9 kernels for the statistics (log_softmax, exp, 3 nansum, mul_, 2 amax, stack)
+PER_BATCH = 20
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Block(nn.Module):
+    def __init__(self, sdpa: bool, heads: int, width: int = 16) -> None:
+        super().__init__()
+        self.sdpa, self.heads = sdpa, heads
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            logits = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+            y = torch.softmax(logits.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -math.inf), dim=-1) @ v
+        return x + y.transpose(1, 2).reshape(b, t, d)
+
+
+def _net(layers: int, sdpa: bool, heads: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block(sdpa, heads) for _ in range(layers)))
+
+
+def _added(net: nn.Sequential, x: Tensor, passes: int = 3) -> int:
+    """The aten calls a watched pass adds to the forward (after the probe found the attention modules)."""
+    probe = AttentionProbe(net, rows=4, queries=64)
+    for _ in range(passes):
+        with probe.measuring():
+            net(x)
+        probe.take_calls()
+    plain, watched = _Count(), _Count()
+    with plain:
+        net(x)
+    with watched:
+        with probe.measuring():
+            net(x)
+        calls = probe.take_calls()
+    assert sum(len(part.names) for part in calls) == len(net)
+    return watched.calls - plain.calls
+
+
+@pytest.mark.parametrize("sdpa", [True, False], ids=["sdpa", "softmax"])
+@pytest.mark.parametrize(("heads", "length"), [(2, 8), (8, 8), (2, 200)], ids=["2 heads", "8 heads", "200 tokens"])
+def test_the_calls_added_per_attention_call_are_a_few_views_whatever_the_shape(
+    sdpa: bool, heads: int, length: int
+) -> None:
+    x = torch.randn(8, length, 16)  # 8 batch rows, 4 measured; 200 tokens: every 4th query
+    few, many = _added(_net(2, sdpa, heads), x), _added(_net(10, sdpa, heads), x)
+    per_call = (many - few) / 8
+    assert per_call <= PER_CALL, (few, many)
+    assert few - 2 * per_call <= PER_BATCH, (few, many)
+
+
+def test_a_sampled_step_of_the_watch_adds_a_fixed_number_of_calls_and_no_host_read() -> None:
+    """``PrecursorWatch`` on CPU: its copy is the values themselves; the read is ``ready``'s ``tolist``."""
+    x = torch.randn(4, 8, 16)
+    counts = []
+    for layers in (2, 12):
+        net = _net(layers, sdpa=True, heads=2)
+        watch = PrecursorWatch(PrecursorSettings(every_n_steps=1, max_cost=None))
+        watch.attach(net)
+        for step in range(3):
+            watch.arm(step)
+            net(x)
+            watch.finish(step)
+            watch.ready()
+        count = _Count()
+        with count:
+            watch.arm(3)
+            net(x)
+            watch.finish(3)
+        plain = _Count()
+        with plain:
+            net(x)
+        counts.append(count.calls - plain.calls)
+        assert [s.module for s in watch.ready()] == sorted(str(i) for i in range(layers))
+    assert counts[0] == counts[1] <= PER_BATCH, counts  # 4 rows of 8 tokens: nothing to slice, no call per layer
+
+
+def test_calls_measured_in_several_batches_give_the_values_of_one() -> None:
+    """A memory limit splits the calls of a forward into batches (and measures kept calls early): same values."""
+    net = _net(4, sdpa=True, heads=2)
+    x = torch.randn(8, 100, 16) * 3
+    values = []
+    for limit in (64 << 20, 1):
+        probe = AttentionProbe(net, rows=4, queries=16, per_head=True)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(attention, "_HELD_BYTES", limit)
+            patch.setattr(attention, "_BATCH_BYTES", limit)
+            with probe.measuring():
+                net(x)
+        values.append({name: (float(s.max_logit), float(s.entropy), s.head_max) for name, s in probe.take().items()})
+    assert values[0].keys() == values[1].keys() == {"0", "1", "2", "3"}
+    for name, (max_logit, entropy, head_max) in values[0].items():
+        assert values[1][name][:2] == pytest.approx((max_logit, entropy), rel=1e-6)
+        other = values[1][name][2]
+        assert head_max is not None and other is not None and torch.allclose(other, head_max)
+
+
+def test_calls_of_different_shapes_in_one_forward_are_each_measured() -> None:
+    """Two shapes of call (4 and 2 heads) and a softmax: one batch each, every module named once."""
+    torch.manual_seed(0)
+    net = nn.Sequential(Block(True, 4), Block(True, 2), Block(False, 2), Block(True, 4))
+    x = torch.randn(4, 6, 16)
+    probe = AttentionProbe(net, rows=4)
+    with probe.measuring():
+        net(x)
+    stats = probe.take()
+    assert sorted(stats) == ["0", "1", "2", "3"]
+    direct = AttentionProbe(nn.Sequential(net[3]), rows=4)  # the last block alone, on its own input
+    with torch.no_grad():
+        inner = net[2](net[1](net[0](x)))
+    with direct.measuring():
+        nn.Sequential(net[3])(inner)
+    alone = direct.take()["0"]
+    assert float(stats["3"].max_logit) == pytest.approx(float(alone.max_logit), rel=1e-6)
+    assert float(stats["3"].entropy) == pytest.approx(float(alone.entropy), rel=1e-6)
