@@ -245,12 +245,12 @@ def _candidates(grads: list[Tensor], flat: Tensor, post: GradientCheck) -> dict[
     return {
         "floor": lambda: flat.sum().item(),
         "GradientCheck (after backward)": lambda: post.health_check(with_norm=False).tolist(),
-        "fused_health_check": lambda: fused_health_check(grads, with_norm=False).tolist(),
+        "fused_health_check": lambda: fused_health_check(grads, with_norm=False, layout=grads).tolist(),
         "GradScaler kernel (writes)": lambda: (
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one),
             found.item(),
         ),
-        "with the global norm": lambda: fused_health_check(grads, with_norm=True).tolist(),
+        "with the global norm": lambda: fused_health_check(grads, with_norm=True, layout=grads).tolist(),
     }
 
 
@@ -462,8 +462,9 @@ def write_report(
         "flat buffer of the same size), each timed right after a real backward (caches evicted), minimum over "
         "interleaved runs. `GradientCheck (hooks)` sums large gradients during backward (the sum over hooks of "
         "their time, their dispatch, and the work after backward; see `benchmarks/overhead.py`); "
-        "`GradientCheck (after backward)` is the same object without hooks; `fused_health_check` the stateless "
-        "function; `GradScaler kernel (writes)` the check used before, which writes every gradient.",
+        "`GradientCheck (after backward)` is the same object without hooks; `fused_health_check` the function "
+        "the guard calls, planned for the gradients' layout as in a run; `GradScaler kernel (writes)` the check "
+        "used before, which writes every gradient.",
         "",
     ]
     kinds = [k for k in [*CHECKS, "with the global norm"] if any(k in r for r in kernel.values())]

@@ -409,9 +409,9 @@ def fused_health_check(
     if not with_norm:  # the fast path: a handful of kernels whatever the number of tensors
         grads_total = _nonfinite_total(grads, device, layout=layout)
         return _fast_summary(grads_total, _others_total(others, nonnegative, device), device)
-    grad_norms = grouped_norms(grads, device)
-    grads_bad = ~torch.isfinite(grad_norms).all()
-    grad_norm = torch.linalg.vector_norm(grad_norms) if grads else torch.zeros((), dtype=_FLOAT32, device=device)
+    norm = _nonfinite_total(grads, device, norm=True, layout=layout)  # staged: one kernel for the small ones
+    grad_norm = norm if norm is not None else torch.zeros((), dtype=_FLOAT32, device=device)
+    grads_bad = ~torch.isfinite(grad_norm)
     others_bad = ~torch.isfinite(grouped_norms(others, device)).all()
     nonempty = [t for t in nonnegative if t.numel()]
     if nonempty:
