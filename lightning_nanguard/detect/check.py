@@ -83,10 +83,10 @@ def grouped_norms(tensors: Sequence[Tensor], device: torch.device | None = None)
     if not tensors:
         return torch.zeros(0, dtype=_FLOAT32, device=device)
     target = device if device is not None else tensors[0].device
-    grouped = _group_tensors_by_device_and_dtype([list(tensors)])
+    grouped = _grouped(tensors)
     parts: list[Tensor] = []
     for (group_device, dtype), ([group], _) in grouped.items():
-        norms = _foreach_norm(group, dtype)  # type: ignore[arg-type]
+        norms = _foreach_norm(group, dtype)
         stacked = torch.stack(norms).to(_FLOAT32)
         if group_device != target:
             stacked = stacked.to(target, non_blocking=True)
@@ -279,7 +279,24 @@ def _others_total(others: Sequence[Tensor], nonnegative: Sequence[Tensor], devic
     return total
 
 
-_SUMMARY_BASE: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
+class _Constants:
+    """Never-written float32 constants of one device, made once: the check allocates nothing for them per step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.zero = torch.zeros((), dtype=_FLOAT32, device=device)
+        self.nan = torch.full((), math.nan, dtype=_FLOAT32, device=device)
+        self.healthy = torch.tensor([0.0, -1.0, 0.0], dtype=_FLOAT32, device=device)  # [flag, no norm, others]
+        self.zeros = torch.zeros(3, dtype=_FLOAT32, device=device)
+
+
+_CONSTANTS: dict[torch.device, _Constants] = {}
+
+
+def _constants(device: torch.device) -> _Constants:
+    constants = _CONSTANTS.get(device)
+    if constants is None:
+        constants = _CONSTANTS[device] = _Constants(device)
+    return constants
 
 
 def _fast_summary(grads_total: Tensor | None, others_total: Tensor | None, device: torch.device) -> Tensor:
@@ -288,13 +305,8 @@ def _fast_summary(grads_total: Tensor | None, others_total: Tensor | None, devic
     Four small kernels: the totals side by side, times zero (0 when finite, NaN when not) plus
     ``[0, -1, 0]``, NaN to 1.
     """
-    if device not in _SUMMARY_BASE:
-        _SUMMARY_BASE[device] = (
-            torch.zeros((), dtype=_FLOAT32, device=device),
-            torch.tensor([0.0, -1.0, 0.0], dtype=_FLOAT32, device=device),
-            torch.zeros(3, dtype=_FLOAT32, device=device),
-        )
-    zero, healthy, zeros = _SUMMARY_BASE[device]
+    constants = _constants(device)
+    zero, healthy, zeros = constants.zero, constants.healthy, constants.zeros
     if grads_total is None and others_total is None:
         return healthy.clone()
     if others_total is None:
@@ -304,9 +316,6 @@ def _fast_summary(grads_total: Tensor | None, others_total: Tensor | None, devic
     else:
         totals = torch.stack((grads_total + others_total, zero, others_total))  # the middle one is always finite
     return torch.nan_to_num(torch.addcmul(healthy, totals, zeros), nan=1.0)
-
-
-_ZERO_NAN: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
 
 def _raw_totals(
@@ -319,12 +328,8 @@ def _raw_totals(
     layout: list[Tensor] | None,
 ) -> Tensor:
     """``[grads_total, others_total, value(, grad_norm)]`` on ``device`` (:func:`fused_health_check`, ``raw=True``)."""
-    if device not in _ZERO_NAN:
-        _ZERO_NAN[device] = (
-            torch.zeros((), dtype=_FLOAT32, device=device),
-            torch.full((), math.nan, dtype=_FLOAT32, device=device),
-        )
-    zero, nan = _ZERO_NAN[device]
+    constants = _constants(device)
+    zero, nan = constants.zero, constants.nan
     # with the norm, the gradients' total is their L2 norm: NaN with a NaN, +Inf with an Inf
     grads_total = _nonfinite_total(grads, device, norm=with_norm, layout=layout)
     norm = ((zero if grads_total is None else grads_total),) if with_norm else ()

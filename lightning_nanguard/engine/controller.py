@@ -31,6 +31,7 @@ from lightning_nanguard.decide.policy import (
     StepDecision,
     StepHealth,
     decide,
+    local_values,
     local_vector,
     shared_part,
 )
@@ -286,7 +287,7 @@ class StepController:
             raise
         except Exception as error:  # a bug in the guard: the step is not vouched for
             self.fail(error, "the per-step check")
-            return [0.0, -1.0, 0.0, 0.0, 1.0, math.nan, 0.0]
+            return local_values(failed=True)
 
     def _agreed_vector(
         self, front: FrontEnd, grads: list[Tensor], optimizer: Optimizer, layout: list[Tensor] | None = None

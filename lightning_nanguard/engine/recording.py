@@ -184,15 +184,25 @@ class IncidentRecorder:
         ``due`` says whether the step is a logging step when the loop has moved on since (a step
         resolved late); by default the front-end is asked.
         """
-        logged = force or previous is not None or self.scalars_due(front, due)
-        if logged and self._scalars is not None and front.is_global_zero:
-            self.parts.run("scalars", self._write_scalars, front, self._scalars, metrics, previous)
+        if force or previous is not None:
+            logged = self._scalars is not None and front.is_global_zero
+        else:
+            logged = self.scalars_due(front, due)
+        if logged:
+            self.write_scalars(front, metrics, previous)
 
     def scalars_due(self, front: FrontEnd, due: bool | None = None) -> bool:
         """Whether a healthy step's :meth:`scalars` would log (``due``: as there)."""
         if self._scalars is None or not (due if due is not None else front.logging_due()):
             return False
         return front.is_global_zero
+
+    def write_scalars(
+        self, front: FrontEnd, metrics: Mapping[str, float | None], previous: Mapping[str, float | None] | None = None
+    ) -> None:
+        """Log the scalars now, once :meth:`scalars` or :meth:`scalars_due` has said they are due here."""
+        assert self._scalars is not None
+        self.parts.run("scalars", self._write_scalars, front, self._scalars, metrics, previous)
 
     @staticmethod
     def _write_scalars(

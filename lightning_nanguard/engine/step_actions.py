@@ -100,7 +100,7 @@ class StepActions:
         if front.automatic_optimization:  # manual: another optimizer of the batch may step on them next
             self.window.forget_batches()
         if self.recorder.scalars_due(front, due):  # the values are made only when they are logged
-            self.recorder.scalars(front, metrics(self.state.counters), due=True)
+            self.recorder.write_scalars(front, metrics(self.state.counters))
 
     def _healthy_norm(self, grads: list[Tensor], grad_norm: float, clip: bool) -> None:
         """A healthy step's norm for ``clip_grad``; clipped now unless sync-free clipped it on the device."""

@@ -79,15 +79,21 @@ class TrainerFrontEnd:
 
     # ------------------------------------------------------------------ where the run is
 
-    @property
-    def global_step(self) -> int:
+    def _once(self, fact: str, read: Callable[[], Any]) -> Any:
+        """``read()``, once per hook (:meth:`new_moment`); every time on a front-end no hook announced."""
         moment = self._moment
         if moment is None:
-            return self.trainer.global_step
-        step = moment.get("global_step")
-        if step is None:
-            step = moment["global_step"] = self.trainer.global_step
-        return step
+            return read()
+        if fact not in moment:
+            moment[fact] = read()
+        return moment[fact]
+
+    @property
+    def global_step(self) -> int:
+        return int(self._once("global_step", self._trainer_step))
+
+    def _trainer_step(self) -> int:
+        return self.trainer.global_step
 
     @property
     def current_epoch(self) -> int:
@@ -222,13 +228,7 @@ class TrainerFrontEnd:
 
     def logging_due(self) -> bool:
         """Whether the Trainer logs metrics at this step (``log_every_n_steps``)."""
-        moment = self._moment
-        due = moment.get("logging_due") if moment is not None else None
-        if due is None:
-            due = self._logging_due()
-            if moment is not None:
-                moment["logging_due"] = due
-        return due
+        return bool(self._once("logging_due", self._logging_due))
 
     def _logging_due(self) -> bool:
         if not self.trainer.loggers:

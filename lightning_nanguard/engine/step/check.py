@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_nanguard.core.events import NanEvent
-from lightning_nanguard.decide.policy import local_vector
+from lightning_nanguard.decide.policy import local_values, local_vector
 from lightning_nanguard.detect.batchnorm import batchnorm_buffers
 from lightning_nanguard.detect.check import fused_health_check
 from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_names
@@ -132,7 +132,7 @@ def host_step_values(
     if spikes is not None:
         checked = loss_value if loss is not None else None
         spike = bool(parts.run("spikes", spikes.check, checked, grad_norm if with_norm else None))
-    return [float(bad), grad_norm, float(others_bad), float(spike), 0.0, loss_value, 0.0]
+    return local_values(bad, grad_norm, others_bad, spike, loss=loss_value)
 
 
 def _spike_flag(
