@@ -55,15 +55,26 @@ EVERY_N_STEPS = PrecursorSettings().every_n_steps  # NanGuard's precursor_every_
 ROWS = PrecursorSettings().rows  # the batch rows the guard measures per attention call
 
 
-def _hf_gpt2(device: torch.device) -> tuple[nn.Module, Callable[[], Tensor]]:
+def _eager_gpt2(
+    device: torch.device, layers: int, heads: int, width: int, vocab: int, tokens: int, positions: int, lm_loss: bool
+) -> tuple[nn.Module, Callable[[], Tensor]]:
+    """A Hugging Face GPT-2 from a config (eager attention) on 8 sequences of ``tokens``; its LM loss or mean logit."""
     import transformers
 
-    config = transformers.GPT2Config(n_layer=4, n_head=4, n_embd=128, vocab_size=1024, n_positions=128)
+    config = transformers.GPT2Config(
+        n_layer=layers, n_head=heads, n_embd=width, vocab_size=vocab, n_positions=positions
+    )
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).to(device)
-    ids = torch.randint(1024, (8, 64), generator=torch.Generator().manual_seed(0)).to(device)
-    return model, lambda: model(ids, labels=ids).loss
+    ids = torch.randint(vocab, (8, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    if lm_loss:
+        return model, lambda: model(ids, labels=ids).loss
+    return model, lambda: model(ids).logits.mean()
+
+
+def _hf_gpt2(device: torch.device) -> tuple[nn.Module, Callable[[], Tensor]]:
+    return _eager_gpt2(device, layers=4, heads=4, width=128, vocab=1024, tokens=64, positions=128, lm_loss=True)
 
 
 def _bench_model(name: str, device: torch.device) -> tuple[nn.Module, Callable[[], Tensor]]:
@@ -96,14 +107,7 @@ def _tiny_encoder(device: torch.device) -> tuple[nn.Module, Callable[[], Tensor]
 
 
 def _tiny_hf(device: torch.device) -> tuple[nn.Module, Callable[[], Tensor]]:
-    import transformers
-
-    config = transformers.GPT2Config(n_layer=8, n_head=2, n_embd=16, vocab_size=64, n_positions=8)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).to(device)
-    ids = torch.randint(64, (8, 8), generator=torch.Generator().manual_seed(0)).to(device)
-    return model, lambda: model(ids).logits.mean()
+    return _eager_gpt2(device, layers=8, heads=2, width=16, vocab=64, tokens=8, positions=8, lm_loss=False)
 
 
 TINY: dict[str, Callable[[torch.device], tuple[nn.Module, Callable[[], Tensor]]]] = {

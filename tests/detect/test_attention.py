@@ -6,38 +6,18 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
+from attention_blocks import CausalSelfAttention
 from torch import Tensor, nn
 
 from lightning_nanguard.detect import attention
 from lightning_nanguard.detect.attention import AttentionProbe, attention_stats
 
 
-class Block(nn.Module):
-    """Causal self-attention, hand-written (``manual``) or through ``scaled_dot_product_attention``."""
-
-    def __init__(self, sdpa: bool, dim: int = 8, heads: int = 2) -> None:
-        super().__init__()
-        self.sdpa, self.heads = sdpa, heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, d = x.shape
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
-        if self.sdpa:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            logits = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
-            causal = torch.ones(t, t, dtype=torch.bool).tril()
-            y = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1) @ v
-        return y.transpose(1, 2).reshape(b, t, d)
-
-
 class Net(nn.Module):
     def __init__(self, sdpa: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList([nn.ModuleDict({"attn": Block(sdpa)}) for _ in range(2)])
+        self.blocks = nn.ModuleList([nn.ModuleDict({"attn": CausalSelfAttention(sdpa)}) for _ in range(2)])
         self.head = nn.Linear(8, 3)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -46,7 +26,7 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def _reference(block: Block, x: Tensor, rows: int) -> tuple[float, float]:
+def _reference(block: CausalSelfAttention, x: Tensor, rows: int) -> tuple[float, float]:
     """Max logit and mean entropy of ``block`` on ``x[:rows]``, computed directly."""
     b, t, d = x[:rows].shape
     q, k, _ = (z.view(b, t, 2, d // 2).transpose(1, 2) for z in block.qkv(x[:rows]).chunk(3, dim=-1))

@@ -10,14 +10,11 @@ per call, 31 with the two row slices).
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import pytest
 import torch
-import torch.nn.functional as F
+from attention_blocks import CausalSelfAttention
+from op_budget import OpCounter
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_nanguard.detect import attention
 from lightning_nanguard.detect.attention import AttentionProbe
@@ -32,36 +29,13 @@ PER_CALL = 3
 PER_BATCH = 20
 
 
-class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
-class Block(nn.Module):
-    def __init__(self, sdpa: bool, heads: int, width: int = 16) -> None:
-        super().__init__()
-        self.sdpa, self.heads = sdpa, heads
-        self.qkv = nn.Linear(width, 3 * width)
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, d = x.shape
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
-        if self.sdpa:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            logits = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
-            y = torch.softmax(logits.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -math.inf), dim=-1) @ v
-        return x + y.transpose(1, 2).reshape(b, t, d)
+def _block(sdpa: bool, heads: int) -> CausalSelfAttention:
+    return CausalSelfAttention(sdpa, dim=16, heads=heads, residual=True)
 
 
 def _net(layers: int, sdpa: bool, heads: int) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*(Block(sdpa, heads) for _ in range(layers)))
+    return nn.Sequential(*(_block(sdpa, heads) for _ in range(layers)))
 
 
 def _added(net: nn.Sequential, x: Tensor, passes: int = 3) -> int:
@@ -71,15 +45,15 @@ def _added(net: nn.Sequential, x: Tensor, passes: int = 3) -> int:
         with probe.measuring():
             net(x)
         probe.take_calls()
-    plain, watched = _Count(), _Count()
-    with plain:
+    plain, watched = OpCounter(), OpCounter()
+    with plain.modes():
         net(x)
-    with watched:
+    with watched.modes():
         with probe.measuring():
             net(x)
         calls = probe.take_calls()
     assert sum(len(part.names) for part in calls) == len(net)
-    return watched.calls - plain.calls
+    return watched.all_ops - plain.all_ops
 
 
 @pytest.mark.parametrize("sdpa", [True, False], ids=["sdpa", "softmax"])
@@ -107,15 +81,15 @@ def test_a_sampled_step_of_the_watch_adds_a_fixed_number_of_calls_and_no_host_re
             net(x)
             watch.finish(step)
             watch.ready()
-        count = _Count()
-        with count:
+        count = OpCounter()
+        with count.modes():
             watch.arm(3)
             net(x)
             watch.finish(3)
-        plain = _Count()
-        with plain:
+        plain = OpCounter()
+        with plain.modes():
             net(x)
-        counts.append(count.calls - plain.calls)
+        counts.append(count.all_ops - plain.all_ops)
         assert [s.module for s in watch.ready()] == sorted(str(i) for i in range(layers))
     assert counts[0] == counts[1] <= PER_BATCH, counts  # 4 rows of 8 tokens: nothing to slice, no call per layer
 
@@ -143,7 +117,7 @@ def test_calls_measured_in_several_batches_give_the_values_of_one() -> None:
 def test_calls_of_different_shapes_in_one_forward_are_each_measured() -> None:
     """Two shapes of call (4 and 2 heads) and a softmax: one batch each, every module named once."""
     torch.manual_seed(0)
-    net = nn.Sequential(Block(True, 4), Block(True, 2), Block(False, 2), Block(True, 4))
+    net = nn.Sequential(_block(True, 4), _block(True, 2), _block(False, 2), _block(True, 4))
     x = torch.randn(4, 6, 16)
     probe = AttentionProbe(net, rows=4)
     with probe.measuring():
