@@ -62,12 +62,25 @@ class Staging:
     Args:
         like: tensors of the layout (one device and dtype, dense).
         positions: where ``like[i]`` sits in the lists :meth:`load` receives (default: ``i``).
+        kind: the buffer's device and dtype (default: ``like[0]``'s; needed when ``like`` is empty).
+        tail: elements after the staged ones (:attr:`tail`, a view): :meth:`load` copies its
+            ``tail_sources`` (one element each) into their first slots with the same
+            ``_foreach_copy_``, the last ones are the caller's (e.g. a total written there).
     """
 
-    def __init__(self, like: Sequence[Tensor], positions: Sequence[int] | None = None) -> None:
-        first = like[0]
+    def __init__(
+        self,
+        like: Sequence[Tensor],
+        positions: Sequence[int] | None = None,
+        tail: int = 0,
+        kind: tuple[torch.device, torch.dtype] | None = None,
+    ) -> None:
+        device, dtype = kind if kind is not None else (like[0].device, like[0].dtype)
         at = list(range(len(like))) if positions is None else list(positions)
-        self.flat = torch.empty(sum(t.numel() for t in like), dtype=first.dtype, device=first.device)
+        staged_numel = sum(t.numel() for t in like)
+        self.flat = torch.empty(staged_numel + tail, dtype=dtype, device=device)
+        self.tail = self.flat[staged_numel:]
+        self.tail_views = list(self.tail.unbind()) if tail else []
         by_shape: dict[torch.Size, list[int]] = {}
         for index, tensor in enumerate(like):
             by_shape.setdefault(tensor.shape, []).append(index)
@@ -86,15 +99,20 @@ class Staging:
                 self.single_views.append(view[0])
         self.singles: list[int] = singles
 
-    def load(self, tensors: Sequence[Tensor]) -> Tensor:
-        """Copy the tensors into the buffer and return it; ``RuntimeError`` for a list of other shapes."""
+    def load(self, tensors: Sequence[Tensor], tail_sources: Sequence[Tensor] = ()) -> Tensor:
+        """Copy the tensors (and ``tail_sources`` into the tail) into the buffer and return it.
+
+        ``RuntimeError`` for a list of other shapes.
+        """
         for chosen, shape, view in self.stacks:
             picked = pick(tensors, chosen)
             if picked[0].shape != shape:
                 raise RuntimeError("other shapes than the staging buffer was built for")
             torch.stack(picked, out=view)  # checks every shape and the count
-        if self.singles:
-            torch._foreach_copy_(self.single_views, [tensors[i] for i in self.singles])
+        if self.singles or tail_sources:
+            views = self.single_views + self.tail_views[: len(tail_sources)] if tail_sources else self.single_views
+            sources = [tensors[i] for i in self.singles]
+            torch._foreach_copy_(views, sources + list(tail_sources) if tail_sources else sources)
         return self.flat
 
 

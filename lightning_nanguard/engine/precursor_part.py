@@ -90,7 +90,7 @@ class PrecursorPart:
 
     def check(self, front: FrontEnd) -> None:
         """The step is checked: stop measuring; write and judge the samples already on the host (no wait)."""
-        if self.watch is not None:
+        if self.watch is not None and not self.watch.idle:
             self.parts.run("precursors", self._check, front)
 
     def _check(self, front: FrontEnd) -> None:

@@ -61,6 +61,8 @@ class BatchNormSnapshot:
             >>> snapshot.stale()
             True
         """
+        if not self._live:
+            return False
         slots = zip(self._slots, self._live, strict=True)
         return any(buffers.get(stat) is not live for (buffers, stat), live in slots)  # dict reads: ~0.1 us each
 

@@ -42,7 +42,7 @@ from op_budget import OpCounter, PythonCalls, StepCounts, install
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_nanguard.detect.check as check_module
+import lightning_nanguard.detect.one_read as one_read
 from lightning_nanguard import NanGuard
 
 STEPS = 8
@@ -60,10 +60,10 @@ class Budget:
 
 
 BUDGET: dict[str, Budget] = {
-    # the loss kept (detach); the fused check's raw totals: a staging copy of the small gradients (one
-    # stack per repeated shape: 2 here), one sum (the 0-dim loss is its own total), one stack of the
-    # totals and the loss; one read; the host tests the totals and compares the loss with the spike
-    # threshold (no kernel, no fill_ when the threshold changes). 5 calls
+    # the loss kept (detach); the check in one buffer (detect/one_read.py): the small gradients staged
+    # (one stack per repeated shape: 2 here), the loss copied beside them (one _foreach_copy_), one sum
+    # into the buffer's last slot; one read of [loss, total]; the host tests the total and compares the
+    # loss with the spike threshold (no kernel, no fill_ when the threshold changes). 5 calls
     "default": Budget(ops=5, reads=1),
     # fused AdamW takes the flags as found_inf; BatchNorm put back by a device select; the flags
     # copied to the host without waiting and read a step later (no read). Outside the hooks: the fused
@@ -296,22 +296,22 @@ def test_healthy_step_stays_within_its_budget(name: str, tmp_path: Any) -> None:
     assert not problems, "\n".join(problems)
 
 
-def _plant(monkeypatch: pytest.MonkeyPatch, wrap: Callable[[Callable[..., Tensor]], Callable[..., Tensor]]) -> None:
-    """Replace ``fused_health_check`` wherever the package refers to it (the healthy step's check)."""
-    original = check_module.fused_health_check
+def _plant(monkeypatch: pytest.MonkeyPatch, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``loss_and_total`` wherever the package refers to it (the healthy step's check, in one read)."""
+    original = one_read.loss_and_total
     planted = wrap(original)
     names = [
         name
         for name, module in list(sys.modules.items())
-        if name.startswith("lightning_nanguard") and getattr(module, "fused_health_check", None) is original
+        if name.startswith("lightning_nanguard") and getattr(module, "loss_and_total", None) is original
     ]
     for name in names:
-        monkeypatch.setattr(sys.modules[name], "fused_health_check", planted)
-    assert len(names) > 1, "nothing but its own module refers to fused_health_check: plant elsewhere"
+        monkeypatch.setattr(sys.modules[name], "loss_and_total", planted)
+    assert len(names) > 1, "nothing but its own module refers to loss_and_total: plant elsewhere"
 
 
-def _per_tensor_loop(original: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    def planted(grads: list[Tensor], *args: Any, **kwargs: Any) -> Tensor:
+def _per_tensor_loop(original: Callable[..., Any]) -> Callable[..., Any]:
+    def planted(grads: list[Tensor], *args: Any, **kwargs: Any) -> Any:
         for grad in grads:  # one kernel per tensor
             grad.sum()
         return original(grads, *args, **kwargs)
@@ -319,12 +319,12 @@ def _per_tensor_loop(original: Callable[..., Tensor]) -> Callable[..., Tensor]:
     return planted
 
 
-def _extra_read(original: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    def planted(*args: Any, **kwargs: Any) -> Tensor:
-        summary = original(*args, **kwargs)
-        if summary[0] > 0:  # a host read
+def _extra_read(original: Callable[..., Any]) -> Callable[..., Any]:
+    def planted(grads: list[Tensor], *args: Any, **kwargs: Any) -> Any:
+        values = original(grads, *args, **kwargs)
+        if grads[0].sum() > 0:  # a host read
             pass
-        return summary
+        return values
 
     return planted
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 
@@ -71,3 +71,49 @@ def test_a_step_view_names_the_earlier_step_and_reads_everything_else_live(step:
     view: Any = StepView(front, step, epoch)
     assert (view.global_step, view.current_epoch) == (step, epoch)
     assert view.module is front.module and view.world_size == 1
+
+
+class _Recorder(Callback):
+    """Compares the front-end's ``logging_due`` with Lightning's own answer at each training hook."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, bool, bool]] = []
+
+    def _compare(self, hook: str, trainer: Trainer, pl_module: Any) -> None:
+        front = TrainerFrontEnd(trainer, pl_module)
+        front.new_moment()
+        self.seen.append((hook, trainer.global_step, front.logging_due(), trainer._logger_connector.should_update_logs))
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._compare("batch_start", trainer, pl_module)
+        if trainer.global_step == 5:
+            trainer.should_stop = True  # the loop logs the step it stops at whatever log_every_n_steps says
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
+        self._compare("before_optimizer_step", trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._compare("batch_end", trainer, pl_module)
+
+
+@pytest.mark.parametrize(("every", "accumulate"), [(1, 1), (3, 1), (2, 2), (0, 1)])
+def test_logging_due_is_lightnings_answer_at_every_hook(tmp_path: Any, every: int, accumulate: int) -> None:
+    recorder = _Recorder()
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=8,
+        log_every_n_steps=every,
+        accumulate_grad_batches=accumulate,
+        callbacks=[recorder],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(BoringModel())
+    ours = [due for _, _, due, _ in recorder.seen]
+    lightnings = [due for _, _, _, due in recorder.seen]
+    assert ours == lightnings
+    assert len(recorder.seen) >= 3 * 6
+    if every:
+        assert True in ours and (every == 1 or False in ours)  # both answers occur: the comparison can fail

@@ -20,6 +20,7 @@ from lightning_nanguard.decide.policy import local_values, local_vector
 from lightning_nanguard.detect.batchnorm import batchnorm_buffers
 from lightning_nanguard.detect.check import fused_health_check
 from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_names
+from lightning_nanguard.detect.one_read import loss_and_total
 from lightning_nanguard.detect.syncfree import scaler_found_inf
 
 if TYPE_CHECKING:
@@ -113,6 +114,11 @@ def host_step_values(
     """
     bn = window.batchnorm_buffers
     norm_due = with_norm or front.logging_due()
+    if not (norm_due or bn) and layout is not None and len(window.losses) == 1:  # the common step: one read
+        quick = loss_and_total(grads, window.losses[0], layout)
+        if quick is not None and math.isfinite(quick[1]):  # every gradient and the loss finite
+            loss_value = quick[0] if spikes is not None else None
+            return _decided(spikes, parts, loss_value, -1.0, with_norm, bad=False, others_bad=False)
     loss = window.step_loss() if spikes is not None else None
     totals = fused_health_check(
         grads,
@@ -128,11 +134,23 @@ def host_step_values(
     grad_norm = totals[3] if norm_due else -1.0
     others_bad = not math.isfinite(others_total)
     bad = others_bad or not math.isfinite(grads_total)
+    return _decided(spikes, parts, loss_value if loss is not None else None, grad_norm, with_norm, bad, others_bad)
+
+
+def _decided(
+    spikes: SpikeWatch | None,
+    parts: GuardParts,
+    loss: float | None,
+    grad_norm: float,
+    with_norm: bool,
+    bad: bool,
+    others_bad: bool,
+) -> list[float]:
+    """The local values of a step decided on the host, with its spike check (an optional part)."""
     spike = False
     if spikes is not None:
-        checked = loss_value if loss is not None else None
-        spike = bool(parts.run("spikes", spikes.check, checked, grad_norm if with_norm else None))
-    return local_values(bad, grad_norm, others_bad, spike, loss=loss_value)
+        spike = bool(parts.run("spikes", spikes.check, loss, grad_norm if with_norm else None))
+    return local_values(bad, grad_norm, others_bad, spike, loss=math.nan if loss is None else loss)
 
 
 def _spike_flag(

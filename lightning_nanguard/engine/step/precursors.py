@@ -142,6 +142,11 @@ class PrecursorWatch:
             copies.append((part.names, host, event))
         self._pending.append((step, copies))
 
+    @property
+    def idle(self) -> bool:
+        """Nothing to finish, write or say at a check: no step measured, no copy pending, no notice."""
+        return self._armed is None and not self._pending and self.notice is None
+
     def ready(self) -> list[Sample]:
         """The samples whose copy has landed (earlier steps first); nothing waits for the device."""
         out: list[Sample] = []

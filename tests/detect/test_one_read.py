@@ -1,0 +1,124 @@
+"""The healthy step's one-read check: the loss read back as it is, the total finite iff every value is."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from lightning_nanguard.detect import one_read
+from lightning_nanguard.detect.check import SMALL_NUMEL
+from lightning_nanguard.detect.one_read import loss_and_total
+
+SHAPES = [(3, 4), (4,), (3, 4), (4,), (SMALL_NUMEL,), (2, SMALL_NUMEL), (), (5,)]  # small, repeated, large, 0-dim
+
+
+def _params(shapes: list[tuple[int, ...]] = SHAPES) -> list[Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
+
+
+def _grads(params: list[Tensor]) -> list[Tensor]:
+    return [torch.rand(p.shape, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
+
+
+def test_a_healthy_list_reads_its_loss_and_a_finite_total() -> None:
+    params = _params()
+    grads = _grads(params)
+    value, total = loss_and_total(grads, torch.tensor(0.25), params)  # type: ignore[misc]
+    assert value == 0.25
+    expected = sum(g.double().sum().item() for g in grads if g.numel() < SMALL_NUMEL) + 0.25
+    large = sum(g.double().sum().item() for g in grads if g.numel() >= SMALL_NUMEL)  # summed one by one on a CPU
+    assert total == pytest.approx(expected + large, rel=1e-5)
+
+
+@pytest.mark.parametrize("position", range(len(SHAPES)))
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_one_nonfinite_element_anywhere_makes_the_total_nonfinite(position: int, bad: float) -> None:
+    params = _params()
+    grads = _grads(params)
+    grads[position].view(-1)[-1] = bad
+    value, total = loss_and_total(grads, torch.tensor(1.5), params)  # type: ignore[misc]
+    assert value == 1.5 and not math.isfinite(total)
+
+
+def test_opposite_infinities_in_two_tensors_do_not_cancel() -> None:
+    params = _params()
+    grads = _grads(params)
+    grads[0][0, 0], grads[4][0] = math.inf, -math.inf  # a small and a large one
+    assert math.isnan(loss_and_total(grads, torch.tensor(1.0), params)[1])  # type: ignore[index]
+
+
+@pytest.mark.parametrize("loss", [math.nan, math.inf])
+def test_a_nonfinite_loss_makes_the_total_nonfinite(loss: float) -> None:
+    params = _params()
+    value, total = loss_and_total(_grads(params), torch.tensor(loss), params)  # type: ignore[misc]
+    assert not math.isfinite(total) and (math.isnan(value) if math.isnan(loss) else value == loss)
+
+
+def test_a_float64_loss_is_read_as_float32() -> None:
+    params = _params()
+    value, _ = loss_and_total(_grads(params), torch.tensor(0.1, dtype=torch.float64), params)  # type: ignore[misc]
+    assert value == torch.tensor(0.1, dtype=torch.float32).item()
+
+
+def test_the_plan_is_made_once_per_layout_and_nothing_checked_is_written() -> None:
+    params = _params()
+    grads = _grads(params)
+    versions = [g._version for g in grads]
+    loss_and_total(grads, torch.tensor(1.0), params)
+    plan = one_read._PLANS[id(params)]
+    grads[1][0] = math.nan  # the same layout, another step's values
+    assert not math.isfinite(loss_and_total(grads, torch.tensor(1.0), params)[1])  # type: ignore[index]
+    assert one_read._PLANS[id(params)] is plan
+    assert [g._version for g in grads] == [v + (i == 1) for i, v in enumerate(versions)]  # only our own write
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["float64 gradients", "another list length", "a loss of two elements", "an integer loss", "sparse gradients"],
+)
+def test_where_the_plan_does_not_apply_it_says_so(case: str) -> None:
+    params = _params([(3,), (4,)])
+    grads, loss = _grads(params), torch.tensor(1.0)
+    if case == "float64 gradients":
+        params = [nn.Parameter(p.detach().double()) for p in params]
+        grads = [g.double() for g in grads]
+    elif case == "another list length":
+        grads = grads[:1]
+    elif case == "a loss of two elements":
+        loss = torch.ones(2)
+    elif case == "an integer loss":
+        loss = torch.tensor(1)
+    else:
+        grads = [g.to_sparse() for g in grads]
+    assert loss_and_total(grads, loss, params) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(
+        st.sampled_from([(), (1,), (7,), (2, 3), (SMALL_NUMEL - 1,), (SMALL_NUMEL,), (SMALL_NUMEL + 3,)]),
+        min_size=1,
+        max_size=8,
+    ),
+    bad=st.one_of(
+        st.none(), st.tuples(st.integers(0, 7), st.integers(0, 10**6), st.sampled_from([math.nan, math.inf]))
+    ),
+)
+def test_the_total_is_finite_exactly_when_every_value_is(
+    shapes: list[tuple[int, ...]], bad: tuple[int, int, float] | None
+) -> None:
+    params = _params(shapes)
+    grads = _grads(params)
+    if bad is not None:
+        tensor = grads[bad[0] % len(grads)].view(-1)
+        tensor[bad[1] % tensor.numel()] = bad[2]
+    result = loss_and_total(grads, torch.tensor(2.0), params)
+    assert result is not None
+    assert math.isfinite(result[1]) == (bad is None)
+    assert result[0] == 2.0
