@@ -18,12 +18,14 @@ The caller's protocol, once per step::
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import operator
 import statistics
 import struct
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -151,6 +153,7 @@ class SpikeDetector:
         self.rebaselines_total = 0
         self._history: deque[float] = deque(maxlen=window)  # accepted values, oldest first (host floats)
         self._logs: deque[float] = deque(maxlen=window)  # log(max(value, tiny)) of the same values
+        self._changes = _Changes()  # |b - a| of each pair of consecutive values and logs, kept sorted
         self._stale = 0  # accepted values since the statistic was last computed
         self._statistic = _Statistic.warming_up(0)  # what the device threshold holds
         self._thresholds: dict[torch.device, Tensor] = {}  # the threshold on each device it was used on
@@ -239,8 +242,10 @@ class SpikeDetector:
             current = pending if isinstance(pending, float) else float(pending.float().reshape(-1)[0])
         if not math.isfinite(current):
             return
+        log = math.log(max(current, _TINY))
+        self._changes.slide(self._history, self._logs, current, log)
         self._history.append(current)
-        self._logs.append(math.log(max(current, _TINY)))
+        self._logs.append(log)
         self._stale += 1
         if self._stale >= self.refresh_every:
             self._refresh()
@@ -309,6 +314,7 @@ class SpikeDetector:
         values = [float(v) for v in state_dict.get("history", [])]
         self._history = deque((v for v in values if math.isfinite(v)), maxlen=self.window)
         self._logs = deque((math.log(max(v, _TINY)) for v in self._history), maxlen=self.window)
+        self._changes = _Changes.of(self._history, self._logs)
         self.consecutive_spikes = int(state_dict.get("consecutive_spikes", 0))
         self.spikes_total = int(state_dict.get("spikes_total", 0))
         self.rebaselines_total = int(state_dict.get("rebaselines_total", 0))
@@ -340,6 +346,7 @@ class SpikeDetector:
     def _clear(self) -> None:
         self._history.clear()
         self._logs.clear()
+        self._changes = _Changes()
         self._refresh()
 
     def _refresh(self) -> None:
@@ -347,7 +354,7 @@ class SpikeDetector:
         self._stale = 0
         written = self._statistic.threshold  # what every device threshold holds now
         self._statistic = _Statistic.of(
-            list(self._history), list(self._logs), self.warmup, self.recent, self.sigmas, self.min_ratio
+            list(self._history), list(self._logs), self.warmup, self.recent, self.sigmas, self.min_ratio, self._changes
         )
         if self._statistic.threshold == written:
             return  # unchanged (inf while warming up): no kernel
@@ -375,24 +382,80 @@ class _Statistic:
 
     @classmethod
     def of(
-        cls, values: list[float], logs: list[float], warmup: int, recent: int, sigmas: float, min_ratio: float
+        cls,
+        values: list[float],
+        logs: list[float],
+        warmup: int,
+        recent: int,
+        sigmas: float,
+        min_ratio: float,
+        changes: _Changes | None = None,
     ) -> _Statistic:
-        """The statistic of the accepted ``values`` (oldest first) and their ``logs``; see the module docs."""
+        """The statistic of the accepted ``values`` (oldest first) and their ``logs``; see the module docs.
+
+        ``changes``: the sorted changes of ``values`` and ``logs``, kept as they arrive; else sorted here.
+        """
         if not values:
             return cls.warming_up(0)
         baseline = statistics.median_low(values[-recent:])  # an observed value, as torch.median gives
         if len(values) < warmup:
             return cls.warming_up(len(values), baseline)
         positive = baseline > 0
-        series = logs if positive else values
-        changes = sorted(map(abs, map(operator.sub, series[1:], series[:-1])))  # |b - a| of each pair, no generator
-        quantile = changes[round(_Q * (len(changes) - 1))] if changes else 0.0
+        if changes is None:
+            changes = _Changes.of(values, logs)
+        ordered = changes.logs if positive else changes.values
+        quantile = ordered[round(_Q * (len(ordered) - 1))] if ordered else 0.0
         margin = quantile * sigmas / _Q_TO_SIGMA
         if positive:
             margin = max(margin, math.log(min_ratio))
             return cls(_representable(math.log(baseline) + margin, log=True), baseline, margin, len(values))
         margin = max(margin, abs(baseline) * (min_ratio - 1.0))
         return cls(_representable(baseline + margin) if margin > 0 else math.inf, baseline, margin, len(values))
+
+
+class _Changes:
+    """``|b - a|`` of each pair of consecutive values (and of their logs), sorted, kept as the window slides.
+
+    A refresh of the statistic then reads its quantile instead of sorting the window (two bisections
+    a step instead of a sort of ``window`` changes every ``refresh_every`` steps).
+
+    Examples:
+        >>> history, logs, changes = deque([1.0, 4.0], maxlen=3), deque([0.0, 0.0], maxlen=3), _Changes()
+        >>> changes = _Changes.of(history, logs)
+        >>> changes.slide(history, logs, 2.0, 0.0); history.append(2.0); logs.append(0.0)
+        >>> changes.values
+        [2.0, 3.0]
+        >>> changes.slide(history, logs, 2.5, 0.0); history.append(2.5); logs.append(0.0)
+        >>> changes.values  # 4 - 1 left the window with 1.0
+        [0.5, 2.0]
+    """
+
+    def __init__(self, values: list[float] | None = None, logs: list[float] | None = None) -> None:
+        self.values = values if values is not None else []
+        self.logs = logs if logs is not None else []
+
+    @classmethod
+    def of(cls, values: Sequence[float], logs: Sequence[float]) -> _Changes:
+        listed, listed_logs = list(values), list(logs)
+        return cls(_sorted_changes(listed), _sorted_changes(listed_logs))
+
+    def slide(self, history: deque[float], logs: deque[float], value: float, log: float) -> None:
+        """``value`` (and its ``log``) is about to be appended to ``history`` (and ``logs``)."""
+        if not history or history.maxlen == 1:  # no pair before, or none after
+            return
+        if len(history) == history.maxlen:  # the oldest pair leaves the window
+            _discard(self.values, abs(history[1] - history[0]))
+            _discard(self.logs, abs(logs[1] - logs[0]))
+        bisect.insort(self.values, abs(value - history[-1]))
+        bisect.insort(self.logs, abs(log - logs[-1]))
+
+
+def _sorted_changes(series: list[float]) -> list[float]:
+    return sorted(map(abs, map(operator.sub, series[1:], series[:-1])))  # |b - a| of each pair, no generator
+
+
+def _discard(ordered: list[float], value: float) -> None:
+    del ordered[bisect.bisect_left(ordered, value)]
 
 
 def _representable(threshold: float, log: bool = False) -> float:

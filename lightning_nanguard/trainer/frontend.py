@@ -93,7 +93,20 @@ class TrainerFrontEnd:
         return int(self._once("global_step", self._trainer_step))
 
     def _trainer_step(self) -> int:
-        return self.trainer.global_step
+        """``trainer.global_step``, read from the epoch loop's progress counters without its chain of properties.
+
+        What ``_TrainingEpochLoop.global_step`` returns (the optimizer steps completed, automatic or
+        manual), ~4 us a read less; the property itself where the loop is laid out otherwise.
+        """
+        loop = getattr(getattr(self.trainer, "fit_loop", None), "epoch_loop", None)
+        try:
+            if self.module.automatic_optimization:
+                steps = loop.automatic_optimization.optim_progress.optimizer.step.total.completed  # type: ignore[union-attr]
+            else:
+                steps = loop.manual_optimization.optim_step_progress.total.completed  # type: ignore[union-attr]
+        except AttributeError:
+            return int(self.trainer.global_step)
+        return steps if type(steps) is int else int(self.trainer.global_step)
 
     @property
     def current_epoch(self) -> int:

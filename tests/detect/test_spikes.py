@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from host_reads import HostReadCounter
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
-from lightning_nanguard.detect.spikes import SpikeDetector, SpikeStats
+from lightning_nanguard.detect.spikes import SpikeDetector, SpikeStats, _Changes, _Statistic
 
 
 def feed(detector: SpikeDetector, values: Iterable[float], dtype: torch.dtype = torch.float32) -> list[int]:
@@ -411,3 +413,36 @@ def test_a_tiny_loss_scale_changes_nothing_in_what_is_a_spike(scale: float) -> N
         assert detector.check(torch.tensor(1e4 * factor, dtype=torch.float32)).item() == 1.0
         generator.manual_seed(3)
     assert len(flagged[scale]) <= len(flagged[1.0]) + 2, flagged
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    window=st.integers(3, 8),
+    refresh_every=st.integers(1, 3),
+    steps=st.lists(
+        st.one_of(
+            st.floats(-1e6, 1e6, allow_nan=False),
+            st.sampled_from([0.0, -0.0, 5e-324, 1e-38, math.nan, math.inf, "rebaseline", "reload"]),
+        ),
+        max_size=40,
+    ),
+)
+def test_the_changes_kept_as_values_arrive_are_the_sorted_changes_of_the_window(
+    window: int, refresh_every: int, steps: list[float | str]
+) -> None:
+    """The statistic refreshed from the changes kept step by step equals the one sorted afresh from the window."""
+    detector = SpikeDetector(window=window, warmup=3, recent=2, refresh_every=refresh_every)
+    for step in steps:
+        if step == "rebaseline":
+            detector.reset()
+        elif step == "reload":
+            detector.load_state_dict(detector.state_dict())
+        else:
+            detector.check_value(float(step))
+            detector.accept(True)
+        history, logs = list(detector._history), list(detector._logs)
+        afresh = _Changes.of(history, logs)
+        assert (detector._changes.values, detector._changes.logs) == (afresh.values, afresh.logs)
+        statistic = _Statistic.of(history, logs, 3, 2, detector.sigmas, detector.min_ratio)
+        kept = _Statistic.of(history, logs, 3, 2, detector.sigmas, detector.min_ratio, detector._changes)
+        assert kept == statistic

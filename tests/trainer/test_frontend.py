@@ -78,11 +78,13 @@ class _Recorder(Callback):
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, int, bool, bool]] = []
+        self.steps: list[tuple[int, int]] = []
 
     def _compare(self, hook: str, trainer: Trainer, pl_module: Any) -> None:
         front = TrainerFrontEnd(trainer, pl_module)
         front.new_moment()
         self.seen.append((hook, trainer.global_step, front.logging_due(), trainer._logger_connector.should_update_logs))
+        self.steps.append((front.global_step, trainer.global_step))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._compare("batch_start", trainer, pl_module)
@@ -94,6 +96,9 @@ class _Recorder(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._compare("batch_end", trainer, pl_module)
+
+    def on_before_backward(self, trainer: Trainer, pl_module: Any, loss: Any) -> None:
+        self._compare("before_backward", trainer, pl_module)
 
 
 @pytest.mark.parametrize(("every", "accumulate"), [(1, 1), (3, 1), (2, 2), (0, 1)])
@@ -117,3 +122,42 @@ def test_logging_due_is_lightnings_answer_at_every_hook(tmp_path: Any, every: in
     assert len(recorder.seen) >= 3 * 6
     if every:
         assert True in ours and (every == 1 or False in ours)  # both answers occur: the comparison can fail
+
+
+class _TwoOptimizers(BoringModel):
+    """Manual optimisation stepping two optimizers a batch (``global_step`` counts both)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.other = nn.Linear(32, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        for optimizer in self.optimizers():
+            optimizer.zero_grad()
+            loss = self.layer(batch).sum() + self.other(batch).sum()
+            self.manual_backward(loss)
+            optimizer.step()
+        return None
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.layer.parameters(), lr=0.01), torch.optim.SGD(self.other.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_global_step_is_the_trainers_at_every_hook(tmp_path: Any, manual: bool) -> None:
+    recorder = _Recorder()
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=10,
+        accumulate_grad_batches=1 if manual else 2,
+        callbacks=[recorder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(_TwoOptimizers() if manual else BoringModel())
+    assert recorder.steps and all(ours == lightnings for ours, lightnings in recorder.steps), recorder.steps
+    assert len({lightnings for _, lightnings in recorder.steps}) >= 5  # the count moved: the comparison can fail
