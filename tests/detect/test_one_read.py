@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -122,3 +123,36 @@ def test_the_total_is_finite_exactly_when_every_value_is(
     assert result is not None
     assert math.isfinite(result[1]) == (bad is None)
     assert result[0] == 2.0
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("position", [0, 4, None])  # a small gradient, a large one (one _foreach_norm), none
+def test_cuda_one_read_is_one_synchronisation_and_sees_every_tensor(position: int | None) -> None:
+    params = [p.detach().cuda().requires_grad_() for p in _params()]
+    grads = [g.cuda() for g in _grads(params)]
+    if position is not None:
+        grads[position].view(-1)[-1] = math.nan
+    loss = torch.tensor(1.0, device="cuda")
+    loss_and_total(grads, loss, params)  # builds the plan
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")  # each synchronisation warns
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss_and_total(grads, loss, params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1, [str(w.message) for w in caught]
+    value, total = loss_and_total(grads, loss, params)  # type: ignore[misc]
+    assert value == 1.0 and math.isfinite(total) == (position is None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_loss_on_another_device_than_the_gradients_declines() -> None:
+    params = [p.detach().cuda().requires_grad_() for p in _params()]
+    assert loss_and_total([g.cuda() for g in _grads(params)], torch.tensor(1.0), params) is None
