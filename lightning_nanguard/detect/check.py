@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -30,7 +29,7 @@ from torch import Tensor
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from lightning_nanguard.detect.staging import STAGING as _STAGING  # noqa: F401  (tests inspect the cache)
-from lightning_nanguard.detect.staging import Selector, Staging, pick, selector, staged
+from lightning_nanguard.detect.staging import LayoutPlans, Selector, Staging, pick, selector, staged
 
 # what the torch.utils wrapper calls, without its no_grad decorator (a context manager per call; grouping
 # runs no autograd op)
@@ -49,7 +48,6 @@ this scale a kernel launch or a Python hook costs more than reading the values."
 
 _FLOAT32 = torch.float32
 _LOW = (torch.float16, torch.bfloat16)
-_STAGING_CACHE_SIZE = 32
 
 
 def _dense(tensors: Iterable[Tensor]) -> list[Tensor]:
@@ -170,7 +168,6 @@ class _LayoutPlan:
     """
 
     def __init__(self, layout: list[Tensor]) -> None:
-        self.layout = layout  # held: the cache's key is its id
         self.usable = True
         self.groups: list[tuple[torch.device, torch.dtype, Staging | None, Selector | None]] = []
         for (device, dtype), ([group], positions) in _grouped(layout, with_indices=True).items():
@@ -191,16 +188,12 @@ class _LayoutPlan:
         return _combined(parts, norm)
 
 
-_PLANS: OrderedDict[int, _LayoutPlan] = OrderedDict()
+_PLANS: LayoutPlans[_LayoutPlan] = LayoutPlans(_LayoutPlan)
 
 
 def _planned_total(tensors: list[Tensor], layout: list[Tensor], device: torch.device, norm: bool) -> Tensor | None:
     """:func:`_nonfinite_total` through the plan of ``layout``; raises ``RuntimeError`` where it does not apply."""
-    plan = _PLANS.get(id(layout))
-    if plan is None or plan.layout is not layout:
-        plan = _PLANS[id(layout)] = _LayoutPlan(layout)
-        while len(_PLANS) > _STAGING_CACHE_SIZE:
-            _PLANS.popitem(last=False)
+    plan = _PLANS.of(layout)
     if not plan.usable:
         raise RuntimeError("this layout's tensors cannot be staged")
     try:

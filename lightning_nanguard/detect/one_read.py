@@ -26,25 +26,22 @@ Example:
 from __future__ import annotations
 
 import math  # noqa: F401  (the example)
-from collections import OrderedDict
 
 import torch
 from torch import Tensor
 
 from lightning_nanguard.detect.check import SMALL_NUMEL
-from lightning_nanguard.detect.staging import Selector, Staging, pick, selector
+from lightning_nanguard.detect.staging import LayoutPlans, Selector, Staging, pick, selector
 
 __all__ = ["loss_and_total"]
 
 _FLOAT32 = torch.float32
-_CACHE_SIZE = 32
 
 
 class _OneReadPlan:
     """The buffer and selectors for gradients laid out as ``layout`` (float32, one device, dense): made once."""
 
     def __init__(self, layout: list[Tensor]) -> None:
-        self.layout = layout  # held: the cache's key is its id
         first = layout[0]
         self.usable = all(
             t.dtype == _FLOAT32 and t.device == first.device and t.layout is torch.strided for t in layout
@@ -72,7 +69,7 @@ class _OneReadPlan:
         return self.read.tolist()
 
 
-_PLANS: OrderedDict[int, _OneReadPlan] = OrderedDict()
+_PLANS: LayoutPlans[_OneReadPlan] = LayoutPlans(_OneReadPlan)
 
 
 def loss_and_total(grads: list[Tensor], loss: Tensor, layout: list[Tensor]) -> list[float] | None:
@@ -91,11 +88,7 @@ def loss_and_total(grads: list[Tensor], loss: Tensor, layout: list[Tensor]) -> l
     """
     if not layout or len(grads) != len(layout) or loss.numel() != 1 or not loss.is_floating_point():
         return None
-    plan = _PLANS.get(id(layout))
-    if plan is None or plan.layout is not layout:
-        plan = _PLANS[id(layout)] = _OneReadPlan(layout)
-        while len(_PLANS) > _CACHE_SIZE:
-            _PLANS.popitem(last=False)
+    plan = _PLANS.of(layout)
     if not plan.usable or loss.device != plan.staging.flat.device:
         return None
     try:

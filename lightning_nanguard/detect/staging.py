@@ -20,17 +20,20 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["STAGING", "Selector", "Staging", "pick", "selector", "staged"]
+__all__ = ["STAGING", "LayoutPlans", "Selector", "Staging", "pick", "selector", "staged"]
 
 Selector = slice | list[int]
 """Positions in a list of tensors: a slice when evenly spaced, else their indices."""
 
 _CACHE_SIZE = 32
+
+_Plan = TypeVar("_Plan")
 
 
 def selector(positions: Sequence[int]) -> Selector:
@@ -110,10 +113,43 @@ class Staging:
                 raise RuntimeError("other shapes than the staging buffer was built for")
             torch.stack(picked, out=view)  # checks every shape and the count
         if self.singles or tail_sources:
-            views = self.single_views + self.tail_views[: len(tail_sources)] if tail_sources else self.single_views
-            sources = [tensors[i] for i in self.singles]
-            torch._foreach_copy_(views, sources + list(tail_sources) if tail_sources else sources)
+            views = self.single_views + self.tail_views[: len(tail_sources)]
+            torch._foreach_copy_(views, [tensors[i] for i in self.singles] + list(tail_sources))
         return self.flat
+
+
+class LayoutPlans(Generic[_Plan]):
+    """Plans made once per layout, a list of tensors kept from step to step (the parameters of a step).
+
+    Keyed by the list's identity; each list is held beside its plan, so its id cannot be reused while it
+    is cached. The oldest of more than 32 layouts is dropped.
+
+    Example:
+        >>> plans = LayoutPlans(len)
+        >>> layout = [torch.ones(2), torch.ones(3)]
+        >>> plans.of(layout), plans.of(layout), plans.of(list(layout))  # the third list is another layout
+        (2, 2, 2)
+        >>> len(plans)
+        2
+    """
+
+    def __init__(self, make: Callable[[list[Tensor]], _Plan]) -> None:
+        self._make = make
+        self._plans: OrderedDict[int, tuple[list[Tensor], _Plan]] = OrderedDict()
+
+    def of(self, layout: list[Tensor]) -> _Plan:
+        """The plan of ``layout``, made on its first use."""
+        held = self._plans.get(id(layout))
+        if held is not None and held[0] is layout:
+            return held[1]
+        plan = self._make(layout)
+        self._plans[id(layout)] = (layout, plan)
+        while len(self._plans) > _CACHE_SIZE:
+            self._plans.popitem(last=False)
+        return plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
 
 
 STAGING: OrderedDict[tuple[torch.device, torch.dtype, tuple[int, ...]], Staging] = OrderedDict()

@@ -74,7 +74,7 @@ def test_sparse_gradients_leave_the_plan_for_the_general_path() -> None:
     params = [torch.ones(5, 3), torch.ones(3)]
     sparse = torch.sparse_coo_tensor([[1, 3]], torch.tensor([[1.0, 2.0, 3.0], [math.inf, 0.0, 1.0]]), (5, 3))
     assert not math.isfinite(_raw([sparse, torch.ones(3)], params, norm=False)[0])
-    assert not check_module._PLANS[id(params)].usable  # no retry on every step
+    assert not check_module._PLANS.of(params).usable  # no retry on every step
     healthy = torch.sparse_coo_tensor([[1]], torch.tensor([[1.0, 2.0, 3.0]]), (5, 3))
     assert math.isfinite(_raw([healthy, torch.ones(3)], params, norm=False)[0])
 

@@ -72,10 +72,10 @@ def test_the_plan_is_made_once_per_layout_and_nothing_checked_is_written() -> No
     grads = _grads(params)
     versions = [g._version for g in grads]
     loss_and_total(grads, torch.tensor(1.0), params)
-    plan = one_read._PLANS[id(params)]
+    plan = one_read._PLANS.of(params)
     grads[1][0] = math.nan  # the same layout, another step's values
     assert not math.isfinite(loss_and_total(grads, torch.tensor(1.0), params)[1])  # type: ignore[index]
-    assert one_read._PLANS[id(params)] is plan
+    assert one_read._PLANS.of(params) is plan
     assert [g._version for g in grads] == [v + (i == 1) for i, v in enumerate(versions)]  # only our own write
 
 
