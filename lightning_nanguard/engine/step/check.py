@@ -58,10 +58,9 @@ def step_flags(
     The spike check is an optional part: run through ``parts``, it is switched off alone if it fails
     (its flag then reads 0). ``part_failed``: see :func:`~lightning_nanguard.decide.policy.local_vector`.
     """
-    bn = window.batchnorm_buffers
     norm_due = with_norm or front.logging_due()
     scaler_flag = None if norm_due else scaler_found_inf(front.grad_scaler, optimizer)
-    others = [*window.losses, *(t for _, t in bn if t.is_floating_point())]
+    others = window.others
     checked = grads if scaler_flag is None else []
     if sharding is not None:
         summary = sharding.check(checked, others, window.running_vars, front.device, norm_due)
@@ -122,7 +121,7 @@ def host_step_values(
     loss = window.step_loss() if spikes is not None else None
     totals = fused_health_check(
         grads,
-        others=[*window.losses, *(t for _, t in bn if t.is_floating_point())] if bn else window.losses,
+        others=window.others,
         nonnegative=window.running_vars if bn else (),
         device=front.device,
         with_norm=norm_due,

@@ -201,6 +201,12 @@ class StepWindow:
         return self._bn.named_buffers if self._bn is not None and self._track_batchnorm else []
 
     @property
+    def others(self) -> list[Tensor]:
+        """What the check reads beside the gradients: the step's losses and floating-point BatchNorm buffers."""
+        bn = self.batchnorm_buffers
+        return [*self.losses, *(t for _, t in bn if t.is_floating_point())] if bn else self.losses
+
+    @property
     def running_vars(self) -> list[Tensor]:
         """The ``running_var`` buffers among :attr:`batchnorm_buffers`."""
         return batchnorm_running_vars(self.batchnorm_buffers)
