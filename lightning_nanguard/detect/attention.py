@@ -28,6 +28,11 @@ tensor per device (:class:`ProbeCalls`) that stays on the device until :meth:`At
 and a batch's work are bounded in memory (64 MiB each: beyond, they are measured sooner, in several
 batches); ``nn.MultiheadAttention``'s logits are made when it is called (from its weights).
 
+The calls are seen by a function mode on the passes that look at every module (the first, then one
+in ``rediscover_every``); on the others, a module whose attention calls all go through the public
+functions is seen through wrappers of those four functions (:mod:`.attention_calls`), so its other
+torch calls (projections, views) run without the mode's Python dispatch.
+
 Example:
     >>> import torch
     >>> from torch import nn
@@ -48,7 +53,7 @@ import functools
 import logging
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from time import perf_counter  # bound at import: a test that replaces time.perf_counter leaves the guard's own clock
 from typing import Any
@@ -59,17 +64,12 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from lightning_nanguard.detect import attention_calls
+from lightning_nanguard.detect.attention_calls import SDPA, WATCHED
+
 __all__ = ["AttentionProbe", "AttentionStats", "ProbeCalls", "attention_stats", "merged_stats", "summarise"]
 
 log = logging.getLogger("lightning_nanguard")
-
-_SDPA, _SOFTMAX = 1, 2
-_WATCHED = {
-    F.scaled_dot_product_attention: _SDPA,
-    torch.softmax: _SOFTMAX,
-    F.softmax: _SOFTMAX,
-    Tensor.softmax: _SOFTMAX,
-}
 
 
 @dataclass
@@ -220,6 +220,10 @@ class AttentionProbe:
         self._passes = 0
         self._discovering = True
         self._stack: list[str] = []
+        self._mode_depth = 0  # the depth of :attr:`_stack` at which the function mode was entered (0: not in it)
+        self._wrapped = False  # this pass sees the attention functions through their wrappers (attention_calls)
+        self._needs_mode: set[str] = set()  # modules with an attention call the wrappers do not see alone
+        self._mode_saw = False  # the function mode measured the wrapped call in hand
         self._pending: list[tuple[Any, ...]] = []  # the calls kept, not measured yet
         self._held = 0  # bytes the kept calls hold
         self._results: list[tuple[list[str], Tensor, Tensor | None]] = []  # (names, values, head max) per batch
@@ -231,15 +235,32 @@ class AttentionProbe:
     def measuring(self) -> Iterator[None]:
         """Within: attention calls under the watched modules are measured (only while autograd is on).
 
-        Only module hooks are installed here: the function mode that sees the calls is entered when
-        the outermost watched module's ``forward`` begins and left when it returns, so it nests
-        inside whatever modes the loop itself uses (this context may span several hooks of a loop).
+        Only module hooks and the attention functions' wrappers (:mod:`.attention_calls`) are
+        installed here. On a pass that looks at every module, the function mode that sees every
+        call is entered when the outermost module's ``forward`` begins and left when it returns, so
+        it nests inside whatever modes the loop itself uses (this context may span several hooks of
+        a loop); it also finds the modules whose attention calls the wrappers do not see alone
+        (a function bound before they were installed, attention inside another torch function such
+        as ``nn.MultiheadAttention``'s). On the other passes only those modules enter the mode;
+        the others are seen through the wrappers, at no cost to their other torch calls.
         """
-        self._stack = []
+        self._stack, self._mode_depth = [], 0
         self.host_seconds = 0.0
         if self.broken:
             yield
             return
+        with ExitStack() as wrappers:
+            try:
+                wrappers.enter_context(attention_calls.watching(self))
+                self._wrapped = True
+            except RuntimeError:  # another thread watches: this pass uses the function mode alone
+                self._wrapped = False
+            with self._hooked():
+                yield
+
+    @contextmanager
+    def _hooked(self) -> Iterator[None]:
+        """The module hooks of one pass (see :meth:`measuring`)."""
         self._discovering = self.attention is None or self._passes % self.rediscover_every == 0
         self._passes += 1
         if self._discovering:
@@ -257,8 +278,9 @@ class AttentionProbe:
         finally:
             for handle in handles:
                 handle.remove()
-            if self._stack:  # a forward that never returned (an error): leave its mode
-                self._stack = []
+            self._stack = []
+            if self._mode_depth:  # a forward that never returned (an error): leave its mode
+                self._mode_depth = 0
                 self._mode.__exit__(None, None, None)
 
     def take_calls(self) -> list[ProbeCalls]:
@@ -295,22 +317,24 @@ class AttentionProbe:
 
     # ------------------------------------------------------------------ internals
 
-    def _enter(self, name: str) -> None:
-        """A watched module's forward begins: the outermost one enters the function mode."""
-        if not self._stack:
-            self._mode.__enter__()
+    def _enter(self, name: str, mode: bool = True) -> None:
+        """A watched module's forward begins: the outermost one needing it enters the function mode."""
         self._stack.append(name)
+        if mode and not self._mode_depth:
+            self._mode_depth = len(self._stack)
+            self._mode.__enter__()
 
     def _leave(self) -> None:
-        """A watched module's forward returned: the outermost one leaves the function mode."""
+        """A watched module's forward returned: the one that entered the function mode leaves it."""
         if self._stack:
-            self._stack.pop()
-            if not self._stack:
+            if self._mode_depth == len(self._stack):
+                self._mode_depth = 0
                 self._mode.__exit__(None, None, None)
-                if self._discovering and self._pending:  # the outermost forward returned: measure its calls
-                    start = perf_counter()
-                    self._flush()
-                    self.host_seconds += perf_counter() - start
+            self._stack.pop()
+            if not self._stack and self._discovering and self._pending:  # the outermost returned: measure its calls
+                start = perf_counter()
+                self._flush()
+                self.host_seconds += perf_counter() - start
 
     def _flush_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         """A root's forward returned (see :attr:`roots`): measure the calls it made."""
@@ -344,7 +368,8 @@ class AttentionProbe:
             module = self.modules.get(name)
             if module is None or isinstance(module, nn.MultiheadAttention):
                 continue
-            handles.append(module.register_forward_pre_hook(lambda m, a, name=name: self._enter(name)))
+            mode = name in self._needs_mode or not self._wrapped
+            handles.append(module.register_forward_pre_hook(lambda m, a, name=name, mode=mode: self._enter(name, mode)))
             handles.append(module.register_forward_hook(lambda m, a, o: self._leave(), always_call=True))
         return handles
 
@@ -374,6 +399,34 @@ class AttentionProbe:
                         self._results.append(([item[0] for item in batch], values, head_max))
         except Exception as error:  # never the user's forward's failure
             self._fail(error)
+
+    def attention_call(self, kind: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An attention function's wrapper returned (:mod:`.attention_calls`): keep the call.
+
+        Inside the function mode the mode keeps it instead; a wrapped call the mode did not see
+        (made inside another torch function, which the mode sees whole) marks the modules around
+        it as needing the mode, which sees what they do as it always did.
+        """
+        if not self._stack:
+            return
+        if self._mode_depth:
+            if not self._mode_saw and self._discovering:
+                self._needs_mode.update(self._stack)
+            self._mode_saw = False
+            return
+        self._seen(kind, args, kwargs)
+
+    def _seen(self, kind: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Keep an attention call (never the user's forward's failure)."""
+        start = perf_counter()
+        try:
+            if kind == SDPA:
+                self._sdpa(args, kwargs)
+            else:
+                self._softmax(args, kwargs)
+        except Exception as error:
+            self._fail(error)
+        self.host_seconds += perf_counter() - start
 
     def _measuring(self) -> bool:
         return bool(self._stack) and torch.is_grad_enabled() and not self.broken  # not a no-grad pass (validation)
@@ -610,19 +663,16 @@ class _Intercept(TorchFunctionMode):
             kwargs = {}
         result = func(*args, **kwargs)
         try:
-            kind = _WATCHED.get(func)
+            kind = WATCHED.get(func)
         except TypeError:  # an unhashable callable: not one of the watched functions
             return result
         if kind is None:
             return result
         probe = self.probe
-        start = perf_counter()
-        try:
-            if kind == _SDPA:
-                probe._sdpa(args, kwargs)
-            else:
-                probe._softmax(args, kwargs)
-        except Exception as error:  # never the user's forward's failure
-            probe._fail(error)
-        probe.host_seconds += perf_counter() - start
+        if probe._wrapped and probe._stack:
+            if attention_calls.STATE.depth:  # through a wrapper: it hands the call over, to be skipped
+                probe._mode_saw = True
+            elif probe._discovering:  # a function bound before the wrappers: these modules keep the mode
+                probe._needs_mode.update(probe._stack)
+        probe._seen(kind, args, kwargs)
         return result

@@ -1,0 +1,140 @@
+"""The attention functions seen without a function mode: wrappers installed while a probe measures.
+
+A :class:`~torch.overrides.TorchFunctionMode` sees every torch call made inside a module, which is
+what the attention probe needs to find attention wherever it is written; but it costs a Python
+dispatch on *every* torch call (projections, views, transposes), ~20 per attention call. Once the
+probe knows which modules call attention, these wrappers see the attention calls alone: while a
+probe measures (:func:`watching`), ``torch.nn.functional.scaled_dot_product_attention``,
+``torch.nn.functional.softmax``, ``torch.softmax`` and ``Tensor.softmax`` are replaced by wrappers
+that call the original and then hand the call to each probe watching (on the thread that installed
+them; a call nested in another wrapped call, e.g. ``F.softmax`` calling ``Tensor.softmax``, is
+handed over once). Code that bound a function before the wrappers were installed (``from
+torch.nn.functional import scaled_dot_product_attention``) calls the original: the probe finds such
+modules on the passes that use the mode (:data:`STATE.depth` tells it whether a call it sees went
+through a wrapper) and keeps the mode for them.
+
+The originals are restored when the last probe stops watching; nothing is replaced otherwise.
+
+Example:
+    >>> import torch
+    >>> seen = []
+    >>> class Probe:
+    ...     def attention_call(self, kind, args, kwargs):
+    ...         seen.append((kind, tuple(args[0].shape)))
+    >>> probe = Probe()
+    >>> with watching(probe):
+    ...     _ = torch.softmax(torch.zeros(1, 2, 3), dim=-1)
+    ...     _ = torch.zeros(1, 2, 3).softmax(-1)
+    >>> seen, torch.softmax is ORIGINALS[1][2]  # restored
+    ([(2, (1, 2, 3)), (2, (1, 2, 3))], True)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["ORIGINALS", "SDPA", "SOFTMAX", "STATE", "WATCHED", "watching"]
+
+SDPA, SOFTMAX = 1, 2
+
+
+class AttentionCallSink(Protocol):
+    """What a wrapper hands an attention call to (the probe)."""
+
+    def attention_call(self, kind: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None: ...
+
+
+class _State:
+    """The probes watching, the thread they watch, and how deep the calls in hand are nested."""
+
+    __slots__ = ("depth", "sinks", "thread")
+
+    def __init__(self) -> None:
+        self.sinks: list[AttentionCallSink] = []
+        self.thread: int | None = None
+        self.depth = 0  # > 0 inside a wrapped call (its original and whatever that calls)
+
+
+STATE = _State()
+
+# (owner, attribute, original, kind): what is replaced while a probe watches
+ORIGINALS: tuple[tuple[Any, str, Callable[..., Any], int], ...] = (
+    (F, "scaled_dot_product_attention", F.scaled_dot_product_attention, SDPA),
+    (torch, "softmax", torch.softmax, SOFTMAX),
+    (F, "softmax", F.softmax, SOFTMAX),
+    (Tensor, "softmax", torch._C.TensorBase.softmax, SOFTMAX),
+)
+
+
+def _wrapper(original: Callable[..., Any], kind: int) -> Callable[..., Any]:
+    get_ident = threading.get_ident
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        state = STATE
+        if state.depth or get_ident() != state.thread:  # nested in a wrapped call, or another thread
+            return original(*args, **kwargs)
+        state.depth = 1
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            state.depth = 0
+        for sink in state.sinks:
+            sink.attention_call(kind, args, kwargs)
+        return result
+
+    wrapped.__wrapped__ = original  # type: ignore[attr-defined]
+    wrapped.__name__ = getattr(original, "__name__", "attention")
+    wrapped.__doc__ = original.__doc__
+    return wrapped
+
+
+_WRAPPERS = tuple(_wrapper(original, kind) for _, _, original, kind in ORIGINALS)
+
+WATCHED: dict[Any, int] = {original: kind for _, _, original, kind in ORIGINALS}
+"""The attention functions and their wrappers, each with its kind (what a function mode looks for)."""
+WATCHED.update({wrapper: kind for wrapper, (_, _, _, kind) in zip(_WRAPPERS, ORIGINALS, strict=True)})
+
+
+def _install() -> None:
+    for wrapper, (owner, name, _, _) in zip(_WRAPPERS, ORIGINALS, strict=True):
+        setattr(owner, name, wrapper)
+
+
+def _restore() -> None:
+    for owner, name, original, _ in ORIGINALS:
+        if owner is Tensor:
+            if name in Tensor.__dict__:  # inherited from TensorBase: remove the wrapper
+                delattr(Tensor, name)
+        else:
+            setattr(owner, name, original)
+
+
+@contextmanager
+def watching(sink: AttentionCallSink) -> Iterator[None]:
+    """Within: attention calls on this thread are handed to ``sink`` (after the call returns).
+
+    Several sinks may watch at once (each sees every call); the originals are back once none does.
+    A second thread starting to watch while another watches is refused (``RuntimeError``): the
+    wrappers serve one thread.
+    """
+    me = threading.get_ident()
+    if STATE.sinks and STATE.thread != me:
+        raise RuntimeError("attention calls are watched on another thread")
+    if not STATE.sinks:
+        STATE.thread, STATE.depth = me, 0
+        _install()
+    STATE.sinks.append(sink)
+    try:
+        yield
+    finally:
+        STATE.sinks.remove(sink)
+        if not STATE.sinks:
+            _restore()
+            STATE.thread = None
