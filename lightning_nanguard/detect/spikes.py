@@ -154,7 +154,7 @@ class SpikeDetector:
         self._history: deque[float] = deque(maxlen=window)  # accepted values, oldest first (host floats)
         self._logs: deque[float] = deque(maxlen=window)  # log(max(value, tiny)) of the same values
         self._changes = _Changes()  # |b - a| of each pair of consecutive values and logs, kept sorted
-        self._stale = 0  # accepted values since the statistic was last computed
+        self._arrived: list[float] = []  # accepted values not yet in the window (folded in at the next refresh)
         self._statistic = _Statistic.warming_up(0)  # what the device threshold holds
         self._thresholds: dict[torch.device, Tensor] = {}  # the threshold on each device it was used on
         self._pending: Tensor | float | None = None  # the value of the last check, until accept()
@@ -242,12 +242,9 @@ class SpikeDetector:
             current = pending if isinstance(pending, float) else float(pending.float().reshape(-1)[0])
         if not math.isfinite(current):
             return
-        log = math.log(max(current, _TINY))
-        self._changes.slide(self._history, self._logs, current, log)
-        self._history.append(current)
-        self._logs.append(log)
-        self._stale += 1
-        if self._stale >= self.refresh_every:
+        arrived = self._arrived
+        arrived.append(current)  # the threshold changes at the refresh only: the window takes it then
+        if len(arrived) >= self.refresh_every:
             self._refresh()
 
     # ------------------------------------------------------------------ host side
@@ -276,6 +273,7 @@ class SpikeDetector:
         Unchanged by the ``accept``/``record_spike`` that follow that check.
         """
         if self._checked is None:
+            self._fold()
             return SpikeStats(None, math.inf, math.nan, math.nan, "log", len(self._history), None)
         statistic, raw = self._checked
         value = raw if isinstance(raw, float) else float(raw.float().reshape(-1)[0])
@@ -298,6 +296,7 @@ class SpikeDetector:
 
     def state_dict(self) -> dict[str, Any]:
         """The history (oldest first) and counters as primitives (``torch.load(weights_only=True)``-safe)."""
+        self._fold()
         return {
             "history": list(self._history),
             "consecutive_spikes": self.consecutive_spikes,
@@ -315,6 +314,7 @@ class SpikeDetector:
         self._history = deque((v for v in values if math.isfinite(v)), maxlen=self.window)
         self._logs = deque((math.log(max(v, _TINY)) for v in self._history), maxlen=self.window)
         self._changes = _Changes.of(self._history, self._logs)
+        self._arrived = []
         self.consecutive_spikes = int(state_dict.get("consecutive_spikes", 0))
         self.spikes_total = int(state_dict.get("spikes_total", 0))
         self.rebaselines_total = int(state_dict.get("rebaselines_total", 0))
@@ -344,6 +344,7 @@ class SpikeDetector:
         return threshold
 
     def _clear(self) -> None:
+        self._arrived.clear()
         self._history.clear()
         self._logs.clear()
         self._changes = _Changes()
@@ -351,7 +352,7 @@ class SpikeDetector:
 
     def _refresh(self) -> None:
         """Recompute the statistic from the history (host floats) and write the threshold to the devices."""
-        self._stale = 0
+        self._fold()
         written = self._statistic.threshold  # what every device threshold holds now
         self._statistic = _Statistic.of(
             list(self._history), list(self._logs), self.warmup, self.recent, self.sigmas, self.min_ratio, self._changes
@@ -360,6 +361,18 @@ class SpikeDetector:
             return  # unchanged (inf while warming up): no kernel
         for threshold in self._thresholds.values():
             threshold.fill_(self._statistic.threshold)  # a kernel with a host scalar: no synchronisation
+
+    def _fold(self) -> None:
+        """Move the values accepted since the last refresh into the window (its values, logs and changes)."""
+        if not self._arrived:
+            return
+        history, logs, changes = self._history, self._logs, self._changes
+        for value in self._arrived:
+            log = math.log(max(value, _TINY))
+            changes.slide(history, logs, value, log)
+            history.append(value)
+            logs.append(log)
+        self._arrived.clear()
 
 
 @dataclass(frozen=True)

@@ -97,10 +97,13 @@ class SpikeWatch:
         ``bool`` and no kernel runs.
         """
         if not isinstance(loss, Tensor) and not isinstance(grad_norm, Tensor):
+            if grad_norm is None or self.grad_norm is None:  # the loss alone (the usual step)
+                self._checked = [self.loss] if loss is not None else []
+                return loss is not None and self.loss.check_value(loss)
             self._checked = []
             spike = False
             for detector, number in ((self.loss, loss), (self.grad_norm, grad_norm)):
-                if detector is not None and number is not None:
+                if number is not None:
                     spike = detector.check_value(number) or spike
                     self._checked.append(detector)
             return spike
@@ -120,9 +123,8 @@ class SpikeWatch:
         ``loss`` and ``grad_norm`` are the checked values as read with the step's flags (nothing is
         read here then). The detectors still describe this check until the next one.
         """
-        values = {"loss": loss, "grad_norm": grad_norm}
         for detector in self._checked:
-            detector.accept(healthy, value=values[detector.name])
+            detector.accept(healthy, value=loss if detector is self.loss else grad_norm)
 
     def rebaseline(self) -> None:
         """Several spikes in a row: a real level shift. Start the statistics over."""
