@@ -102,10 +102,10 @@ class SpikeWatch:
                 return loss is not None and self.loss.check_value(loss)
             self._checked = []
             spike = False
-            for detector, number in ((self.loss, loss), (self.grad_norm, grad_norm)):
+            for watched, number in ((self.loss, loss), (self.grad_norm, grad_norm)):
                 if number is not None:
-                    spike = detector.check_value(number) or spike
-                    self._checked.append(detector)
+                    spike = watched.check_value(number) or spike
+                    self._checked.append(watched)
             return spike
         self._checked = []
         flags: list[Tensor] = []
