@@ -98,13 +98,20 @@ class PrecursorWatch:
         self._to_clip = None
 
     def arm(self, step: int) -> None:
-        """Step ``step`` begins: measure its forward passes when it is a sampled step (idempotent)."""
+        """Step ``step`` begins: measure its forward passes when it is a sampled step (idempotent).
+
+        The step time the cost limit compares with is the one of the step before each sampled step
+        (timed from its beginning to the sampled step's): the other steps do nothing here.
+        """
+        every = self.every
+        if step % every and (step + 1) % every:
+            return
         now = perf_counter()
         if self._last_begin is None or self._last_begin[0] != step:
             if self._last_begin is not None and step == self._last_begin[0] + 1:
                 self._step_seconds.append(now - self._last_begin[1])
             self._last_begin = (step, now)
-        if self.probe is None or step % self.every or self._armed is not None:
+        if self.probe is None or step % every or self._armed is not None:
             return
         stack = ExitStack()
         stack.enter_context(self.probe.measuring())
