@@ -19,14 +19,18 @@ What counts as attention:
   projection weights and inputs, honouring ``attn_mask``, ``key_padding_mask`` and ``is_causal``.
 
 Each is attributed to the innermost module of the watched model whose ``forward`` is running
-(``blocks.1.attn``). An attention call is only kept (references to its ``query`` and ``key``, or a
-copy of the measured rows of a softmax's input: at most 3 aten calls, views but one); when the
-forward that made the calls returns, the calls of one shape are measured together (their ``q @ k^T``
-of ``rows`` batch rows, one ``bmm`` for all, and 9 kernels of statistics), into one ``(calls, 4)``
-tensor per device (:class:`ProbeCalls`) that stays on the device until :meth:`AttentionProbe.take_calls`
-(the host reads it once per step; :func:`summarise` makes it each module's values). The kept calls
-and a batch's work are bounded in memory (64 MiB each: beyond, they are measured sooner, in several
-batches); ``nn.MultiheadAttention``'s logits are made when it is called (from its weights).
+(``blocks.1.attn``). An attention call is only kept (references to its ``query`` and ``key``, and
+for ``nn.MultiheadAttention`` to its projection weights and masks, or a copy of the measured rows of
+a softmax's input: at most 3 aten calls, views but one); when the forward that made the calls
+returns, the calls of one shape are measured together (their ``q @ k^T`` of ``rows`` batch rows, one
+``bmm`` for all, after one ``baddbmm`` for all the query and one for all the key projections of
+``nn.MultiheadAttention`` calls, and 9 kernels of statistics), into one ``(calls, 4)`` tensor per
+device (:class:`ProbeCalls`) that stays on the device until :meth:`AttentionProbe.take_calls` (the
+host reads it once per step; :func:`summarise` makes it each module's values). The kept calls and a
+batch's work are bounded in memory (64 MiB each: beyond, they are measured sooner, in several
+batches). The weights a kept call refers to are read when its forward returns, before the optimizer
+steps (:meth:`AttentionProbe.take_calls` measures the calls still kept, as a forward recomputed in
+the backward pass leaves them).
 
 The calls are seen by a function mode on the passes that look at every module (the first, then one
 in ``rediscover_every``); on the others, a module whose attention calls all go through the public
@@ -52,14 +56,13 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from time import perf_counter  # bound at import: a test that replaces time.perf_counter leaves the guard's own clock
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
@@ -470,15 +473,30 @@ class AttentionProbe:
         self._keep(("s", self._stack[-1], q, k, mask, bool(causal), scale, bool(gqa)), q.nbytes + k.nbytes)
 
     def _multihead(self, module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """``nn.MultiheadAttention``: its functional form hides the inner calls; its logits from its weights."""
+        """``nn.MultiheadAttention`` (its functional form hides the inner calls): keep its inputs and weights.
+
+        References only (no aten call): its logits are made from its projection weights with the
+        other calls of their shape when the forward returns (:func:`_multihead_logits`).
+        """
         name = self.names.get(id(module))
         if name is None or not torch.is_grad_enabled() or self.broken:
             return
         start = perf_counter()
         try:
-            with torch.no_grad():
-                logits = _multihead_logits(module, args, kwargs, self.rows, self.queries)
-            self._keep(("l", name, logits), logits.nbytes)
+            n = len(args)  # forward(query, key, value, key_padding_mask, need_weights, attn_mask, _, is_causal)
+            query = args[0] if n else kwargs["query"]
+            key = args[1] if n > 1 else kwargs["key"]
+            padding = args[3] if n > 3 else kwargs.get("key_padding_mask")
+            mask = args[5] if n > 5 else kwargs.get("attn_mask")
+            mask = mask if isinstance(mask, Tensor) else None
+            padding = padding if isinstance(padding, Tensor) else None
+            causal = mask is None and bool(args[7] if n > 7 else kwargs.get("is_causal"))
+            packed = module.in_proj_weight
+            weights = (packed,) if packed is not None else (module.q_proj_weight, module.k_proj_weight)
+            nbytes = query.nbytes + (0 if key is query else key.nbytes)
+            nbytes += (0 if mask is None else mask.nbytes) + (0 if padding is None else padding.nbytes)
+            call = ("m", name, query, key, weights, module.in_proj_bias, mask, padding, causal, module.num_heads)
+            self._keep((*call, module.batch_first), nbytes)
         except Exception as error:  # the module's own forward reports a bad call; the probe stays out of it
             self._fail(error)
         self.host_seconds += perf_counter() - start
@@ -493,11 +511,14 @@ def _prepare(call: tuple[Any, ...], rows: int, queries: int) -> tuple[tuple[Any,
 
     Scaled-dot-product attention: the first ``rows`` batch rows of ``query`` at the measured query
     positions and of ``key``, and its mask at those rows and positions. A logits tensor (a softmax's
-    input, kept already cut to the measured rows): as it is.
+    input, kept already cut to the measured rows): as it is. ``nn.MultiheadAttention``: see
+    :func:`_prepare_multihead`.
     """
     if call[0] == "l":
         x = call[2]
         return ("l", x.shape, x.dtype, x.device), (call[1], x, None, x.numel())
+    if call[0] == "m":
+        return _prepare_multihead(call, rows, queries)
     _, name, q, k, mask, causal, scale, gqa = call
     length = q.size(-2)
     stride = _stride(length, queries)
@@ -523,7 +544,8 @@ def _batches(items: list[tuple[Any, ...]]) -> Iterator[list[tuple[Any, ...]]]:
     batch: list[tuple[Any, ...]] = []
     size = 0
     for item in items:
-        cost = 16 * item[3]  # the logits, their log-softmax and the probabilities, in float32, and slack
+        cost = 16 * item[3]  # the logits, their log-softmax and the probabilities, in float32, and slack (and
+        # nn.MultiheadAttention's weights, inputs and projections: counted in item[3], see _prepare_multihead)
         if batch and size + cost > _BATCH_BYTES:
             yield batch
             batch, size = [], 0
@@ -543,6 +565,8 @@ def _batch_logits(key: tuple[Any, ...], batch: list[tuple[Any, ...]]) -> Tensor:
     """The logits of a batch of calls of one key, stacked: ``(calls, *one call's logits)``."""
     if key[0] == "l":
         return _stacked([item[1] for item in batch])
+    if key[0] == "m":
+        return _multihead_logits(key, batch)
     return _sdpa_logits(key, batch)
 
 
@@ -610,45 +634,139 @@ def _strided_mask(mask: Tensor, stride: int) -> Tensor:
     return mask[..., ::stride, :] if mask.ndim >= 2 and mask.size(-2) > 1 else mask
 
 
-def _multihead_logits(
-    module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int, queries: int
-) -> Tensor:
-    """The attention logits ``nn.MultiheadAttention`` computes, for ``rows`` batch rows: ``(rows, heads, L, S)``."""
-    names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights")
-    given = {**dict(zip(names, args, strict=False)), **kwargs}
-    query, key = given["query"], given["key"]
-    if not module.batch_first and query.ndim == 3:
-        query, key = query.transpose(0, 1), key.transpose(0, 1)
-    if query.ndim == 2:
-        query, key = query.unsqueeze(0), key.unsqueeze(0)
-    full_length = query.size(1)
-    stride = _stride(full_length, queries)
-    query, key = query[:rows, ::stride].float(), key[:rows].float()
-    dim, heads = module.embed_dim, module.num_heads
-    if module.in_proj_weight is not None:
-        w_q, w_k = module.in_proj_weight[:dim].float(), module.in_proj_weight[dim : 2 * dim].float()
+def _prepare_multihead(call: tuple[Any, ...], rows: int, queries: int) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """A kept ``nn.MultiheadAttention`` call's batch key and item (see :func:`_prepare`): one view or two.
+
+    The item is ``(name, query rows, key rows, cost, weights, in_proj_bias, attn_mask, key_padding_mask)``:
+    the first ``rows`` batch rows of ``key`` and of ``query`` at the measured positions, batch first
+    (``None`` for the query of self-attention, ``query is key``: taken from the key rows, for all
+    the calls at once), the weights and masks as the module was called with. ``cost``: the elements
+    of the call's logits, and half of those its weights, inputs and projections take (see :func:`_batches`).
+    """
+    _, name, query, key, weights, bias, mask, padding, causal, heads, batch_first = call
+    if query.ndim == 3:
+        batch_dim: int | None = 0 if batch_first else 1
+        size, length = query.size(0 if batch_first else 1), query.size(1 if batch_first else 0)
+    else:  # unbatched
+        batch_dim, size, length = None, 1, query.size(0)
+    stride = _stride(length, queries)
+    n = size if size < rows else rows
+    k = _rows(key, batch_dim, n, 1)
+    q = None if key is query else _rows(query, batch_dim, n, stride)
+    source, positions = k.size(1), -(-length // stride)
+    w = weights[0]
+    kinds: tuple[Any, ...]
+    if len(weights) == 1:
+        dim, kinds, elements = w.size(0) // 3, (w.shape, w.dtype), w.numel()
     else:
-        w_q, w_k = module.q_proj_weight.float(), module.k_proj_weight.float()
-    b_q = b_k = None
-    if module.in_proj_bias is not None:
-        b_q, b_k = module.in_proj_bias[:dim].float(), module.in_proj_bias[dim : 2 * dim].float()
-    q, k = F.linear(query, w_q, b_q), F.linear(key, w_k, b_k)
-    n, length, source = q.size(0), q.size(1), k.size(1)
-    q = q.view(n, length, heads, dim // heads).transpose(1, 2)
-    k = k.view(n, source, heads, dim // heads).transpose(1, 2)
-    logits = (q @ k.transpose(-2, -1)) / math.sqrt(dim // heads)
-    mask = given.get("attn_mask")
-    if isinstance(mask, Tensor):
-        mask = mask.view(-1, heads, full_length, source)[:n] if mask.ndim == 3 else mask
-        mask = _strided_mask(mask, stride)
-        logits = logits.masked_fill(mask, -math.inf) if mask.dtype == torch.bool else logits + mask.float()
-    padding = given.get("key_padding_mask")
-    if isinstance(padding, Tensor):
-        padding = padding[:n].view(n, 1, 1, source)
-        logits = logits.masked_fill(padding, -math.inf) if padding.dtype == torch.bool else logits + padding.float()
-    if given.get("is_causal") and mask is None:
-        logits = logits.masked_fill(_hidden(full_length, source, stride, logits.device), -math.inf)
+        w_k = weights[1]
+        dim, kinds, elements = w.size(0), (w.shape, w.dtype, w_k.shape, w_k.dtype), w.numel() + w_k.numel()
+    elements += n * (positions + source) * (dim + k.size(2))  # inputs and projections
+    cost = n * heads * positions * source + elements // 2  # the logits; the rest in float32, and a copy: 8 bytes
+    batch_key = (
+        "m",
+        None if q is None else (q.shape, q.dtype),
+        k.shape,
+        k.dtype,
+        k.device,
+        kinds,
+        None if bias is None else (bias.shape, bias.dtype),
+        heads,
+        length,
+        stride,
+        causal,
+        None if mask is None else (mask.shape, mask.dtype),
+        None if padding is None else (padding.shape, padding.dtype),
+    )
+    return batch_key, (name, q, k, cost, weights, bias, mask, padding)
+
+
+def _rows(x: Tensor, batch_dim: int | None, n: int, stride: int) -> Tensor:
+    """``x``'s first ``n`` batch rows at every ``stride``-th position, batch first: ``(n, positions, features)``.
+
+    ``batch_dim``: where ``x`` has its batch (``None``: unbatched, ``(positions, features)``). One
+    view at most (``as_strided`` where slices would take two), none when ``x`` is already that;
+    chained views for a tensor subclass.
+    """
+    if batch_dim == 0:
+        cut = x.size(0) > n
+        if stride == 1 or not cut:
+            x = x[:n] if cut else x
+            return x[:, ::stride] if stride > 1 else x
+    if type(x) not in (Tensor, nn.Parameter) or x.layout != torch.strided:
+        y = x.unsqueeze(0) if batch_dim is None else x.transpose(0, 1) if batch_dim == 1 else x
+        y = y[:n] if y.size(0) > n else y
+        return y[:, ::stride] if stride > 1 else y
+    if batch_dim is None:
+        length, size, strides = x.size(0), (1, x.size(1)), (0, x.stride(0), x.stride(1))
+    else:
+        seq = 1 - batch_dim
+        length, size, strides = x.size(seq), (n, x.size(2)), (x.stride(batch_dim), x.stride(seq), x.stride(2))
+    shape = (size[0], -(-length // stride), size[1])
+    return x.as_strided(shape, (strides[0], strides[1] * stride, strides[2]), x.storage_offset())
+
+
+def _multihead_logits(key: tuple[Any, ...], batch: list[tuple[Any, ...]]) -> Tensor:
+    """The logits of a batch of ``nn.MultiheadAttention`` calls, masked as it masks: ``(calls, n, heads, L, S)``.
+
+    One ``baddbmm`` projects the queries of every call, one the keys (stacked weights, in float32),
+    one ``matmul`` makes the logits, then ``attn_mask``, ``key_padding_mask`` and ``is_causal``.
+    """
+    device, heads, length, stride, causal, mask_kind, padding_kind = key[4], *key[7:]
+    calls = len(batch)
+    k_in = _stacked([item[2] for item in batch])  # (calls, n, S, kdim)
+    q_in = k_in if key[1] is None else _stacked([item[1] for item in batch])
+    if key[1] is None and stride > 1:  # self-attention: the queries are the key rows at the measured positions
+        q_in = k_in[:, :, ::stride]
+    weights = [item[4] for item in batch]
+    if len(weights[0]) == 1:  # in_proj_weight: the query, key and value projections packed
+        w_q, w_k, _ = _stacked([w[0] for w in weights]).chunk(3, dim=1)
+    else:
+        w_q, w_k = _stacked([w[0] for w in weights]), _stacked([w[1] for w in weights])
+    n, positions, source, dim = q_in.size(1), q_in.size(2), k_in.size(2), w_q.size(1)
+    q_in, k_in = q_in.flatten(1, 2), k_in.flatten(1, 2)
+    if key[6] is None:
+        q, k = torch.bmm(q_in, w_q.transpose(1, 2)), torch.bmm(k_in, w_k.transpose(1, 2))
+    else:
+        b_q, b_k, _ = _stacked([item[5] for item in batch]).unsqueeze(1).chunk(3, dim=2)
+        q, k = torch.baddbmm(b_q, q_in, w_q.transpose(1, 2)), torch.baddbmm(b_k, k_in, w_k.transpose(1, 2))
+    q = q.view(calls, n, positions, heads, dim // heads).transpose(2, 3)
+    k = k.view(calls, n, source, heads, dim // heads).transpose(2, 3)
+    logits = torch.matmul(q, k.transpose(-2, -1)).div_(math.sqrt(dim // heads)).float()
+    if mask_kind is not None:
+
+        def cut(mask: Tensor) -> Tensor:  # (L, S) or (n * heads, L, S): (L', S) or (n, heads, L', S)
+            mask = mask.view(-1, heads, length, source)[:n] if mask.ndim == 3 else mask
+            return _strided_mask(mask, stride)
+
+        mask = _per_call(logits, [item[6] for item in batch], cut)
+        logits = logits.masked_fill_(mask, -math.inf) if mask.dtype == torch.bool else logits.add_(mask.float())
+    if padding_kind is not None:
+
+        def rows(padding: Tensor) -> Tensor:  # (batch, S) or (S,): (n, 1, 1, S)
+            padding = padding[:n] if padding.ndim == 2 and padding.size(0) > n else padding
+            return padding.view(n, 1, 1, source)
+
+        padding = _per_call(logits, [item[7] for item in batch], rows)
+        logits = (
+            logits.masked_fill_(padding, -math.inf) if padding.dtype == torch.bool else logits.add_(padding.float())
+        )
+    if causal:
+        logits.masked_fill_(_hidden(length, source, stride, device), -math.inf)
     return logits
+
+
+def _per_call(logits: Tensor, masks: list[Tensor], cut: Callable[[Tensor], Tensor]) -> Tensor:
+    """One mask per call of ``logits`` ``(calls, ...)``, cut to the measured rows: broadcast to ``logits``.
+
+    One mask for every call (as is usual): cut once, broadcast over the calls; else each is cut and
+    they are stacked.
+    """
+    first = masks[0]
+    if all(mask is first for mask in masks):
+        return cut(first)
+    mask = torch.stack([cut(mask) for mask in masks])
+    return mask.view(len(masks), *([1] * (logits.ndim - mask.ndim)), *mask.shape[1:])
 
 
 class _Intercept(TorchFunctionMode):
