@@ -286,6 +286,18 @@ class AttentionProbe:
                 self._mode_depth = 0
                 self._mode.__exit__(None, None, None)
 
+    def skip_idle_pass(self) -> bool:
+        """Count the next pass as done without watching it when it would watch nothing.
+
+        ``True`` (skipped) when the last look at every module found no attention, the model has no
+        ``nn.MultiheadAttention`` and the next pass is not one that looks again: a model without
+        attention costs one pass in ``rediscover_every`` instead of every sampled step.
+        """
+        if self.attention is None or self.attention or self.multihead or self._passes % self.rediscover_every == 0:
+            return False
+        self._passes += 1
+        return True
+
     def take_calls(self) -> list[ProbeCalls]:
         """The calls measured since the last ``take``: one :class:`ProbeCalls` per device (usually one).
 

@@ -132,3 +132,30 @@ def test_calls_of_different_shapes_in_one_forward_are_each_measured() -> None:
     alone = direct.take()["0"]
     assert float(stats["3"].max_logit) == pytest.approx(float(alone.max_logit), rel=1e-6)
     assert float(stats["3"].entropy) == pytest.approx(float(alone.entropy), rel=1e-6)
+
+
+def test_a_model_without_attention_is_looked_at_once_in_rediscover_every_sampled_steps() -> None:
+    """Nothing found to watch: the other sampled steps install nothing (no hooks, no wrappers), as unsampled ones."""
+    from lightning_nanguard.detect import attention_calls
+
+    watched: list[int] = []
+
+    class Spy(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            if attention_calls.STATE.sinks:  # the wrappers are in while a pass is watched
+                watched.append(step)
+            return x * 2
+
+    net = nn.Sequential(nn.Linear(4, 4), Spy())
+    watch = PrecursorWatch(PrecursorSettings(every_n_steps=2, max_cost=None))
+    watch.attach(net)
+    assert watch.probe is not None
+    every = watch.probe.rediscover_every
+    for step in range(4 * every + 1):
+        watch.arm(step)
+        net(torch.randn(2, 4))
+        watch.finish(step)
+        assert watch.ready() == []
+    # sampled steps are the even ones; the probe looks again on one sampled pass in ``every``
+    assert watched == [0, 2 * every, 4 * every]
+    assert watch.probe.attention == set()

@@ -113,6 +113,8 @@ class PrecursorWatch:
             self._last_begin = (step, now)
         if self.probe is None or step % every or self._armed is not None:
             return
+        if not self.projections and self.probe.skip_idle_pass():  # QK-clip joins its collective on every sampled step
+            return
         stack = ExitStack()
         stack.enter_context(self.probe.measuring())
         self._armed, self._armed_step = stack, step
