@@ -57,7 +57,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from time import perf_counter  # bound at import: a test that replaces time.perf_counter leaves the guard's own clock
 from typing import Any
@@ -238,32 +238,21 @@ class AttentionProbe:
     def measuring(self) -> Iterator[None]:
         """Within: attention calls under the watched modules are measured (only while autograd is on).
 
-        Only module hooks and the attention functions' wrappers (:mod:`.attention_calls`) are
-        installed here. On a pass that looks at every module, the function mode that sees every
-        call is entered when the outermost module's ``forward`` begins and left when it returns, so
-        it nests inside whatever modes the loop itself uses (this context may span several hooks of
-        a loop); it also finds the modules whose attention calls the wrappers do not see alone
-        (a function bound before they were installed, attention inside another torch function such
-        as ``nn.MultiheadAttention``'s). On the other passes only those modules enter the mode;
-        the others are seen through the wrappers, at no cost to their other torch calls.
+        Only module hooks are installed here (this context may span several hooks of a loop). When
+        the outermost watched module's ``forward`` begins, the attention functions' wrappers
+        (:mod:`.attention_calls`) are installed, and removed when it returns (or raises): nothing
+        global outlives a watched forward. On a pass that looks at every module, the function mode
+        that sees every call is entered there too, so it nests inside whatever modes the loop itself
+        uses; it also finds the modules whose attention calls the wrappers do not see alone (a
+        function bound before they were installed, attention inside another torch function such as
+        ``nn.MultiheadAttention``'s). On the other passes only those modules enter the mode; the
+        others are seen through the wrappers, at no cost to their other torch calls.
         """
         self._stack, self._mode_depth = [], 0
         self.host_seconds = 0.0
         if self.broken:
             yield
             return
-        with ExitStack() as wrappers:
-            try:
-                wrappers.enter_context(attention_calls.watching(self))
-                self._wrapped = True
-            except RuntimeError:  # another thread watches: this pass uses the function mode alone
-                self._wrapped = False
-            with self._hooked():
-                yield
-
-    @contextmanager
-    def _hooked(self) -> Iterator[None]:
-        """The module hooks of one pass (see :meth:`measuring`)."""
         self._discovering = self.attention is None or self._passes % self.rediscover_every == 0
         self._passes += 1
         if self._discovering:
@@ -285,6 +274,7 @@ class AttentionProbe:
             if self._mode_depth:  # a forward that never returned (an error): leave its mode
                 self._mode_depth = 0
                 self._mode.__exit__(None, None, None)
+            attention_calls.stop(self)
 
     def skip_idle_pass(self) -> bool:
         """Count the next pass as done without watching it when it would watch nothing.
@@ -332,9 +322,15 @@ class AttentionProbe:
 
     # ------------------------------------------------------------------ internals
 
-    def _enter(self, name: str, mode: bool = True) -> None:
-        """A watched module's forward begins: the outermost one needing it enters the function mode."""
+    def _enter(self, name: str, everything: bool = True) -> None:
+        """A watched module's forward begins: the outermost installs the wrappers; the mode where needed.
+
+        ``everything``: a pass that looks at every module (the mode sees all of them).
+        """
+        if not self._stack:  # another thread watching: this forward uses the function mode alone
+            self._wrapped = attention_calls.start(self)
         self._stack.append(name)
+        mode = everything or not self._wrapped or name in self._needs_mode
         if mode and not self._mode_depth:
             self._mode_depth = len(self._stack)
             self._mode.__enter__()
@@ -346,6 +342,8 @@ class AttentionProbe:
                 self._mode_depth = 0
                 self._mode.__exit__(None, None, None)
             self._stack.pop()
+            if not self._stack:
+                attention_calls.stop(self)
             if not self._stack and self._discovering and self._pending:  # the outermost returned: measure its calls
                 start = perf_counter()
                 self._flush()
@@ -383,8 +381,7 @@ class AttentionProbe:
             module = self.modules.get(name)
             if module is None or isinstance(module, nn.MultiheadAttention):
                 continue
-            mode = name in self._needs_mode or not self._wrapped
-            handles.append(module.register_forward_pre_hook(lambda m, a, name=name, mode=mode: self._enter(name, mode)))
+            handles.append(module.register_forward_pre_hook(lambda m, a, name=name: self._enter(name, False)))
             handles.append(module.register_forward_hook(lambda m, a, o: self._leave(), always_call=True))
         return handles
 

@@ -4,7 +4,8 @@ A :class:`~torch.overrides.TorchFunctionMode` sees every torch call made inside 
 what the attention probe needs to find attention wherever it is written; but it costs a Python
 dispatch on *every* torch call (projections, views, transposes), ~20 per attention call. Once the
 probe knows which modules call attention, these wrappers see the attention calls alone: while a
-probe measures (:func:`watching`), ``torch.nn.functional.scaled_dot_product_attention``,
+probe watches a module's forward (:func:`start` to :func:`stop`, or :func:`watching`),
+``torch.nn.functional.scaled_dot_product_attention``,
 ``torch.nn.functional.softmax``, ``torch.softmax`` and ``Tensor.softmax`` are replaced by wrappers
 that call the original and then hand the call to each probe watching (on the thread that installed
 them; a call nested in another wrapped call, e.g. ``F.softmax`` calling ``Tensor.softmax``, is
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["ORIGINALS", "SDPA", "SOFTMAX", "STATE", "WATCHED", "watching"]
+__all__ = ["ORIGINALS", "SDPA", "SOFTMAX", "STATE", "WATCHED", "start", "stop", "watching"]
 
 SDPA, SOFTMAX = 1, 2
 
@@ -116,25 +117,43 @@ def _restore() -> None:
             setattr(owner, name, original)
 
 
-@contextmanager
-def watching(sink: AttentionCallSink) -> Iterator[None]:
-    """Within: attention calls on this thread are handed to ``sink`` (after the call returns).
+def start(sink: AttentionCallSink) -> bool:
+    """Hand the attention calls made on this thread to ``sink`` (after each returns) until :func:`stop`.
 
-    Several sinks may watch at once (each sees every call); the originals are back once none does.
-    A second thread starting to watch while another watches is refused (``RuntimeError``): the
-    wrappers serve one thread.
+    Several sinks may watch at once (each sees every call). ``False`` when another thread watches:
+    the wrappers serve one thread, and nothing is installed for ``sink`` then.
     """
     me = threading.get_ident()
     if STATE.sinks and STATE.thread != me:
-        raise RuntimeError("attention calls are watched on another thread")
+        return False
     if not STATE.sinks:
         STATE.thread, STATE.depth = me, 0
         _install()
-    STATE.sinks.append(sink)
+    if sink not in STATE.sinks:
+        STATE.sinks.append(sink)
+    return True
+
+
+def stop(sink: AttentionCallSink) -> None:
+    """``sink`` stops watching (nothing if it was not); the originals are back once no sink watches."""
+    if sink not in STATE.sinks:
+        return
+    STATE.sinks.remove(sink)
+    if not STATE.sinks:
+        _restore()
+        STATE.thread = None
+
+
+@contextmanager
+def watching(sink: AttentionCallSink) -> Iterator[None]:
+    """Within: attention calls on this thread are handed to ``sink`` (see :func:`start`).
+
+    Raises:
+        RuntimeError: another thread watches.
+    """
+    if not start(sink):
+        raise RuntimeError("attention calls are watched on another thread")
     try:
         yield
     finally:
-        STATE.sinks.remove(sink)
-        if not STATE.sinks:
-            _restore()
-            STATE.thread = None
+        stop(sink)

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from lightning_nanguard.engine.frontend import FrontEnd
 
 __all__ = ["PrecursorPart"]
+
+log = logging.getLogger("lightning_nanguard")
 
 
 class PrecursorPart:
@@ -67,6 +70,14 @@ class PrecursorPart:
         if watch.projections and distributed:
             watch.governed = False  # QK-clip's collective needs the same sampled steps on every rank
             self.collective = True
+
+    def disarm(self) -> None:
+        """Stop measuring a sampled step in progress (its hooks off the model); the watch stays on. Never raises."""
+        if self.watch is not None:
+            try:
+                self.watch.disarm()
+            except Exception as error:  # removing hooks is best effort: the fit is ending
+                log.debug("NanGuard: disarming the precursor watch failed: %r", error)
 
     def drop(self) -> None:
         """The watch failed or was turned off: remove its hooks from the model (QK-clip goes with it)."""

@@ -119,7 +119,13 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Give the Trainer its own strategy class (and the loaders their samplers) back."""
+        self.controller.attention.disarm()
         remove_nanguard_strategy(trainer.strategy)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """The fit stops on an error (Lightning calls no ``teardown`` then): take the probe's hooks off the model."""
+        self.controller.attention.disarm()
 
     @override
     @failsafe

@@ -136,7 +136,7 @@ def test_the_originals_are_back_after_each_pass_even_when_the_forward_raises() -
         assert not _mode_on() and attention_calls.STATE.sinks == [] and attention_calls.STATE.depth == 0
 
 
-def test_two_probes_at_once_each_measure_and_the_originals_come_back_in_any_order() -> None:
+def test_two_probes_at_once_each_measure_and_nothing_global_outlives_the_forward() -> None:
     net = nn.Sequential(CausalSelfAttention(sdpa=True))
     x = torch.randn(2, 5, 8)
     first, second = AttentionProbe(net), AttentionProbe(net)
@@ -145,12 +145,35 @@ def test_two_probes_at_once_each_measure_and_the_originals_come_back_in_any_orde
         one.__enter__()
         two.__enter__()
         net(x)
+        assert F.scaled_dot_product_attention is ORIGINAL_SDPA  # the forward returned: the wrappers are out
         one.__exit__(None, None, None)  # not nested: the first stops first
-        assert F.scaled_dot_product_attention is not ORIGINAL_SDPA  # still watched by the second
         two.__exit__(None, None, None)
         a, b = first.take(), second.take()
         assert list(a) == list(b) == ["0"] and float(a["0"].max_logit) == float(b["0"].max_logit)
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA and attention_calls.STATE.sinks == []
+
+
+def test_a_forward_that_raises_inside_a_measuring_never_closed_leaves_no_wrapper() -> None:
+    """A fit that crashes on a sampled step leaves its ``measuring()`` open: torch's functions are still its own."""
+    seen: list[bool] = []
+
+    class Failing(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            seen.append(F.scaled_dot_product_attention is not ORIGINAL_SDPA)
+            F.scaled_dot_product_attention(x, x, x)
+            raise ValueError("the user's forward fails")
+
+    net = nn.Sequential(Failing())
+    probe = AttentionProbe(net)
+    for _ in range(2):  # the pass that looks at every module, then one through the wrappers
+        context = probe.measuring()
+        context.__enter__()  # never exited, as a crashed fit leaves it
+        with pytest.raises(ValueError, match="user's forward"):
+            net(torch.randn(1, 2, 3, 4))
+        assert F.scaled_dot_product_attention is ORIGINAL_SDPA and "softmax" not in Tensor.__dict__
+        assert attention_calls.STATE.sinks == [] and not _mode_on()
+        probe.attention = {"0"}  # as if the first pass had returned: the next pass watches "0" only
+    assert seen == [True, True]
 
 
 def test_calls_on_another_thread_are_not_measured_and_a_probe_there_uses_the_mode() -> None:

@@ -176,3 +176,24 @@ def test_a_watch_that_costs_little_keeps_its_interval(tmp_path: Path) -> None:
     assert watch is not None and watch.every == 5
     share = statistics.median(watch._measure_seconds) / (5 * statistics.median(watch._step_seconds))
     assert share < 0.01 / 3, share  # the margin this test keeps from the limit on a loaded machine
+
+
+@pytest.mark.parametrize("sdpa", [False, True], ids=["manual", "sdpa"])
+def test_a_fit_that_crashes_on_a_sampled_step_leaves_no_hook_and_no_wrapper(tmp_path: Path, sdpa: bool) -> None:
+    """The error comes between the watched forward and the step's check: the watch was still armed."""
+
+    class Crashing(TinyTransformer):
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            loss = super().training_step(batch, batch_idx)
+            if batch_idx == 20:  # a sampled step (every 10), after its forward
+                raise RuntimeError("the user's step fails")
+            return loss
+
+    model = Crashing(sdpa)
+    original = F.scaled_dot_product_attention
+    fitter = build_trainer("lightning", tmp_path, callbacks=[NanGuard(verbose=False, precursor_max_cost=None)])
+    with pytest.raises(RuntimeError, match="user's step fails"):
+        fitter.fit(model, _data())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert F.scaled_dot_product_attention is original and "softmax" not in Tensor.__dict__
+    assert not torch._C._is_torch_function_mode_enabled()
