@@ -216,6 +216,8 @@ class AttentionProbe:
         self.names = {id(module): name for name, module in model.named_modules()}
         self.modules = dict(model.named_modules())
         self.multihead = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
+        # torch.compile traces the wrappers into its graphs and then misses the calls: compiled models keep the mode
+        self.compiled = any(_compiled(m) for m in model.modules())
         self.rediscover_every = rediscover_every
         self.attention: set[str] | None = None  # the modules found calling attention (None: not looked yet)
         self.roots: set[str] = set()  # the outermost modules whose forward holds attention calls
@@ -327,8 +329,8 @@ class AttentionProbe:
 
         ``everything``: a pass that looks at every module (the mode sees all of them).
         """
-        if not self._stack:  # another thread watching: this forward uses the function mode alone
-            self._wrapped = attention_calls.start(self)
+        if not self._stack:  # compiling, or another thread watching: this forward uses the function mode alone
+            self._wrapped = not self.compiled and not torch.compiler.is_compiling() and attention_calls.start(self)
         self._stack.append(name)
         mode = everything or not self._wrapped or name in self._needs_mode
         if mode and not self._mode_depth:
@@ -513,6 +515,15 @@ class AttentionProbe:
 
 _HELD_BYTES = 64 << 20  # the calls kept may hold this much (more: measured at once, not when their forward returns)
 _BATCH_BYTES = 64 << 20  # the most one batch of calls may take for its logits and their statistics
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module`` runs under ``torch.compile`` (a compiled wrapper, ``module.compile()``, Lightning's)."""
+    return (
+        type(module).__name__ == "OptimizedModule"
+        or getattr(module, "_compiled_call_impl", None) is not None
+        or bool(getattr(module, "_compiler_ctx", None))
+    )
 
 
 def _prepare(call: tuple[Any, ...], rows: int, queries: int) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

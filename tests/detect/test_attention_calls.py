@@ -227,3 +227,19 @@ def test_a_watched_pass_costs_no_python_dispatch_on_the_modules_other_torch_call
     finally:
         type(probe._mode).__torch_function__ = original  # type: ignore[method-assign]
     assert per_pass[0] > 40 and per_pass[1] == per_pass[2] == 0
+
+
+def test_a_compiled_model_keeps_the_function_mode_and_is_measured_on_every_pass() -> None:
+    """torch.compile traces the wrappers into its graph and then misses the calls: compiled models keep the mode."""
+    torch.manual_seed(0)
+    block = CausalSelfAttention(sdpa=True)
+    net = nn.Sequential(torch.compile(block, backend="aot_eager"))
+    probe = AttentionProbe(net, rediscover_every=3)
+    assert probe.compiled
+    x = torch.randn(2, 5, 8)
+    measured = _passes(net, x, 3, probe)
+    assert len(measured[0]) == 1 and measured[0] == measured[1] == measured[2]
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    in_place = nn.Sequential(CausalSelfAttention(sdpa=True))
+    in_place[0].compile(backend="aot_eager")  # module.compile(): compiled in place
+    assert AttentionProbe(in_place).compiled and not AttentionProbe(nn.Sequential(block)).compiled
