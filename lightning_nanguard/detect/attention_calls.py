@@ -96,25 +96,42 @@ def _wrapper(original: Callable[..., Any], kind: int) -> Callable[..., Any]:
     return wrapped
 
 
-_WRAPPERS = tuple(_wrapper(original, kind) for _, _, original, kind in ORIGINALS)
-
 WATCHED: dict[Any, int] = {original: kind for _, _, original, kind in ORIGINALS}
 """The attention functions and their wrappers, each with its kind (what a function mode looks for)."""
-WATCHED.update({wrapper: kind for wrapper, (_, _, _, kind) in zip(_WRAPPERS, ORIGINALS, strict=True)})
+
+_WRAPPERS: dict[Any, Callable[..., Any]] = {}  # the wrapper of each function found in place (torch's, or a patch)
+_SAVED: list[tuple[Any, str, Any]] = []  # (owner, attribute, what it held before the wrapper; None: inherited)
+
+
+def _wrapper_of(function: Callable[..., Any], kind: int) -> Callable[..., Any]:
+    wrapper = _WRAPPERS.get(function)
+    if wrapper is None:
+        wrapper = _WRAPPERS[function] = _wrapper(function, kind)
+        WATCHED[wrapper] = kind
+    return wrapper
+
+
+for _, _, _original, _kind in ORIGINALS:  # torch's own, made once
+    _wrapper_of(_original, _kind)
 
 
 def _install() -> None:
-    for wrapper, (owner, name, _, _) in zip(_WRAPPERS, ORIGINALS, strict=True):
-        setattr(owner, name, wrapper)
+    """Wrap what each attribute holds now (another library's patch of it included), keeping it for :func:`_restore`."""
+    _SAVED.clear()
+    for owner, name, original, kind in ORIGINALS:
+        held = Tensor.__dict__.get(name) if owner is Tensor else getattr(owner, name)
+        _SAVED.append((owner, name, held))
+        setattr(owner, name, _wrapper_of(held if held is not None else original, kind))
 
 
 def _restore() -> None:
-    for owner, name, original, _ in ORIGINALS:
-        if owner is Tensor:
-            if name in Tensor.__dict__:  # inherited from TensorBase: remove the wrapper
-                delattr(Tensor, name)
-        else:
-            setattr(owner, name, original)
+    """Put back exactly what :func:`_install` found."""
+    for owner, name, held in _SAVED:
+        if held is not None:
+            setattr(owner, name, held)
+        elif name in owner.__dict__:  # inherited (Tensor.softmax from TensorBase): remove the wrapper
+            delattr(owner, name)
+    _SAVED.clear()
 
 
 def start(sink: AttentionCallSink) -> bool:

@@ -243,3 +243,21 @@ def test_a_compiled_model_keeps_the_function_mode_and_is_measured_on_every_pass(
     in_place = nn.Sequential(CausalSelfAttention(sdpa=True))
     in_place[0].compile(backend="aot_eager")  # module.compile(): compiled in place
     assert AttentionProbe(in_place).compiled and not AttentionProbe(nn.Sequential(block)).compiled
+
+
+def test_another_librarys_patch_of_an_attention_function_is_wrapped_and_put_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A library that replaced ``F.scaled_dot_product_attention`` after the guard was imported keeps its function."""
+    called: list[int] = []
+
+    def patched(*args: object, **kwargs: object) -> Tensor:
+        called.append(1)
+        return ORIGINAL_SDPA(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", patched)
+    spy = Spy("sdpa")
+    net = nn.Sequential(spy)
+    measured = _passes(net, torch.randn(3, 5, 8), 3, AttentionProbe(net))
+    assert F.scaled_dot_product_attention is patched and len(called) == 3
+    assert spy.modes == [True, False, False] and len(measured[0]) == 1 and measured[0] == measured[1] == measured[2]
