@@ -344,12 +344,12 @@ class AttentionProbe:
                 self._mode_depth = 0
                 self._mode.__exit__(None, None, None)
             self._stack.pop()
-            if not self._stack:
+            if not self._stack:  # the outermost returned
                 attention_calls.stop(self)
-            if not self._stack and self._discovering and self._pending:  # the outermost returned: measure its calls
-                start = perf_counter()
-                self._flush()
-                self.host_seconds += perf_counter() - start
+                if self._discovering and self._pending:  # measure its calls
+                    start = perf_counter()
+                    self._flush()
+                    self.host_seconds += perf_counter() - start
 
     def _flush_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         """A root's forward returned (see :attr:`roots`): measure the calls it made."""

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from op_budget import OpCounter
+from op_budget import OpCounter, probe_ops_added
 from torch import Tensor, nn
 
 from lightning_nanguard.detect import attention
@@ -441,28 +441,10 @@ def _encoder(layers: int) -> nn.Sequential:
     )
 
 
-def _added(net: nn.Sequential, x: Tensor, passes: int = 3) -> int:
-    """The aten calls a watched pass adds to the forward (after the probe found the attention modules)."""
-    probe = AttentionProbe(net, rows=4, queries=64)
-    for _ in range(passes):
-        with probe.measuring():
-            net(x)
-        probe.take_calls()
-    plain, watched = OpCounter(), OpCounter()
-    with plain.modes():
-        net(x)
-    with watched.modes():
-        with probe.measuring():
-            net(x)
-        calls = probe.take_calls()
-    assert sum(len(part.names) for part in calls) == len(net)
-    return watched.all_ops - plain.all_ops
-
-
 @pytest.mark.parametrize("length", [8, 200], ids=["8 tokens", "200 tokens"])
 def test_the_calls_added_per_multihead_call_are_a_few_views(length: int) -> None:
     x = torch.randn(8, length, 16)  # 8 batch rows, 4 measured; 200 tokens: every 4th query
-    few, many = _added(_encoder(2), x), _added(_encoder(10), x)
+    few, many = probe_ops_added(_encoder(2), x), probe_ops_added(_encoder(10), x)
     per_call = (many - few) / 8
     assert per_call <= PER_CALL, (few, many)  # it was ~29 per call
     assert few - 2 * per_call <= PER_BATCH, (few, many)

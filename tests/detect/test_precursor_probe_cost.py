@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_blocks import CausalSelfAttention
-from op_budget import OpCounter
+from op_budget import OpCounter, probe_ops_added
 from torch import Tensor, nn
 
 from lightning_nanguard.detect import attention
@@ -38,31 +38,13 @@ def _net(layers: int, sdpa: bool, heads: int) -> nn.Sequential:
     return nn.Sequential(*(_block(sdpa, heads) for _ in range(layers)))
 
 
-def _added(net: nn.Sequential, x: Tensor, passes: int = 3) -> int:
-    """The aten calls a watched pass adds to the forward (after the probe found the attention modules)."""
-    probe = AttentionProbe(net, rows=4, queries=64)
-    for _ in range(passes):
-        with probe.measuring():
-            net(x)
-        probe.take_calls()
-    plain, watched = OpCounter(), OpCounter()
-    with plain.modes():
-        net(x)
-    with watched.modes():
-        with probe.measuring():
-            net(x)
-        calls = probe.take_calls()
-    assert sum(len(part.names) for part in calls) == len(net)
-    return watched.all_ops - plain.all_ops
-
-
 @pytest.mark.parametrize("sdpa", [True, False], ids=["sdpa", "softmax"])
 @pytest.mark.parametrize(("heads", "length"), [(2, 8), (8, 8), (2, 200)], ids=["2 heads", "8 heads", "200 tokens"])
 def test_the_calls_added_per_attention_call_are_a_few_views_whatever_the_shape(
     sdpa: bool, heads: int, length: int
 ) -> None:
     x = torch.randn(8, length, 16)  # 8 batch rows, 4 measured; 200 tokens: every 4th query
-    few, many = _added(_net(2, sdpa, heads), x), _added(_net(10, sdpa, heads), x)
+    few, many = probe_ops_added(_net(2, sdpa, heads), x), probe_ops_added(_net(10, sdpa, heads), x)
     per_call = (many - few) / 8
     assert per_call <= PER_CALL, (few, many)
     assert few - 2 * per_call <= PER_BATCH, (few, many)

@@ -52,8 +52,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_nanguard.core.timing import GuardClock
+from lightning_nanguard.detect.attention import AttentionProbe
 
-__all__ = ["CountingClock", "OpCounter", "PythonCalls", "StepCounts", "install"]
+__all__ = ["CountingClock", "OpCounter", "PythonCalls", "StepCounts", "install", "probe_ops_added"]
 
 _aten = torch.ops.aten
 _READ_OPS = {_aten._local_scalar_dense.default, _aten.equal.default}
@@ -151,6 +152,27 @@ class OpCounter:
             tensor = args[0]
             if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and not self._is_copy(tensor):
                 self.reads[name] += 1
+
+
+def probe_ops_added(net: torch.nn.Sequential, x: torch.Tensor, passes: int = 3) -> int:
+    """The aten calls an attention probe's watched pass adds to ``net(x)`` (after it found the attention modules).
+
+    Every block of ``net`` must make one attention call (checked).
+    """
+    probe = AttentionProbe(net, rows=4, queries=64)
+    for _ in range(passes):
+        with probe.measuring():
+            net(x)
+        probe.take_calls()
+    plain, watched = OpCounter(), OpCounter()
+    with plain.modes():
+        net(x)
+    with watched.modes():
+        with probe.measuring():
+            net(x)
+        calls = probe.take_calls()
+    assert sum(len(part.names) for part in calls) == len(net)
+    return watched.all_ops - plain.all_ops
 
 
 def _address(tensor: torch.Tensor) -> int:

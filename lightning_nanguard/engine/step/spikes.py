@@ -97,15 +97,12 @@ class SpikeWatch:
         ``bool`` and no kernel runs.
         """
         if not isinstance(loss, Tensor) and not isinstance(grad_norm, Tensor):
-            if grad_norm is None or self.grad_norm is None:  # the loss alone (the usual step)
-                self._checked = [self.loss] if loss is not None else []
-                return loss is not None and self.loss.check_value(loss)
             self._checked = []
             spike = False
-            for watched, number in ((self.loss, loss), (self.grad_norm, grad_norm)):
-                if number is not None:
-                    spike = watched.check_value(number) or spike
-                    self._checked.append(watched)
+            for detector, number in ((self.loss, loss), (self.grad_norm, grad_norm)):
+                if detector is not None and number is not None:
+                    spike = detector.check_value(number) or spike
+                    self._checked.append(detector)
             return spike
         self._checked = []
         flags: list[Tensor] = []
