@@ -4,7 +4,7 @@ A :class:`~torch.overrides.TorchFunctionMode` sees every torch call made inside 
 what the attention probe needs to find attention wherever it is written; but it costs a Python
 dispatch on *every* torch call (projections, views, transposes), ~20 per attention call. Once the
 probe knows which modules call attention, these wrappers see the attention calls alone: while a
-probe watches a module's forward (:func:`start` to :func:`stop`, or :func:`watching`),
+probe watches a module's forward (:func:`start` to :func:`stop`),
 ``torch.nn.functional.scaled_dot_product_attention``,
 ``torch.nn.functional.softmax``, ``torch.softmax`` and ``Tensor.softmax`` are replaced by wrappers
 that call the original and then hand the call to each probe watching (on the thread that installed
@@ -23,9 +23,11 @@ Example:
     ...     def attention_call(self, kind, args, kwargs):
     ...         seen.append((kind, tuple(args[0].shape)))
     >>> probe = Probe()
-    >>> with watching(probe):
-    ...     _ = torch.softmax(torch.zeros(1, 2, 3), dim=-1)
-    ...     _ = torch.zeros(1, 2, 3).softmax(-1)
+    >>> start(probe)
+    True
+    >>> _ = torch.softmax(torch.zeros(1, 2, 3), dim=-1)
+    >>> _ = torch.zeros(1, 2, 3).softmax(-1)
+    >>> stop(probe)
     >>> seen, torch.softmax is ORIGINALS[1][2]  # restored
     ([(2, (1, 2, 3)), (2, (1, 2, 3))], True)
 """
@@ -33,15 +35,14 @@ Example:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["ORIGINALS", "SDPA", "SOFTMAX", "STATE", "WATCHED", "start", "stop", "watching"]
+__all__ = ["ORIGINALS", "SDPA", "SOFTMAX", "STATE", "WATCHED", "start", "stop"]
 
 SDPA, SOFTMAX = 1, 2
 
@@ -159,18 +160,3 @@ def stop(sink: AttentionCallSink) -> None:
     if not STATE.sinks:
         _restore()
         STATE.thread = None
-
-
-@contextmanager
-def watching(sink: AttentionCallSink) -> Iterator[None]:
-    """Within: attention calls on this thread are handed to ``sink`` (see :func:`start`).
-
-    Raises:
-        RuntimeError: another thread watches.
-    """
-    if not start(sink):
-        raise RuntimeError("attention calls are watched on another thread")
-    try:
-        yield
-    finally:
-        stop(sink)
