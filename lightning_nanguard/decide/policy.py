@@ -62,6 +62,7 @@ LOCAL_FIELDS: tuple[str, ...] = ("bad", "grad_norm", "others_bad", "spike", "fai
 """This rank's values, in the order of :func:`local_vector`."""
 SHARED_FIELDS: tuple[str, ...] = ("bad", "others_bad", "spike", "failed", "part_failed")
 """The flags summed over ranks (DDP), in the order of :func:`shared_part`."""
+_LOCAL = len(LOCAL_FIELDS)
 
 # Which cause wins when ranks disagree: the weights are shared, so a state cause anywhere is the
 # cause; then NaN/Inf in a batch, then samples that reproduce it, then samples that only fail together,
@@ -176,21 +177,45 @@ class StepHealth:
             >>> health.healthy, health.ranks_bad, health.bad, health.ranks_part_failed
             (False, 1, False, 1)
         """
-        bad, grad_norm, others_bad, spike, failed, loss, part_failed = values[: len(LOCAL_FIELDS)]
-        shared = list(values[len(LOCAL_FIELDS) :]) or [bad, others_bad, spike, failed, part_failed]
+        bad, grad_norm, others_bad, spike, failed, loss, part_failed = values[:_LOCAL]
+        shared = values[_LOCAL:] if len(values) > _LOCAL else (bad, others_bad, spike, failed, part_failed)
+        # positional, in field order (bad, grad_norm, others_bad, spike, failed, loss, ranks_*): every step makes one
         return cls(
-            bad=bad > 0,
-            grad_norm=float(grad_norm),
-            others_bad=others_bad > 0,
-            spike=spike > 0,
-            failed=failed > 0,
-            loss=float(loss),
-            ranks_bad=int(shared[0]),
-            ranks_others_bad=int(shared[1]),
-            ranks_spike=int(shared[2]),
-            ranks_failed=int(shared[3]),
-            ranks_part_failed=int(shared[4]),
+            bad > 0,
+            float(grad_norm),
+            others_bad > 0,
+            spike > 0,
+            failed > 0,
+            float(loss),
+            int(shared[0]),
+            int(shared[1]),
+            int(shared[2]),
+            int(shared[3]),
+            int(shared[4]),
         )
+
+    @classmethod
+    def local(
+        cls,
+        bad: bool = False,
+        grad_norm: float = -1.0,
+        others_bad: bool = False,
+        spike: bool = False,
+        failed: bool = False,
+        loss: float = math.nan,
+    ) -> StepHealth:
+        """A step of one process decided on the host (no vector): its flags are the ranks' counts.
+
+        The same as ``from_values(local_values(...))``, without the list in between.
+
+        Examples:
+            >>> values = local_values(grad_norm=1.5, loss=0.7)
+            >>> StepHealth.local(grad_norm=1.5, loss=0.7) == StepHealth.from_values(values)
+            True
+            >>> StepHealth.local(bad=True).ranks_bad
+            1
+        """
+        return cls(bad, grad_norm, others_bad, spike, failed, loss, int(bad), int(others_bad), int(spike), int(failed))
 
     @property
     def healthy(self) -> bool:

@@ -19,14 +19,13 @@ The caller's protocol, once per step::
 from __future__ import annotations
 
 import bisect
-import functools
 import math
 import operator
 import statistics
 import struct
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -383,11 +382,11 @@ class _Statistic:
     baseline: float
     margin: float
     history: int
+    threshold32: float = field(init=False, repr=False, compare=False)
+    """:attr:`threshold` rounded to float32, as the device compares with it (always representable)."""
 
-    @functools.cached_property
-    def threshold32(self) -> float:
-        """:attr:`threshold` rounded to float32, as the device compares with it (always representable)."""
-        return float(struct.unpack("f", struct.pack("f", self.threshold))[0])
+    def __post_init__(self) -> None:  # made with the statistic: every step's check reads it
+        object.__setattr__(self, "threshold32", struct.unpack("f", struct.pack("f", self.threshold))[0])
 
     @classmethod
     def warming_up(cls, history: int, baseline: float = math.nan) -> _Statistic:

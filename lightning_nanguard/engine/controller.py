@@ -31,7 +31,6 @@ from lightning_nanguard.decide.policy import (
     StepDecision,
     StepHealth,
     decide,
-    local_values,
     local_vector,
     shared_part,
 )
@@ -44,7 +43,7 @@ from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.settings import GuardSettings
 from lightning_nanguard.engine.shard_layout import ShardingLayout, announce_sharding, sharding_notice
 from lightning_nanguard.engine.state import GuardState, composed_state, load_composed_state
-from lightning_nanguard.engine.step.check import decided_on_host, host_step_values, next_loss_scale, step_flags
+from lightning_nanguard.engine.step.check import decided_on_host, host_step_health, next_loss_scale, step_flags
 from lightning_nanguard.engine.step.closure_undo import is_closure_optimizer
 from lightning_nanguard.engine.step.params import StepParams
 from lightning_nanguard.engine.step.spikes import SpikeWatch
@@ -207,7 +206,7 @@ class StepController:
         except Exception as error:
             self.fail(error, "the check of a step")
             if not self._voted:  # vote "failed" in this step's reduce: every rank drops it and stops
-                self._resolve(front, optimizer, [], self._agreed_vector(front, [], optimizer).tolist())
+                self._resolve_values(front, optimizer, [], self._agreed_vector(front, [], optimizer).tolist())
             elif not self.agreement.distributed:
                 self.actions.stop_guarding(front, optimizer, drop=True)
         finally:
@@ -237,20 +236,23 @@ class StepController:
         params = self.step_params.of(front.module, inner)  # the tensors this step really updates
         grads = [g for p in params if (g := p.grad) is not None]
         layout = params if len(grads) == len(params) else None  # the gradients are laid out as their tensors
-        values = self._host_values(front, grads, layout)
-        if values is None:  # flags on the device: reduced over ranks, or handed to a fused optimizer
+        health = self._host_health(front, grads, layout)
+        if health is None:  # flags on the device: reduced over ranks, or handed to a fused optimizer
             vector = self._agreed_vector(front, grads, optimizer, layout)
             sync_free = self.sync_free and front.automatic_optimization and not self.state.failing
             if sync_free and self._defer(front, optimizer, grads, vector):
                 return  # skipped on the device if bad; resolved before the next step's forward
-            values = vector.tolist()  # the one host read of a step
-        self._resolve(front, optimizer, grads, values)
+            health = StepHealth.from_values(vector.tolist())  # the one host read of a step
+        self._resolve(front, optimizer, grads, health)
         if not front.automatic_optimization:  # the next optimizer's step: its own losses and BatchNorm updates
             self.window.next_optimizer_step()
 
-    def _resolve(self, front: FrontEnd, optimizer: Optimizer, grads: list[Tensor], values: list[float]) -> None:
+    def _resolve_values(self, front: FrontEnd, optimizer: Optimizer, grads: list[Tensor], values: list[float]) -> None:
+        """:meth:`_resolve` from the flags read to the host as a list (a vector's ``tolist()``)."""
+        self._resolve(front, optimizer, grads, StepHealth.from_values(values))
+
+    def _resolve(self, front: FrontEnd, optimizer: Optimizer, grads: list[Tensor], health: StepHealth) -> None:
         """Decide the step from its flags (read to the host) together with the other ranks, and act."""
-        health = StepHealth.from_values(values)
         if health.ranks_part_failed:
             self.attention.clip_failed_elsewhere()  # no rank joins QK-clip's collective now
         if health.grad_norm >= 0 or math.isnan(health.grad_norm):
@@ -275,19 +277,19 @@ class StepController:
             event = event.replace(optimizer=per.index(front.optimizers, optimizer) if index is None else index)
         self._carry_out(front, optimizer, decision, after, event, grads, health)
 
-    def _host_values(self, front: FrontEnd, grads: list[Tensor], layout: list[Tensor] | None) -> list[float] | None:
+    def _host_health(self, front: FrontEnd, grads: list[Tensor], layout: list[Tensor] | None) -> StepHealth | None:
         """The step decided on the host from raw totals (one process, no GradScaler); ``None``: on the device."""
         device_flags = self.agreement.distributed or self.sharding is not None or self.state.failing
         if device_flags or (self.sync_free and front.automatic_optimization) or not decided_on_host(front):
             return None
         self._voted = True  # no reduce to take part in: a failure below is this rank's alone
         try:
-            return host_step_values(front, grads, self.window, self.spikes, self.with_norm, self.parts, layout)
+            return host_step_health(front, grads, self.window, self.spikes, self.with_norm, self.parts, layout)
         except GuardInternalError:
             raise
         except Exception as error:  # a bug in the guard: the step is not vouched for
             self.fail(error, "the per-step check")
-            return local_values(failed=True)
+            return StepHealth.local(failed=True)
 
     def _agreed_vector(
         self, front: FrontEnd, grads: list[Tensor], optimizer: Optimizer, layout: list[Tensor] | None = None
@@ -332,7 +334,7 @@ class StepController:
 
     def resolve_pending(self, front: FrontEnd) -> None:
         """Read and act on the flags of a step checked sync-free (before the next forward, or at the end)."""
-        self.sync.resolve_pending(front, self.window, self._resolve)
+        self.sync.resolve_pending(front, self.window, self._resolve_values)
 
     # ------------------------------------------------------------------ a step that is bad somewhere
 

@@ -69,13 +69,16 @@ class UnguardableSetupError(ValueError):
 
 def failsafe(hook: _F) -> _F:
     """Run a hook, timed, so that the guard's own failure never kills training (see ``StepController.fail``)."""
+    name = hook.__name__
 
     @functools.wraps(hook)
     def wrapper(self: Guarded, *args: Any, **kwargs: Any) -> Any:
         if not self.active and not self.controller.state.failing:
             return None
         try:
-            with self.clock.measure(hook.__name__):
+            if not self.clock.enabled:  # the usual run: no context manager to enter and leave (every hook)
+                return hook(self, *args, **kwargs)
+            with self.clock.measure(name):
                 return hook(self, *args, **kwargs)
         except (NonFiniteTrainingError, GuardInternalError, UnguardableSetupError):
             raise

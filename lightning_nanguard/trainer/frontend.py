@@ -65,7 +65,9 @@ class TrainerFrontEnd:
         self.optimizer_in_step: Any = None  # the optimizer whose step is being checked
         self.logged = LoggedValues()  # the epoch aggregates of `self.log`, kept for a possible drop
         self._clip_val: float | None = None  # the Trainer's gradient_clip_val, off during a dropped step
-        self._moment: dict[str, Any] | None = None  # facts read once in the hook in progress (new_moment)
+        self._announced = False  # a hook announced itself (new_moment): facts are read once per hook
+        self._step: int | None = None  # the global step read in the hook in progress
+        self._logging: bool | None = None  # whether logging is due, read in the hook in progress
 
     def new_moment(self) -> None:
         """A hook of the guard begins: the step count and whether logging is due are read once until the next.
@@ -75,22 +77,19 @@ class TrainerFrontEnd:
         guard's hooks; the engine asks for them several times a step. A front-end no hook has
         announced (one made by hand) reads them afresh each time.
         """
-        self._moment = {}
+        self._announced = True
+        self._step = self._logging = None
 
     # ------------------------------------------------------------------ where the run is
 
-    def _once(self, fact: str, read: Callable[[], Any]) -> Any:
-        """``read()``, once per hook (:meth:`new_moment`); every time on a front-end no hook announced."""
-        moment = self._moment
-        if moment is None:
-            return read()
-        if fact not in moment:
-            moment[fact] = read()
-        return moment[fact]
-
     @property
     def global_step(self) -> int:
-        return int(self._once("global_step", self._trainer_step))
+        step = self._step
+        if step is None:  # not read yet in this hook (always, on a front-end no hook announced)
+            step = self._trainer_step()
+            if self._announced:
+                self._step = step
+        return step
 
     def _trainer_step(self) -> int:
         """``trainer.global_step``, read from the epoch loop's progress counters without its chain of properties.
@@ -241,14 +240,20 @@ class TrainerFrontEnd:
 
     def logging_due(self) -> bool:
         """Whether the Trainer logs metrics at this step (``log_every_n_steps``)."""
-        return bool(self._once("logging_due", self._logging_due))
+        due = self._logging
+        if due is None:  # not read yet in this hook (always, on a front-end no hook announced)
+            due = self._logging_due()
+            if self._announced:
+                self._logging = due
+        return due
 
     def _logging_due(self) -> bool:
         trainer = self.trainer
         if not trainer.loggers:
             return False
         # LoggerConnector.should_update_logs while fitting, read without its chain of properties (~4 us a step)
-        fitting = getattr(getattr(getattr(trainer, "state", None), "stage", None), "value", None) == "train"
+        # the stage's plain `_value_` attribute, not the enum's `value` property (two Python calls)
+        fitting = getattr(getattr(getattr(trainer, "state", None), "stage", None), "_value_", None) == "train"
         every = getattr(trainer, "log_every_n_steps", None)
         epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
         stepped = getattr(epoch_loop, "_batches_that_stepped", None)

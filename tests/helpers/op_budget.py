@@ -241,7 +241,7 @@ class CountingClock(GuardClock):
     """A :class:`GuardClock` whose every measured region is also counted by ``counter``."""
 
     def __init__(self, counter: OpCounter) -> None:
-        super().__init__()
+        super().__init__(enabled=True)  # the hooks enter a measured region only when the clock is on
         self.counter = counter
 
     @contextlib.contextmanager

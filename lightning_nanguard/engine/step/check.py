@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_nanguard.core.events import NanEvent
-from lightning_nanguard.decide.policy import local_values, local_vector
+from lightning_nanguard.decide.policy import StepHealth, local_vector
 from lightning_nanguard.detect.batchnorm import batchnorm_buffers
 from lightning_nanguard.detect.check import fused_health_check
 from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_names
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from lightning_nanguard.engine.step.spikes import SpikeWatch
     from lightning_nanguard.engine.step.window import StepWindow
 
-__all__ = ["check_module", "decided_on_host", "host_step_values", "loss_scale", "next_loss_scale", "step_flags"]
+__all__ = ["check_module", "decided_on_host", "host_step_health", "loss_scale", "next_loss_scale", "step_flags"]
 
 
 def step_flags(
@@ -83,7 +83,7 @@ def step_flags(
 
 
 def decided_on_host(front: FrontEnd) -> bool:
-    """Whether this rank's step can be decided from raw totals on the host (:func:`host_step_values`).
+    """Whether this rank's step can be decided from raw totals on the host (:func:`host_step_health`).
 
     In one process (the caller's test: no collective carries the flags) and without a GradScaler
     (whose own NaN/Inf flag stays on the device): the flags :func:`step_flags` would build on the
@@ -92,7 +92,7 @@ def decided_on_host(front: FrontEnd) -> bool:
     return front.grad_scaler is None
 
 
-def host_step_values(
+def host_step_health(
     front: FrontEnd,
     grads: list[Tensor],
     window: StepWindow,
@@ -100,8 +100,8 @@ def host_step_values(
     with_norm: bool,
     parts: GuardParts,
     layout: list[Tensor] | None = None,
-) -> list[float]:
-    """This rank's values laid out as :data:`~lightning_nanguard.decide.policy.LOCAL_FIELDS`, with one host read.
+) -> StepHealth:
+    """This rank's step health (the values :data:`~lightning_nanguard.decide.policy.LOCAL_FIELDS` names), one host read.
 
     The same check as :func:`step_flags`, decided on the host: the device computes the raw totals of
     the gradients and of the losses and BatchNorm statistics, the step's loss and, when due, the
@@ -144,12 +144,12 @@ def _decided(
     with_norm: bool,
     bad: bool,
     others_bad: bool,
-) -> list[float]:
-    """The local values of a step decided on the host, with its spike check (an optional part)."""
+) -> StepHealth:
+    """The health of a step decided on the host, with its spike check (an optional part)."""
     spike = False
     if spikes is not None:
         spike = bool(parts.run("spikes", spikes.check, loss, grad_norm if with_norm else None))
-    return local_values(bad, grad_norm, others_bad, spike, loss=math.nan if loss is None else loss)
+    return StepHealth.local(bad, grad_norm, others_bad, spike, loss=math.nan if loss is None else loss)
 
 
 def _spike_flag(

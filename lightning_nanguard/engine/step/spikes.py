@@ -73,6 +73,7 @@ class SpikeWatch:
         self.loss = settings.detector("loss")
         self.grad_norm = settings.detector("grad_norm") if watch_grad_norm else None
         self._checked: list[SpikeDetector] = []
+        self._loss_only = [self.loss]  # what a check of the loss alone checked (shared, never changed)
 
     @classmethod
     def reconfigured(
@@ -97,13 +98,17 @@ class SpikeWatch:
         ``bool`` and no kernel runs.
         """
         if not isinstance(loss, Tensor) and not isinstance(grad_norm, Tensor):
-            self._checked = []
-            spike = False
-            for detector, number in ((self.loss, loss), (self.grad_norm, grad_norm)):
-                if detector is not None and number is not None:
-                    spike = detector.check_value(number) or spike
-                    self._checked.append(detector)
-            return spike
+            norm = self.grad_norm if grad_norm is not None else None
+            if norm is None:  # the loss alone (most steps): no list made
+                self._checked = self._loss_only if loss is not None else []
+                return loss is not None and self.loss.check_value(loss)
+            assert grad_norm is not None
+            spike = norm.check_value(grad_norm)
+            if loss is None:
+                self._checked = [norm]
+                return spike
+            self._checked = [self.loss, norm]
+            return self.loss.check_value(loss) or spike
         self._checked = []
         flags: list[Tensor] = []
         for detector, value in ((self.loss, loss), (self.grad_norm, grad_norm)):
@@ -120,7 +125,11 @@ class SpikeWatch:
         ``loss`` and ``grad_norm`` are the checked values as read with the step's flags (nothing is
         read here then). The detectors still describe this check until the next one.
         """
-        for detector in self._checked:
+        checked = self._checked
+        if checked is self._loss_only:  # the loss alone (most steps)
+            self.loss.accept(healthy, loss)
+            return
+        for detector in checked:
             detector.accept(healthy, value=loss if detector is self.loss else grad_norm)
 
     def rebaseline(self) -> None:
