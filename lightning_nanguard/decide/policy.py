@@ -28,7 +28,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -137,9 +137,8 @@ def shared_part(vector: Tensor) -> Tensor:
     return torch.cat((vector[0:1], vector[2:5], vector[6:7]))  # bad, others_bad, spike, failed, part_failed
 
 
-@dataclass(frozen=True)
-class StepHealth:
-    """The step's one host read, named.
+class StepHealth(NamedTuple):
+    """The step's one host read, named (a named tuple: every step makes one, and a tuple is made in C).
 
     Attributes:
         bad: this rank's check flagged a possible NaN/Inf (gradients, loss or BatchNorm statistics).

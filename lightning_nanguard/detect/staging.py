@@ -101,6 +101,8 @@ class Staging:
                 singles.append(at[indices[0]])
                 self.single_views.append(view[0])
         self.singles: list[int] = singles
+        self._singles = selector(singles) if singles else None
+        self._copy_views: dict[int, list[Tensor]] = {}  # the views one _foreach_copy_ writes, by tail sources
 
     def load(self, tensors: Sequence[Tensor], tail_sources: Sequence[Tensor] = ()) -> Tensor:
         """Copy the tensors (and ``tail_sources`` into the tail) into the buffer and return it.
@@ -112,9 +114,16 @@ class Staging:
             if picked[0].shape != shape:
                 raise RuntimeError("other shapes than the staging buffer was built for")
             torch.stack(picked, out=view)  # checks every shape and the count
-        if self.singles or tail_sources:
-            views = self.single_views + self.tail_views[: len(tail_sources)]
-            torch._foreach_copy_(views, [tensors[i] for i in self.singles] + list(tail_sources))
+        if self._singles is not None or tail_sources:
+            views = self._copy_views.get(len(tail_sources))
+            if views is None:
+                views = self._copy_views[len(tail_sources)] = self.single_views + self.tail_views[: len(tail_sources)]
+            singles = self._singles
+            if singles is None:
+                sources: Sequence[Tensor] = ()
+            else:  # positions evenly spaced (most layouts): a slice taken in C
+                sources = tensors[singles] if isinstance(singles, slice) else [tensors[i] for i in singles]
+            torch._foreach_copy_(views, [*sources, *tail_sources])
         return self.flat
 
 

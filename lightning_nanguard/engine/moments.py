@@ -170,6 +170,12 @@ class GuardEngine:
             self.controller.actions.closure_undo.after(optimizer)
         self.controller.after_optimizer_step(front)
 
+    @property
+    def batch_end_due(self) -> bool:
+        """Whether :meth:`batch_end` has anything to do: a held scheduler, or a check to report (rarely)."""
+        controller = self.controller
+        return bool(controller.state.unreported_checks) or controller.per_optimizer.holding
+
     def batch_end(self, front: FrontEnd) -> None:
         """The batch is over: held schedulers step again; a step ``check`` found bad and the caller skipped is reported.
 

@@ -92,7 +92,7 @@ class StepActions:
         self.state.step_was_bad = False
         grad_norm = health.grad_norm
         if spikes is not None:  # the values came with the step's one read: nothing more is read
-            self.parts.run("spikes", spikes.accept, True, loss=health.loss, grad_norm=grad_norm)
+            self.parts.run("spikes", spikes.accept, True, health.loss, grad_norm)  # (healthy, loss, grad_norm)
         if math.isfinite(grad_norm) and grad_norm >= 0:  # -1: not computed this step
             self.parts.run("remedies", self._healthy_norm, grads, grad_norm, clip=clip)
         step = front.global_step

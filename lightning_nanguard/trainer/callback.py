@@ -202,7 +202,8 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
             if event is not None:
                 self.controller.recorder.record(self._front_of(trainer, pl_module), event)
             return
-        self.engine.batch_end(self._front_of(trainer, pl_module))
+        if self.engine.batch_end_due:  # most batches: nothing held, nothing to report
+            self.engine.batch_end(self._front_of(trainer, pl_module))
         state = self.controller.state
         if state.dropped_by_check:
             state.dropped_by_check = False

@@ -42,8 +42,10 @@ FORWARD_ONLY_NOTE = (
 
 def forward_only(trainer: Any) -> bool:
     """Whether the Trainer runs this epoch's batches forward only (no backward, no real optimizer step)."""
-    loop = getattr(trainer, "fit_loop", None)
-    return bool(getattr(loop, "_skip_backward", False))
+    try:  # what FitLoop._skip_backward returns, without its property (read in three hooks a step)
+        return bool(trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward)
+    except AttributeError:
+        return bool(getattr(getattr(trainer, "fit_loop", None), "_skip_backward", False))
 
 
 class ForwardOnlyEpoch:

@@ -97,12 +97,12 @@ class TrainerFrontEnd:
         What ``_TrainingEpochLoop.global_step`` returns (the optimizer steps completed, automatic or
         manual), ~4 us a read less; the property itself where the loop is laid out otherwise.
         """
-        loop = getattr(getattr(self.trainer, "fit_loop", None), "epoch_loop", None)
-        try:
+        try:  # plain attribute reads (no getattr calls): read three times a step
+            loop = self.trainer.fit_loop.epoch_loop
             if self.module.automatic_optimization:
-                steps = loop.automatic_optimization.optim_progress.optimizer.step.total.completed  # type: ignore[union-attr]
+                steps = loop.automatic_optimization.optim_progress.optimizer.step.total.completed
             else:
-                steps = loop.manual_optimization.optim_step_progress.total.completed  # type: ignore[union-attr]
+                steps = loop.manual_optimization.optim_step_progress.total.completed
         except AttributeError:
             return int(self.trainer.global_step)
         return steps if type(steps) is int else int(self.trainer.global_step)
@@ -248,15 +248,16 @@ class TrainerFrontEnd:
         return due
 
     def _logging_due(self) -> bool:
-        trainer = self.trainer
+        trainer: Any = self.trainer  # `log_every_n_steps` is set on it at init; `state.stage` may be None
         if not trainer.loggers:
             return False
-        # LoggerConnector.should_update_logs while fitting, read without its chain of properties (~4 us a step)
-        # the stage's plain `_value_` attribute, not the enum's `value` property (two Python calls)
-        fitting = getattr(getattr(getattr(trainer, "state", None), "stage", None), "_value_", None) == "train"
-        every = getattr(trainer, "log_every_n_steps", None)
-        epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-        stepped = getattr(epoch_loop, "_batches_that_stepped", None)
+        # LoggerConnector.should_update_logs while fitting, read without its chain of properties (~4 us a step),
+        # and the stage's plain `_value_` attribute rather than the enum's `value` property (two Python calls)
+        try:
+            fitting = trainer.state.stage._value_ == "train"
+            every, stepped = trainer.log_every_n_steps, trainer.fit_loop.epoch_loop._batches_that_stepped
+        except AttributeError:
+            fitting, every, stepped = False, None, None
         if fitting and type(every) is int and every > 0 and type(stepped) is int:
             return (stepped + 1) % every == 0 or bool(trainer.should_stop)  # +1: asked before the step is taken
         connector = getattr(trainer, "_logger_connector", None)

@@ -66,8 +66,10 @@ class LoggedValues:
     @staticmethod
     def _results(trainer: Any) -> dict[str, Any] | None:
         """The training result collection: the fit loop's own (``trainer._results`` finds it by a slower path)."""
-        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-        results = getattr(loop, "_results", None)
+        try:  # plain attribute reads, at every checked step
+            results = trainer.fit_loop.epoch_loop._results
+        except AttributeError:
+            results = None
         if results is None:
             results = getattr(trainer, "_results", None)
         return results if isinstance(results, dict) else None

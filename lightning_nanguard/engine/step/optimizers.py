@@ -88,6 +88,11 @@ class PerOptimizer:
 
             scheduler.step = skip_once
 
+    @property
+    def holding(self) -> bool:
+        """Whether a scheduler is held (its next ``step`` is skipped)."""
+        return bool(self._held)
+
     def release_schedulers(self) -> None:
         """The batch is over: every held scheduler steps normally again."""
         for scheduler, _ in list(self._held):
