@@ -334,7 +334,8 @@ class StepController:
 
     def resolve_pending(self, front: FrontEnd) -> None:
         """Read and act on the flags of a step checked sync-free (before the next forward, or at the end)."""
-        self.sync.resolve_pending(front, self.window, self._resolve_values)
+        if self.sync.pending is not None:  # none in the default mode: every step asks
+            self.sync.resolve_pending(front, self.window, self._resolve_values)
 
     # ------------------------------------------------------------------ a step that is bad somewhere
 

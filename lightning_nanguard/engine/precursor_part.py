@@ -96,8 +96,10 @@ class PrecursorPart:
 
     def arm(self, step: int) -> None:
         """The step about to run: measure its attention when it is a sampled step (before its forward)."""
-        if self.watch is not None:
-            self.parts.run("precursors", self.watch.arm, step)
+        watch = self.watch
+        if watch is None or (step % watch.every and (step + 1) % watch.every):  # neither sampled nor the one before:
+            return  # `watch.arm` would return at once (most steps)
+        self.parts.run("precursors", watch.arm, step)
 
     def check(self, front: FrontEnd) -> None:
         """The step is checked: stop measuring; write and judge the samples already on the host (no wait)."""

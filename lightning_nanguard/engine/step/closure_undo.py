@@ -65,6 +65,8 @@ class ClosureUndo:
 
     def after(self, optimizer: Any) -> bool:
         """The step of ``optimizer`` ended: put the weights and state back if it was bad; whether it did."""
+        if self._optimizer is None:  # nothing was copied (not a closure optimizer): every step of most runs
+            return False
         inner = getattr(optimizer, "_optimizer", optimizer)
         undone = self.bad and inner is self._optimizer
         if undone:
