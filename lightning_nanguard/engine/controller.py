@@ -165,12 +165,12 @@ class StepController:
 
     def begin_step(self, front: FrontEnd, every_n_steps: int) -> None:
         """The first micro-batch of an optimizer step: resolve a sync-free step still pending, open the window."""
-        self.parts.step = front.global_step
+        self.parts.step = step = front.global_step
         if self.parts.unreported:  # parts that failed since the last check (e.g. at the epoch's end)
             self.report_failures(front)
         self.resolve_pending(front)
         front.resume_clipping()  # in case no after-step hook ran since a discarded step
-        checking = self.checking(front, every_n_steps)
+        checking = step % every_n_steps == 0  # `self.checking`, the step read once
         self.follow()  # before the BatchNorm buffers are captured
         self.window.begin(checking=checking, front=front)
         if self.window.metrics_changed and self.window.metrics is not None:
@@ -181,7 +181,7 @@ class StepController:
             self.recorder.notices.warn("logged", say.logged_unsupported(self.window.logged_unsupported))
         if checking and self.sync_free:
             self.sync.capture()
-        self.attention.arm(front.global_step)  # a sampled step: measure its attention (before its forward)
+        self.attention.arm(step)  # a sampled step: measure its attention (before its forward)
 
     def checking(self, front: FrontEnd, every_n_steps: int) -> bool:
         """Whether the optimizer step about to run is checked (the same answer on every rank)."""

@@ -65,6 +65,7 @@ class TrainerFrontEnd:
         self.optimizer_in_step: Any = None  # the optimizer whose step is being checked
         self.logged = LoggedValues()  # the epoch aggregates of `self.log`, kept for a possible drop
         self._clip_val: float | None = None  # the Trainer's gradient_clip_val, off during a dropped step
+        self._strategy: Any = None  # the Trainer's strategy, read once
         self._announced = False  # a hook announced itself (new_moment): facts are read once per hook
         self._step: int | None = None  # the global step read in the hook in progress
         self._logging: bool | None = None  # whether logging is due, read in the hook in progress
@@ -135,15 +136,18 @@ class TrainerFrontEnd:
 
     @property
     def optimizers(self) -> Sequence[Any]:
-        return self.trainer.optimizers
+        return self.strategy.optimizers  # what `trainer.optimizers` returns, two properties fewer (every step)
 
     @property
     def strategy(self) -> Any:
-        return self.trainer.strategy
+        strategy = self._strategy
+        if strategy is None:  # the Trainer's, made at its init: kept (its property goes through its connector)
+            strategy = self._strategy = self.trainer.strategy
+        return strategy
 
     @property
     def grad_scaler(self) -> Any:
-        return getattr(self.trainer.precision_plugin, "scaler", None)
+        return getattr(self.strategy.precision_plugin, "scaler", None)  # `trainer.precision_plugin`'s
 
     @property
     def lr_schedulers(self) -> list[Any]:
