@@ -49,7 +49,6 @@ __all__ = [
     "StepHealth",
     "decide",
     "decide_weights",
-    "local_values",
     "local_vector",
     "shared_part",
 ]
@@ -96,24 +95,6 @@ def local_vector(
     loss = loss.reshape(1).to(device=device, dtype=dtype) if loss is not None else _flag(math.nan, device)
     flags = (_flag(1.0 if failed else 0.0, device), loss, _flag(1.0 if part_failed else 0.0, device))
     return torch.cat((summary.to(dtype), spike, *flags))
-
-
-def local_values(
-    bad: bool = False,
-    grad_norm: float = -1.0,
-    others_bad: bool = False,
-    spike: bool = False,
-    failed: bool = False,
-    loss: float = math.nan,
-    part_failed: bool = False,
-) -> list[float]:
-    """This rank's values as :func:`local_vector` lays them out, for a step decided on the host (no vector).
-
-    Examples:
-        >>> local_values(failed=True)
-        [0.0, -1.0, 0.0, 0.0, 1.0, nan, 0.0]
-    """
-    return [float(bad), grad_norm, float(others_bad), float(spike), float(failed), loss, float(part_failed)]
 
 
 _FLAGS: dict[tuple[float, torch.device], Tensor] = {}
@@ -205,10 +186,10 @@ class StepHealth(NamedTuple):
     ) -> StepHealth:
         """A step of one process decided on the host (no vector): its flags are the ranks' counts.
 
-        The same as ``from_values(local_values(...))``, without the list in between.
+        The same as :meth:`from_values` of the values :data:`LOCAL_FIELDS` lays out, without a list.
 
         Examples:
-            >>> values = local_values(grad_norm=1.5, loss=0.7)
+            >>> values = [0.0, 1.5, 0.0, 0.0, 0.0, 0.7, 0.0]  # bad, grad_norm, others_bad, spike, failed, loss, part
             >>> StepHealth.local(grad_norm=1.5, loss=0.7) == StepHealth.from_values(values)
             True
             >>> StepHealth.local(bad=True).ranks_bad
