@@ -100,8 +100,7 @@ class Staging:
             else:
                 singles.append(at[indices[0]])
                 self.single_views.append(view[0])
-        self.singles: list[int] = singles
-        self._singles = selector(singles) if singles else None
+        self.singles: Selector | None = selector(singles) if singles else None  # the tensors copied one by one
         self._copy_views: dict[int, list[Tensor]] = {}  # the views one _foreach_copy_ writes, by tail sources
 
     def load(self, tensors: Sequence[Tensor], tail_sources: Sequence[Tensor] = ()) -> Tensor:
@@ -114,11 +113,11 @@ class Staging:
             if picked[0].shape != shape:
                 raise RuntimeError("other shapes than the staging buffer was built for")
             torch.stack(picked, out=view)  # checks every shape and the count
-        if self._singles is not None or tail_sources:
+        if self.singles is not None or tail_sources:
             views = self._copy_views.get(len(tail_sources))
             if views is None:
                 views = self._copy_views[len(tail_sources)] = self.single_views + self.tail_views[: len(tail_sources)]
-            singles = self._singles
+            singles = self.singles
             if singles is None:
                 sources: Sequence[Tensor] = ()
             else:  # positions evenly spaced (most layouts): a slice taken in C

@@ -170,7 +170,7 @@ class StepController:
             self.report_failures(front)
         self.resolve_pending(front)
         front.resume_clipping()  # in case no after-step hook ran since a discarded step
-        checking = step % every_n_steps == 0  # `self.checking`, the step read once
+        checking = self.checking(front, every_n_steps)
         self.follow()  # before the BatchNorm buffers are captured
         self.window.begin(checking=checking, front=front)
         if self.window.metrics_changed and self.window.metrics is not None:

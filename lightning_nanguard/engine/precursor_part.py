@@ -97,9 +97,8 @@ class PrecursorPart:
     def arm(self, step: int) -> None:
         """The step about to run: measure its attention when it is a sampled step (before its forward)."""
         watch = self.watch
-        if watch is None or (step % watch.every and (step + 1) % watch.every):  # neither sampled nor the one before:
-            return  # `watch.arm` would return at once (most steps)
-        self.parts.run("precursors", watch.arm, step)
+        if watch is not None and watch.near_sample(step):  # most steps: nothing to arm, no call through the part
+            self.parts.run("precursors", watch.arm, step)
 
     def check(self, front: FrontEnd) -> None:
         """The step is checked: stop measuring; write and judge the samples already on the host (no wait)."""

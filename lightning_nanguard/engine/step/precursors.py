@@ -97,21 +97,25 @@ class PrecursorWatch:
         self.projections = find_qk_projections(module) if clipping else {}
         self._to_clip = None
 
+    def near_sample(self, step: int) -> bool:
+        """Whether :meth:`arm` does anything at ``step``: a sampled step, or the one before (timed for the limit)."""
+        every = self.every
+        return not (step % every and (step + 1) % every)
+
     def arm(self, step: int) -> None:
         """Step ``step`` begins: measure its forward passes when it is a sampled step (idempotent).
 
         The step time the cost limit compares with is the one of the step before each sampled step
         (timed from its beginning to the sampled step's): the other steps do nothing here.
         """
-        every = self.every
-        if step % every and (step + 1) % every:
+        if not self.near_sample(step):
             return
         now = perf_counter()
         if self._last_begin is None or self._last_begin[0] != step:
             if self._last_begin is not None and step == self._last_begin[0] + 1:
                 self._step_seconds.append(now - self._last_begin[1])
             self._last_begin = (step, now)
-        if self.probe is None or step % every or self._armed is not None:
+        if self.probe is None or step % self.every or self._armed is not None:
             return
         if not self.projections and self.probe.skip_idle_pass():  # QK-clip joins its collective on every sampled step
             return

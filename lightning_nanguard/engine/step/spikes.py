@@ -98,11 +98,10 @@ class SpikeWatch:
         ``bool`` and no kernel runs.
         """
         if not isinstance(loss, Tensor) and not isinstance(grad_norm, Tensor):
-            norm = self.grad_norm if grad_norm is not None else None
-            if norm is None:  # the loss alone (most steps): no list made
+            norm = self.grad_norm
+            if grad_norm is None or norm is None:  # the loss alone (most steps): no list made
                 self._checked = self._loss_only if loss is not None else []
                 return loss is not None and self.loss.check_value(loss)
-            assert grad_norm is not None
             spike = norm.check_value(grad_norm)
             if loss is None:
                 self._checked = [norm]
