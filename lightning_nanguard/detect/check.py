@@ -5,7 +5,8 @@ reads to the host once per step (or hands to a fused optimizer as ``found_inf``,
 :mod:`lightning_nanguard.detect.syncfree`). Tensors are grouped by device and dtype; small
 tensors (fewer than :data:`SMALL_NUMEL` elements) are copied into one flat staging buffer per
 group (one ``torch.stack`` per repeated shape, one ``torch._foreach_copy_`` for the rest) and
-summed once; large ones are reduced by ``torch._foreach_norm``. Nothing is written to the tensors
+summed once; large ones are reduced by ``torch._foreach_norm`` (on a CPU, which launches no kernel,
+by one sum each: a sum reads faster than a norm there). Nothing is written to the tensors
 checked: ``tensor._version`` is unchanged. (:class:`~lightning_nanguard.detect.streaming.GradientCheck`
 is a stateful variant that sums large gradients during backward; the guard does not use it, see
 its module.)
@@ -36,7 +37,9 @@ from lightning_nanguard.detect.staging import LayoutPlans, Selector, Staging, pi
 _group_by_device_and_dtype = getattr(torch._C, "_group_tensors_by_device_and_dtype", None)
 
 __all__ = [
+    "CPU_SUM_NUMEL",
     "SMALL_NUMEL",
+    "cpu_totals",
     "fused_health_check",
     "grouped_norms",
     "nonfinite_candidate",
@@ -45,6 +48,9 @@ __all__ = [
 SMALL_NUMEL = 4096
 """Tensors with fewer elements are staged (copied into one flat buffer) and reduced together: on
 this scale a kernel launch or a Python hook costs more than reading the values."""
+
+CPU_SUM_NUMEL = 1 << 17
+"""On a CPU, tensors with at least this many elements are summed one call each, not normed (:func:`cpu_totals`)."""
 
 _FLOAT32 = torch.float32
 _LOW = (torch.float16, torch.bfloat16)
@@ -97,6 +103,26 @@ def _sum(flat: Tensor) -> Tensor:
     return flat.sum(dtype=_FLOAT32) if flat.dtype in _LOW else flat.sum()
 
 
+def cpu_totals(large: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """0-dim float32 totals of large tensors of one CPU ``dtype``, each non-finite if one of its tensors may be.
+
+    A CPU launches no kernel; what costs is reading, and a Python call per tensor. A sum reads faster
+    than a norm (ResNet-18's gradients: 2.12 against 2.63 ms, one flat read 1.98 ms) but costs a call
+    each, which is more than the norm's extra reading below :data:`CPU_SUM_NUMEL` elements (nine
+    transformer gradients of 16K-65K: 124 us summed, 93 us normed): those share one ``_foreach_norm``.
+
+    Example:
+        >>> [float(t) for t in cpu_totals([torch.full((CPU_SUM_NUMEL,), 0.5), torch.full((4096,), 0.5)], torch.float32)]
+        [32.0, 65536.0]
+    """
+    normed = [t for t in large if t.numel() < CPU_SUM_NUMEL]
+    totals = _foreach_norm(normed, dtype) if normed else []
+    for tensor in _dense([t for t in large if t.numel() >= CPU_SUM_NUMEL]):
+        total = _sum(tensor)
+        totals.append(torch.view_as_real(total).sum() if total.is_complex() else total)
+    return totals
+
+
 def _group_total(group: list[Tensor], dtype: torch.dtype, sqrt: bool = False, norm: bool = False) -> Tensor | None:
     """0-dim float32 that is non-finite if some element of ``group`` (one device and dtype) may be NaN/Inf.
 
@@ -136,8 +162,11 @@ def _reduced(flat: Tensor | None, large: list[Tensor], dtype: torch.dtype, sqrt:
     if large:
         if sqrt:
             large = list(torch._foreach_sqrt(_dense(large)))
-        norms = torch.stack(_foreach_norm(large, dtype))
-        part = torch.linalg.vector_norm(norms) if norm else norms.sum()
+        if not norm and large[0].device.type == "cpu":
+            part = torch.stack(cpu_totals(large, dtype)).sum()
+        else:
+            norms = torch.stack(_foreach_norm(large, dtype))
+            part = torch.linalg.vector_norm(norms) if norm else norms.sum()
         if total is None:
             total = part
         else:

@@ -5,13 +5,14 @@ everything finite?" and "what was the loss?". :func:`loss_and_total` answers bot
 kernels: the small gradients (staged as in :mod:`~lightning_nanguard.detect.staging`), the norms
 of the large ones (one ``_foreach_norm``) and the loss are copied into one float32 buffer, summed
 into its last slot, and the loss and the total are read together: ``[foreach_norm], [a stack per
-repeated shape], one _foreach_copy_, one sum, one read``. On a CPU the large gradients are summed
-one call each instead of normed together: a CPU launches no kernel, and its sum reads ~3x faster
-than its norm (206 vs 586 us for the nine large gradients of the benchmarks' 2-layer
-transformer). A sum is NaN or +/-Inf if some element is, so a finite total vouches for every
-gradient and for the loss; a non-finite total (or a finite value that overflowed) is only a
-candidate, which the caller checks again in full
-(:func:`~lightning_nanguard.detect.check.fused_health_check`), as the step is then bad or nearly.
+repeated shape], one _foreach_copy_, one sum, one read``. On a CPU the largest gradients (from
+:data:`~lightning_nanguard.detect.check.CPU_SUM_NUMEL` elements) are summed one call each instead:
+a CPU launches no kernel, and its sum reads faster than its norm where the reading outweighs a
+Python call (:func:`~lightning_nanguard.detect.check.cpu_totals`). A sum or a norm is NaN or
++/-Inf if some element is, so a finite total vouches for every gradient and for the loss; a
+non-finite total (or a finite value that overflowed) is only a candidate, which the caller checks
+again in full (:func:`~lightning_nanguard.detect.check.fused_health_check`), as the step is then
+bad or nearly.
 
 Example:
     >>> net = torch.nn.Linear(2, 1)
@@ -25,12 +26,12 @@ Example:
 
 from __future__ import annotations
 
-import math  # noqa: F401  (the example)
+import math
 
 import torch
 from torch import Tensor
 
-from lightning_nanguard.detect.check import SMALL_NUMEL
+from lightning_nanguard.detect.check import CPU_SUM_NUMEL, SMALL_NUMEL
 from lightning_nanguard.detect.staging import LayoutPlans, Selector, Staging, pick, selector
 
 __all__ = ["loss_and_total"]
@@ -50,22 +51,26 @@ class _OneReadPlan:
             return
         small = [at for at, t in enumerate(layout) if t.numel() < SMALL_NUMEL]
         large = [at for at, t in enumerate(layout) if t.numel() >= SMALL_NUMEL]
-        self.large: Selector | None = selector(large) if large else None
-        self.on_cpu = first.device.type == "cpu"
-        # the tail: a norm per large gradient, the loss, the total
+        # on a CPU the largest are summed one call each, as cpu_totals does (a sum reads faster than a norm)
+        huge = CPU_SUM_NUMEL if first.device.type == "cpu" else math.inf
+        normed = [at for at in large if layout[at].numel() < huge]
+        summed = [at for at in large if layout[at].numel() >= huge]
+        self.normed: Selector | None = selector(normed) if normed else None
+        self.summed: Selector | None = selector(summed) if summed else None
+        # the tail: a total per large gradient, the loss, the total of everything
         self.staging = Staging([layout[at] for at in small], small, tail=len(large) + 2, kind=(first.device, _FLOAT32))
-        self.summed = self.staging.flat[:-1]
+        self.addends = self.staging.flat[:-1]
         self.total = self.staging.flat[-1:]
         self.read = self.staging.flat[-2:]  # [loss, total]
 
     def loss_and_total(self, grads: list[Tensor], loss: Tensor) -> list[float]:
         totals: list[Tensor] = []
-        if self.large is not None:
-            large = pick(grads, self.large)
-            # a CPU launches nothing and its sum reads ~3x faster than its norm: one call per large gradient
-            totals = [t.sum() for t in large] if self.on_cpu else list(torch._foreach_norm(large))
+        if self.normed is not None:
+            totals = list(torch._foreach_norm(pick(grads, self.normed)))
+        if self.summed is not None:
+            totals += [t.sum() for t in pick(grads, self.summed)]
         self.staging.load(grads, [*totals, loss])
-        torch.sum(self.summed, 0, keepdim=True, out=self.total)
+        torch.sum(self.addends, 0, keepdim=True, out=self.total)
         return self.read.tolist()
 
 

@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from lightning_nanguard.detect import one_read
-from lightning_nanguard.detect.check import SMALL_NUMEL
+from lightning_nanguard.detect.check import CPU_SUM_NUMEL, SMALL_NUMEL
 from lightning_nanguard.detect.one_read import loss_and_total
 
-SHAPES = [(3, 4), (4,), (3, 4), (4,), (SMALL_NUMEL,), (2, SMALL_NUMEL), (), (5,)]  # small, repeated, large, 0-dim
+# small, repeated, large (normed), 0-dim, largest (summed on a CPU)
+SHAPES = [(3, 4), (4,), (3, 4), (4,), (SMALL_NUMEL,), (2, SMALL_NUMEL), (), (5,), (CPU_SUM_NUMEL,)]
 
 
 def _params(shapes: list[tuple[int, ...]] = SHAPES) -> list[Tensor]:
@@ -33,8 +34,9 @@ def test_a_healthy_list_reads_its_loss_and_a_finite_total() -> None:
     value, total = loss_and_total(grads, torch.tensor(0.25), params)  # type: ignore[misc]
     assert value == 0.25
     expected = sum(g.double().sum().item() for g in grads if g.numel() < SMALL_NUMEL) + 0.25
-    large = sum(g.double().sum().item() for g in grads if g.numel() >= SMALL_NUMEL)  # summed one by one on a CPU
-    assert total == pytest.approx(expected + large, rel=1e-5)
+    large = sum(g.double().norm().item() for g in grads if SMALL_NUMEL <= g.numel() < CPU_SUM_NUMEL)  # normed
+    largest = sum(g.double().sum().item() for g in grads if g.numel() >= CPU_SUM_NUMEL)  # summed one by one on a CPU
+    assert total == pytest.approx(expected + large + largest, rel=1e-5)
 
 
 @pytest.mark.parametrize("position", range(len(SHAPES)))
@@ -50,8 +52,11 @@ def test_one_nonfinite_element_anywhere_makes_the_total_nonfinite(position: int,
 def test_opposite_infinities_in_two_tensors_do_not_cancel() -> None:
     params = _params()
     grads = _grads(params)
-    grads[0][0, 0], grads[4][0] = math.inf, -math.inf  # a small and a large one
+    grads[0][0, 0], grads[-1][0] = math.inf, -math.inf  # a small and a large one (summed on a CPU)
     assert math.isnan(loss_and_total(grads, torch.tensor(1.0), params)[1])  # type: ignore[index]
+    grads = _grads(params)
+    grads[0][0, 0], grads[4][0] = math.inf, -math.inf  # a small and a normed one: its norm is +inf
+    assert math.isinf(loss_and_total(grads, torch.tensor(1.0), params)[1])  # type: ignore[index]
 
 
 @pytest.mark.parametrize("loss", [math.nan, math.inf])

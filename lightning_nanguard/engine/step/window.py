@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from lightning_nanguard.detect.batchnorm import batchnorm_running_vars
 from lightning_nanguard.diagnose.batching import slice_batch
 from lightning_nanguard.diagnose.combined import CombinedBatch, CombinedIndices
 from lightning_nanguard.engine.data.readers import RecordReader
@@ -203,13 +202,14 @@ class StepWindow:
     @property
     def others(self) -> list[Tensor]:
         """What the check reads beside the gradients: the step's losses and floating-point BatchNorm buffers."""
-        bn = self.batchnorm_buffers
-        return [*self.losses, *(t for _, t in bn if t.is_floating_point())] if bn else self.losses
+        bn = self._bn
+        return [*self.losses, *bn.floating] if bn is not None and self._track_batchnorm and bn.floating else self.losses
 
     @property
     def running_vars(self) -> list[Tensor]:
         """The ``running_var`` buffers among :attr:`batchnorm_buffers`."""
-        return batchnorm_running_vars(self.batchnorm_buffers)
+        bn = self._bn
+        return bn.running_vars if bn is not None and self._track_batchnorm else []
 
     def capture_batchnorm(self) -> None:
         """Copy the BatchNorm buffers as they are now (a forward-only batch: no step window opens)."""
