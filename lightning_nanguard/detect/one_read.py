@@ -27,6 +27,8 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,9 +36,18 @@ from torch import Tensor
 from lightning_nanguard.detect.check import CPU_SUM_NUMEL, SMALL_NUMEL
 from lightning_nanguard.detect.staging import LayoutPlans, Selector, Staging, pick, selector
 
-__all__ = ["loss_and_total"]
+__all__ = ["BatchNormTotals", "loss_and_total"]
 
 _FLOAT32 = torch.float32
+
+
+class _Buffer(NamedTuple):
+    """One read's float32 buffer: the staged small gradients, then the tail (see :class:`_OneReadPlan`)."""
+
+    staging: Staging
+    addends: Tensor  # everything but the last slot
+    total: Tensor  # the last slot, where they are summed
+    read: Tensor  # [loss, total]
 
 
 class _OneReadPlan:
@@ -44,60 +55,114 @@ class _OneReadPlan:
 
     def __init__(self, layout: list[Tensor]) -> None:
         first = layout[0]
-        self.usable = all(
-            t.dtype == _FLOAT32 and t.device == first.device and t.layout is torch.strided for t in layout
-        )
+        self.device = first.device
+        self.usable = all(t.dtype == _FLOAT32 and t.device == self.device and t.layout is torch.strided for t in layout)
         if not self.usable:
             return
-        small = [at for at, t in enumerate(layout) if t.numel() < SMALL_NUMEL]
+        self._small = [at for at, t in enumerate(layout) if t.numel() < SMALL_NUMEL]
+        self._small_like = [layout[at] for at in self._small]
         large = [at for at, t in enumerate(layout) if t.numel() >= SMALL_NUMEL]
         # on a CPU the largest are summed one call each, as cpu_totals does (a sum reads faster than a norm)
-        huge = CPU_SUM_NUMEL if first.device.type == "cpu" else math.inf
+        huge = CPU_SUM_NUMEL if self.device.type == "cpu" else math.inf
         normed = [at for at in large if layout[at].numel() < huge]
         summed = [at for at in large if layout[at].numel() >= huge]
         self.normed: Selector | None = selector(normed) if normed else None
         self.summed: Selector | None = selector(summed) if summed else None
-        # the tail: a total per large gradient, the loss, the total of everything
-        self.staging = Staging([layout[at] for at in small], small, tail=len(large) + 2, kind=(first.device, _FLOAT32))
-        self.addends = self.staging.flat[:-1]
-        self.total = self.staging.flat[-1:]
-        self.read = self.staging.flat[-2:]  # [loss, total]
+        self._large = len(large)
+        self._buffers: dict[int, _Buffer] = {}
 
-    def loss_and_total(self, grads: list[Tensor], loss: Tensor) -> list[float]:
+    def buffer(self, extra: int) -> _Buffer:
+        """The buffer whose tail takes a total per large gradient, ``extra`` more totals, the loss and the total."""
+        buffer = self._buffers.get(extra)
+        if buffer is None:
+            tail = self._large + extra + 2
+            staging = Staging(self._small_like, self._small, tail=tail, kind=(self.device, _FLOAT32))
+            flat = staging.flat
+            buffer = self._buffers[extra] = _Buffer(staging, flat[:-1], flat[-1:], flat[-2:])
+        return buffer
+
+    def loss_and_total(self, grads: list[Tensor], loss: Tensor, extra: Sequence[Tensor]) -> list[float]:
         totals: list[Tensor] = []
         if self.normed is not None:
             totals = list(torch._foreach_norm(pick(grads, self.normed)))
         if self.summed is not None:
             totals += [t.sum() for t in pick(grads, self.summed)]
-        self.staging.load(grads, [*totals, loss])
-        torch.sum(self.addends, 0, keepdim=True, out=self.total)
-        return self.read.tolist()
+        buffer = self.buffer(len(extra))
+        buffer.staging.load(grads, [*totals, *extra, loss])
+        torch.sum(buffer.addends, 0, keepdim=True, out=buffer.total)
+        return buffer.read.tolist()
+
+
+class BatchNormTotals:
+    """The BatchNorm statistics' share of the one read: two 0-dim totals, non-finite if a value may be NaN/Inf.
+
+    ``running_var`` must also stay non-negative: its staged copy is square-rooted first (a negative
+    value becomes NaN; the live buffers are only read). The running means and the variances are
+    staged apart, each in one buffer (one ``torch.stack`` per repeated shape), built once for the
+    lists of a :class:`~lightning_nanguard.recover.batchnorm.BatchNormSnapshot`, which keeps them
+    while the buffers stay the same tensors.
+
+    Args:
+        floating: the floating-point BatchNorm buffers (``running_var`` included).
+        running_vars: the ``running_var`` buffers among them.
+
+    Example:
+        >>> mean, var = torch.zeros(3), torch.ones(3)
+        >>> [float(t) for t in BatchNormTotals([mean, var], [var]).totals()]
+        [0.0, 3.0]
+        >>> var[0] = -1.0  # corrupted: negative
+        >>> math.isnan(BatchNormTotals([mean, var], [var]).totals()[1])
+        True
+    """
+
+    def __init__(self, floating: list[Tensor], running_vars: list[Tensor]) -> None:
+        variances = {id(t) for t in running_vars}
+        self._means = [t for t in floating if id(t) not in variances]
+        self._variances = running_vars
+        kinds = {(t.device, t.dtype, t.layout) for t in floating}
+        self.usable = len(kinds) == 1 and all(t.numel() for t in floating)
+        self._mean_staging = Staging(self._means) if self._means and self.usable else None
+        self._variance_staging = Staging(running_vars) if running_vars and self.usable else None
+
+    def totals(self) -> list[Tensor]:
+        """The totals of the means and of the square-rooted variances, on the buffers' device (no host read)."""
+        totals = []
+        if self._mean_staging is not None:
+            totals.append(self._mean_staging.load(self._means).sum(dtype=_FLOAT32))
+        if self._variance_staging is not None:
+            totals.append(self._variance_staging.load(self._variances).sqrt_().sum(dtype=_FLOAT32))
+        return totals
 
 
 _PLANS: LayoutPlans[_OneReadPlan] = LayoutPlans(_OneReadPlan)
 
 
-def loss_and_total(grads: list[Tensor], loss: Tensor, layout: list[Tensor]) -> list[float] | None:
+def loss_and_total(
+    grads: list[Tensor], loss: Tensor, layout: list[Tensor], extra: Sequence[Tensor] = ()
+) -> list[float] | None:
     """``[loss, total]`` read to the host at once; ``None`` where the plan does not apply (see module docs).
 
-    ``total`` is finite only if every element of ``grads`` and the loss is finite (non-finite: a
-    candidate, to check in full). ``layout``: the parameters whose gradients ``grads`` are (the same
-    shapes, dtypes and devices in order), kept from step to step: the plan is made once per layout.
-    Applies to float32 gradients on one device and a one-element loss on that device (any float dtype:
-    read as float32); not to sparse gradients, or a list laid out otherwise than ``layout``.
+    ``total`` is finite only if every element of ``grads``, the loss and the ``extra`` totals are
+    finite (non-finite: a candidate, to check in full). ``layout``: the parameters whose gradients
+    ``grads`` are (the same shapes, dtypes and devices in order), kept from step to step: the plan is
+    made once per layout. Applies to float32 gradients on one device and a one-element loss on that
+    device (any float dtype: read as float32); not to sparse gradients, or a list laid out otherwise
+    than ``layout``.
 
     Args:
         grads: the step's gradients, laid out as ``layout``.
         loss: the step's loss (detached), one element.
         layout: the parameters of ``grads``.
+        extra: 0-dim totals of further tensors on the same device, summed in (e.g.
+            :meth:`BatchNormTotals.totals`).
     """
     if not layout or len(grads) != len(layout) or loss.numel() != 1 or not loss.is_floating_point():
         return None
     plan = _PLANS.of(layout)
-    if not plan.usable or loss.device != plan.staging.flat.device:
+    if not plan.usable or loss.device != plan.device:
         return None
     try:
-        return plan.loss_and_total(grads, loss if loss.dim() == 0 else loss.reshape(()))
+        return plan.loss_and_total(grads, loss if loss.dim() == 0 else loss.reshape(()), extra)
     except (RuntimeError, NotImplementedError, IndexError):  # sparse gradients, other shapes: the full check
         plan.usable = False
         return None

@@ -130,6 +130,71 @@ def test_the_total_is_finite_exactly_when_every_value_is(
     assert result[0] == 2.0
 
 
+# ---------------------------------------------------------------------------- BatchNorm statistics
+
+
+def _batchnorm_buffers(net: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+    buffers = [(n, b) for n, b in net.named_buffers() if b.is_floating_point()]
+    return [b for _, b in buffers], [b for n, b in buffers if n.endswith("running_var")]
+
+
+def _batchnorm_net() -> nn.Module:
+    net = nn.Sequential(nn.BatchNorm1d(4), nn.BatchNorm2d(4), nn.BatchNorm1d(8), nn.BatchNorm1d(SMALL_NUMEL))
+    for bn in net:
+        bn.running_mean.uniform_(-1.0, 1.0)  # negative means are fine
+        bn.running_var.uniform_(0.0, 2.0)
+    net[2].running_var[0] = 0.0  # a zero variance is fine too
+    return net
+
+
+@pytest.mark.parametrize(
+    ("corruption", "finite"),
+    [
+        (None, True),
+        ("a NaN mean", False),
+        ("an Inf variance", False),
+        ("a negative variance", False),
+        ("-0.0 variance", True),
+    ],
+)
+def test_batchnorm_totals_are_finite_exactly_when_the_statistics_are_valid(corruption: str | None, finite: bool) -> None:
+    net = _batchnorm_net()
+    floating, variances = _batchnorm_buffers(net)
+    totals = one_read.BatchNormTotals(floating, variances)
+    assert totals.usable
+    assert all(math.isfinite(t) for t in totals.totals())  # built once, reused below
+    if corruption == "a NaN mean":
+        net[3].running_mean[-1] = math.nan
+    elif corruption == "an Inf variance":
+        net[1].running_var[2] = math.inf
+    elif corruption == "a negative variance":
+        net[2].running_var[5] = -1e-12
+    elif corruption == "-0.0 variance":
+        net[0].running_var[1] = -0.0
+    versions = [b._version for b in floating]
+    values = [float(t) for t in totals.totals()]
+    assert all(math.isfinite(v) for v in values) == finite
+    assert [b._version for b in floating] == versions  # the live statistics are only read (their copy is rooted)
+    params = _params()
+    result = loss_and_total(_grads(params), torch.tensor(1.0), params, totals.totals())
+    assert result is not None and math.isfinite(result[1]) == finite and result[0] == 1.0
+
+
+def test_batchnorm_totals_of_several_dtypes_are_left_to_the_general_check() -> None:
+    net = _batchnorm_net()
+    net[0].double()
+    assert not one_read.BatchNormTotals(*_batchnorm_buffers(net)).usable
+
+
+def test_extra_totals_get_their_own_buffer_and_none_is_stale() -> None:
+    params = _params()
+    grads = _grads(params)
+    bad = torch.tensor(math.nan)
+    assert not math.isfinite(loss_and_total(grads, torch.tensor(1.0), params, [torch.tensor(0.0), bad])[1])  # type: ignore[index]
+    assert math.isfinite(loss_and_total(grads, torch.tensor(1.0), params)[1])  # type: ignore[index]
+    assert math.isfinite(loss_and_total(grads, torch.tensor(1.0), params, [torch.tensor(2.0)])[1])  # type: ignore[index]
+
+
 # ---------------------------------------------------------------------------- GPU
 
 

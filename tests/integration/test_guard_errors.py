@@ -205,18 +205,20 @@ def test_a_broken_core_check_drops_the_step_in_hand_then_turns_the_guard_off(
 ) -> None:
     import lightning_nanguard.engine.step.check as check_module
 
-    real = check_module.fused_health_check
-    calls = {"n": 0}
-
-    def breaks_at_step_5(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 6:  # the check of step 5
-            raise RuntimeError("planted core fault")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(check_module, "fused_health_check", breaks_at_step_5)
     module = EveryPartModule()
     guard = NanGuard(verbose=False)
+
+    def breaks_at_step_5(real: Any) -> Any:
+        def check(*args: Any, **kwargs: Any) -> Any:
+            if guard.controller.parts.step == 5:  # the check of step 5, whichever way it reads the step
+                raise RuntimeError("planted core fault")
+            return real(*args, **kwargs)
+
+        return check
+
+    # the step's check: the one read of a healthy step, the full check otherwise
+    for name in ("fused_health_check", "loss_and_total"):
+        monkeypatch.setattr(check_module, name, breaks_at_step_5(getattr(check_module, name)))
     recorder = run(tmp_path, guard, module)
     assert not guard.active
     assert recorder.by_step(3).unchanged() and recorder.by_step(5).unchanged()  # the NaN step, the unvouched step
@@ -255,8 +257,9 @@ def test_on_internal_error_raise_stops_training_with_the_part_named(
 ) -> None:
     import lightning_nanguard.engine.step.check as check_module
 
-    if part == "core":
+    if part == "core":  # both ways the step's check reads: the one read of a healthy step, the full check
         monkeypatch.setattr(check_module, "fused_health_check", planted(part))
+        monkeypatch.setattr(check_module, "loss_and_total", planted(part))
     else:
         monkeypatch.setattr(SpikeWatch, "check", planted(part))
     guard = NanGuard(verbose=False, on_internal_error="raise")

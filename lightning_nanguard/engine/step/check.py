@@ -111,13 +111,14 @@ def host_step_health(
     the device would. ``layout``: the parameters whose gradients ``grads`` are, when each has one
     (see ``fused_health_check``). For :func:`decided_on_host` steps of one process only.
     """
-    bn = window.batchnorm_buffers
     norm_due = with_norm or front.logging_due()
-    if not (norm_due or bn) and layout is not None and len(window.losses) == 1:  # the common step: one read
-        quick = loss_and_total(grads, window.losses[0], layout)
-        if quick is not None and math.isfinite(quick[1]):  # every gradient and the loss finite
+    if not norm_due and layout is not None and len(window.losses) == 1:  # the common step: one read
+        batchnorm = window.batchnorm_totals()
+        quick = None if batchnorm is None else loss_and_total(grads, window.losses[0], layout, batchnorm)
+        if quick is not None and math.isfinite(quick[1]):  # every gradient, the loss and BatchNorm statistic finite
             loss_value = quick[0] if spikes is not None else None
             return _decided(spikes, parts, loss_value, -1.0, with_norm, bad=False, others_bad=False)
+    bn = window.batchnorm_buffers
     loss = window.step_loss() if spikes is not None else None
     totals = fused_health_check(
         grads,

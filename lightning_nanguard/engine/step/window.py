@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from lightning_nanguard.detect.one_read import BatchNormTotals
 from lightning_nanguard.diagnose.batching import slice_batch
 from lightning_nanguard.diagnose.combined import CombinedBatch, CombinedIndices
 from lightning_nanguard.engine.data.readers import RecordReader
@@ -86,6 +87,7 @@ class StepWindow:
         self.reference: Any = None
         self.reference_step: int | None = None
         self._bn: BatchNormSnapshot | None = None
+        self._bn_totals: BatchNormTotals | None = None  # the statistics' share of a step's one read
         self._track_batchnorm = True
         self.metrics: MetricStates | None = None
         self.metrics_changed = False  # a metric's state became unrestorable at the last capture
@@ -94,6 +96,7 @@ class StepWindow:
     def attach(self, module: nn.Module, track_batchnorm: bool) -> None:
         """Find the BatchNorm buffers and torchmetrics metrics of ``module`` (once the model sits on its device)."""
         self._bn = BatchNormSnapshot(module)
+        self._bn_totals = None
         self._track_batchnorm = track_batchnorm
         self.metrics = MetricStates(module)
         self.open = False
@@ -108,6 +111,7 @@ class StepWindow:
         if self._bn is None or not self._bn.stale():
             return False
         self._bn.refresh()
+        self._bn_totals = None
         return True
 
     def rediscover(self, module: nn.Module) -> None:
@@ -115,6 +119,7 @@ class StepWindow:
         if self._bn is not None:
             self._bn.module = module
             self._bn.refresh()
+            self._bn_totals = None
         self.metrics = MetricStates(module)
 
     # ------------------------------------------------------------------ one optimizer step
@@ -204,6 +209,26 @@ class StepWindow:
         """What the check reads beside the gradients: the step's losses and floating-point BatchNorm buffers."""
         bn = self._bn
         return [*self.losses, *bn.floating] if bn is not None and self._track_batchnorm and bn.floating else self.losses
+
+    def batchnorm_totals(self) -> list[Tensor] | None:
+        """The BatchNorm statistics' totals for a step's one read (no host read; none without BatchNorm checks).
+
+        ``None`` where they cannot share it (buffers of several devices or dtypes): the step is then
+        checked by the general path. See :class:`~lightning_nanguard.detect.one_read.BatchNormTotals`.
+        """
+        bn = self._bn
+        if bn is None or not self._track_batchnorm or not bn.floating:
+            return []
+        totals = self._bn_totals
+        if totals is None:
+            totals = self._bn_totals = BatchNormTotals(bn.floating, bn.running_vars)
+        if not totals.usable:
+            return None
+        try:
+            return totals.totals()
+        except RuntimeError:  # a buffer resized in place: the general path from now on
+            totals.usable = False
+            return None
 
     @property
     def running_vars(self) -> list[Tensor]:
