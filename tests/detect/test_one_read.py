@@ -157,7 +157,9 @@ def _batchnorm_net() -> nn.Module:
         ("-0.0 variance", True),
     ],
 )
-def test_batchnorm_totals_are_finite_exactly_when_the_statistics_are_valid(corruption: str | None, finite: bool) -> None:
+def test_batchnorm_totals_are_finite_exactly_when_the_statistics_are_valid(
+    corruption: str | None, finite: bool
+) -> None:
     net = _batchnorm_net()
     floating, variances = _batchnorm_buffers(net)
     totals = one_read.BatchNormTotals(floating, variances)
