@@ -87,10 +87,10 @@ class _OneReadPlan:
             totals = list(torch._foreach_norm(pick(grads, self.normed)))
         if self.summed is not None:
             totals += [t.sum() for t in pick(grads, self.summed)]
-        buffer = self.buffer(len(extra))
-        buffer.staging.load(grads, [*totals, *extra, loss])
-        torch.sum(buffer.addends, 0, keepdim=True, out=buffer.total)
-        return buffer.read.tolist()
+        staging, addends, total, read = self._buffers.get(len(extra)) or self.buffer(len(extra))
+        staging.load(grads, [*totals, *extra, loss])
+        torch.sum(addends, 0, keepdim=True, out=total)
+        return read.tolist()
 
 
 class BatchNormTotals:
