@@ -266,7 +266,12 @@ def _nonfinite_total(
     return _combined(parts, norm)
 
 
-def nonfinite_candidate(tensors: Sequence[Tensor], device: torch.device | None = None, sqrt: bool = False) -> Tensor:
+def nonfinite_candidate(
+    tensors: Sequence[Tensor],
+    device: torch.device | None = None,
+    sqrt: bool = False,
+    layout: list[Tensor] | None = None,
+) -> Tensor:
     """1-element float32 tensor: 1.0 if some element of ``tensors`` *may* be NaN/Inf, else 0.0.
 
     Read-only, on the device, a few kernels per (device, dtype) whatever the number of tensors. A
@@ -277,6 +282,8 @@ def nonfinite_candidate(tensors: Sequence[Tensor], device: torch.device | None =
             stored values).
         device: where the result lives; defaults to the device of the first tensor.
         sqrt: also flag negative values (as ``sqrt`` would make them NaN); for ``running_var``.
+        layout: a list laid out as ``tensors``, kept from call to call: its plan is made once and a
+            call runs no Python per tensor (as :func:`fused_health_check`'s ``layout``; not with ``sqrt``).
 
     Examples:
         >>> nonfinite_candidate([torch.ones(3), torch.tensor([1.0, float("-inf")])]).tolist()
@@ -285,7 +292,7 @@ def nonfinite_candidate(tensors: Sequence[Tensor], device: torch.device | None =
         [1.0]
     """
     target = device if device is not None else _first_device(tensors)
-    total = _nonfinite_total(tensors, target, sqrt)
+    total = _nonfinite_total(tensors, target, sqrt, layout=layout)
     if total is None:
         return torch.zeros(1, dtype=_FLOAT32, device=target)
     return (~torch.isfinite(total)).to(_FLOAT32).reshape(1)

@@ -62,13 +62,16 @@ def bad_batchnorm_names(named_buffers: Iterable[tuple[str, Tensor]]) -> list[str
     return bad + [name for name in negative if name not in bad]
 
 
-def all_finite(tensors: Sequence[Tensor]) -> bool:
+def all_finite(tensors: Sequence[Tensor], planned: bool = False) -> bool:
     """Element-wise: no NaN/Inf in any of ``tensors`` (floating/complex; others are ignored).
 
     One fused pass (the staged sums of :func:`~lightning_nanguard.detect.check.nonfinite_candidate`:
     a few kernels whatever the number of tensors, none per tensor) and one host read; only when a
     total is non-finite (which finite values can also cause, by overflowing it) are the tensors
     checked element by element. Tensors that require grad are read as they are (no ``detach``).
+    ``planned``: ``tensors`` is a list of local floating-point tensors kept from call to call (see
+    :class:`~lightning_nanguard.detect.weights.ModuleWeights`): it is checked through its layout's
+    plan, made once, with no Python per tensor.
 
     Examples:
         >>> all_finite([torch.ones(2), torch.full((4,), 1e30)])  # the float32 norm overflows
@@ -77,8 +80,13 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
         False
     """
     with torch.no_grad():
-        floats = [local_tensor(t) for t in tensors if t.is_floating_point() or t.is_complex()]
-        if not floats or not bool(nonfinite_candidate(floats)):
+        if planned and isinstance(tensors, list):
+            floats = tensors
+            candidate = nonfinite_candidate(floats, layout=floats) if floats else None
+        else:
+            floats = [local_tensor(t) for t in tensors if t.is_floating_point() or t.is_complex()]
+            candidate = nonfinite_candidate(floats) if floats else None
+        if candidate is None or not bool(candidate):
             return True
         return not nonfinite_names((str(i), t) for i, t in enumerate(floats))
 

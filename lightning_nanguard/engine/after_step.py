@@ -24,6 +24,7 @@ from lightning_nanguard.decide.agreement import RankAgreement
 from lightning_nanguard.decide.policy import Counters, decide_weights
 from lightning_nanguard.detect.batchnorm import batchnorm_buffers
 from lightning_nanguard.detect.confirm import all_finite, nonfinite_names
+from lightning_nanguard.detect.weights import ModuleWeights
 from lightning_nanguard.engine.frontend import training_parts
 from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.state import GuardState
@@ -70,6 +71,7 @@ class AfterStep:
         self.settings: ParamCheckSettings | None = None  # set by StepController.configure
         self.agreement = RankAgreement(None, 1)
         self.named_params: Sequence[tuple[str, nn.Parameter]] = ()
+        self.weights = ModuleWeights()  # what state_dict holds, found once (found again at each epoch's start)
 
     def run(self, front: FrontEnd, collective: bool) -> None:
         """Roll back when due; check the weights and refresh the snapshot every few steps (every rank)."""
@@ -88,7 +90,7 @@ class AfterStep:
         )
         if not (check_params or snapshot_due):
             return
-        finite_here = True if state.failing else all_finite(list(front.module.state_dict(keep_vars=True).values()))
+        finite_here = True if state.failing else self.weights.all_finite(front.module)
         nonfinite_anywhere = self.agreement.any(not finite_here) if collective else not finite_here
         if state.failing:
             return
