@@ -68,6 +68,8 @@ class TrainerFrontEnd:
         self._strategy: Any = None  # the Trainer's strategy, read once
         self._announced = False  # a hook announced itself (new_moment): facts are read once per hook
         self._step: int | None = None  # the global step read in the hook in progress
+        self._step_trackers: dict[bool, Any] = {}  # the loop's optimizer-step counter, by kind of optimisation
+        self._plain_automatic = _plain_automatic_optimization(pl_module)
         self._logging: bool | None = None  # whether logging is due, read in the hook in progress
 
     def new_moment(self) -> None:
@@ -93,20 +95,29 @@ class TrainerFrontEnd:
         return step
 
     def _trainer_step(self) -> int:
-        """``trainer.global_step``, read from the epoch loop's progress counters without its chain of properties.
+        """``trainer.global_step``, read from the epoch loop's progress counter without its chain of properties.
 
         What ``_TrainingEpochLoop.global_step`` returns (the optimizer steps completed, automatic or
-        manual), ~4 us a read less; the property itself where the loop is laid out otherwise.
+        manual): the counter's tracker is found once per kind of optimisation (the loops make their
+        progress objects once and reset or reload them in place), then one attribute is read, three
+        times a step; the property itself where the loop is laid out otherwise.
         """
-        try:  # plain attribute reads (no getattr calls): read three times a step
-            loop = self.trainer.fit_loop.epoch_loop
-            if self.module.automatic_optimization:
-                steps = loop.automatic_optimization.optim_progress.optimizer.step.total.completed
-            else:
-                steps = loop.manual_optimization.optim_step_progress.total.completed
+        try:
+            automatic = self.automatic_optimization
+            tracker = self._step_trackers.get(automatic) or self._step_tracker(automatic)
+            steps = tracker.completed
         except AttributeError:
             return int(self.trainer.global_step)
         return steps if type(steps) is int else int(self.trainer.global_step)
+
+    def _step_tracker(self, automatic: bool) -> Any:
+        loop = self.trainer.fit_loop.epoch_loop
+        if automatic:
+            tracker = loop.automatic_optimization.optim_progress.optimizer.step.total
+        else:
+            tracker = loop.manual_optimization.optim_step_progress.total
+        self._step_trackers[automatic] = tracker
+        return tracker
 
     @property
     def current_epoch(self) -> int:
@@ -132,6 +143,8 @@ class TrainerFrontEnd:
 
     @property
     def automatic_optimization(self) -> bool:
+        if self._plain_automatic:  # what the LightningModule's property returns, without its call
+            return self.module._automatic_optimization
         return self.module.automatic_optimization
 
     @property
@@ -277,3 +290,19 @@ class TrainerFrontEnd:
         metrics = getattr(connector, "_progress_bar_metrics", None)
         if isinstance(metrics, dict):
             metrics[key] = Count(value)
+
+
+def _plain_automatic_optimization(module: Any) -> bool:
+    """Whether ``module.automatic_optimization`` is Lightning's own property, which returns ``_automatic_optimization``.
+
+    A module may override the property (``return False``): its attribute then says nothing.
+    """
+    for cls in type(module).__mro__:
+        if "automatic_optimization" in vars(cls):
+            owner = cls.__module__.rsplit(".", 2)[-2:]
+            return (
+                cls.__name__ == "LightningModule"
+                and owner == ["core", "module"]
+                and hasattr(module, "_automatic_optimization")
+            )
+    return False

@@ -144,9 +144,26 @@ class _TwoOptimizers(BoringModel):
         return torch.optim.SGD(self.layer.parameters(), lr=0.01), torch.optim.SGD(self.other.parameters(), lr=0.01)
 
 
-@pytest.mark.parametrize("manual", [False, True])
-def test_global_step_is_the_trainers_at_every_hook(tmp_path: Any, manual: bool) -> None:
+class _ManualByProperty(_TwoOptimizers):
+    """Manual optimisation declared by overriding the property: its ``_automatic_optimization`` still says True."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._automatic_optimization = True
+
+    @property
+    def automatic_optimization(self) -> bool:
+        return False
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        pass
+
+
+@pytest.mark.parametrize("manual", [False, True, "by property"])
+def test_global_step_is_the_trainers_at_every_hook(tmp_path: Any, manual: bool | str) -> None:
     recorder = _Recorder()
+    model = {False: BoringModel, True: _TwoOptimizers, "by property": _ManualByProperty}[manual]()
     trainer = Trainer(
         default_root_dir=tmp_path,
         max_steps=10,
@@ -158,6 +175,7 @@ def test_global_step_is_the_trainers_at_every_hook(tmp_path: Any, manual: bool) 
         enable_model_summary=False,
         limit_val_batches=0,
     )
-    trainer.fit(_TwoOptimizers() if manual else BoringModel())
+    trainer.fit(model)
     assert recorder.steps and all(ours == lightnings for ours, lightnings in recorder.steps), recorder.steps
+    assert all(TrainerFrontEnd(trainer, model).automatic_optimization is (not manual) for _ in range(2))
     assert len({lightnings for _, lightnings in recorder.steps}) >= 5  # the count moved: the comparison can fail
