@@ -43,6 +43,7 @@ __all__ = [
     "fused_health_check",
     "grouped_norms",
     "nonfinite_candidate",
+    "plan_layout",
 ]
 
 SMALL_NUMEL = 4096
@@ -218,6 +219,16 @@ class _LayoutPlan:
 
 
 _PLANS: LayoutPlans[_LayoutPlan] = LayoutPlans(_LayoutPlan)
+
+
+def plan_layout(layout: list[Tensor]) -> None:
+    """Work out the plan of ``layout`` now (grouping, sizes, staging buffers; nothing is read).
+
+    A check later given this list as its ``layout`` then finds its plan made: for a caller that
+    knows its list ahead of the check (e.g. at an epoch's start).
+    """
+    if layout:
+        _PLANS.of(layout)
 
 
 def _planned_total(tensors: list[Tensor], layout: list[Tensor], device: torch.device, norm: bool) -> Tensor | None:

@@ -7,8 +7,9 @@ tensor to sort them. :class:`ModuleWeights` finds the same tensors once (every m
 and persistent buffers), and at each check tests that every slot still holds the tensor it found:
 an identity test per slot, made in C (a ``map`` over the slots' dicts, no Python per tensor). Code
 that assigns a new tensor to a slot (``module.weight = ...``, ``load_state_dict(assign=True)``) is
-followed at once; a module or parameter added later is found at the next :meth:`~ModuleWeights.forget`
-(the guard calls it at each epoch's start, when it finds the model's parameters again).
+followed at once; a module or parameter added later is found at the next :meth:`~ModuleWeights.find`
+(the guard calls it at each epoch's start, when it finds the model's parameters again, so that the
+walk and the check's plan cost nothing at the check itself).
 
 Example:
     >>> net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
@@ -29,6 +30,7 @@ import torch  # noqa: F401  (the example)
 from torch import Tensor, nn
 
 from lightning_nanguard.core.dtensor import any_dtensor
+from lightning_nanguard.detect.check import plan_layout
 from lightning_nanguard.detect.confirm import all_finite
 
 __all__ = ["ModuleWeights"]
@@ -44,9 +46,11 @@ class ModuleWeights:
         self._tensors: list[Tensor] = []
         self._floats: list[Tensor] | None = None  # the floating-point ones; None: sharded, local shards read anew
 
-    def forget(self) -> None:
-        """Find the tensors again at the next call (modules or parameters may have been added)."""
-        self._module = None
+    def find(self, module: nn.Module) -> None:
+        """Find the tensors of ``module`` now and plan their check (modules or parameters may have been added)."""
+        self._find(module)
+        if self._floats is not None:
+            plan_layout(self._floats)
 
     def tensors(self, module: nn.Module) -> list[Tensor]:
         """The parameters and persistent buffers of ``module``, in ``state_dict`` order."""

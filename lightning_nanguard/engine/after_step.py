@@ -71,7 +71,7 @@ class AfterStep:
         self.settings: ParamCheckSettings | None = None  # set by StepController.configure
         self.agreement = RankAgreement(None, 1)
         self.named_params: Sequence[tuple[str, nn.Parameter]] = ()
-        self.weights = ModuleWeights()  # what state_dict holds, found once (found again at each epoch's start)
+        self.weights = ModuleWeights()  # what state_dict holds, found once (and again at each epoch's start)
 
     def run(self, front: FrontEnd, collective: bool) -> None:
         """Roll back when due; check the weights and refresh the snapshot every few steps (every rank)."""

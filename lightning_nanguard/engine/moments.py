@@ -107,7 +107,7 @@ class GuardEngine:
         controller = self.controller
         controller.step_params.attach(front.module)  # named again at the next check, with what optimizers update
         controller.after_step.named_params = controller.step_params.model_named
-        controller.after_step.weights.forget()
+        controller.after_step.weights.find(front.module)
         controller.window.rediscover(front.module)
         controller.follow_batchnorm()
         stray = controller.step_params.stray(front.optimizers)

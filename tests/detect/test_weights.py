@@ -88,14 +88,15 @@ def test_values_written_in_place_are_read_at_each_check() -> None:
     assert weights.all_finite(module)
 
 
-def test_a_module_added_later_is_found_after_forget_and_another_module_at_once() -> None:
+def test_a_module_added_later_is_found_by_find_and_another_module_at_once() -> None:
     module = MODELS["buffers"]()
     weights = ModuleWeights()
     assert weights.all_finite(module)
     module.extra = nn.Linear(2, 2)
     with torch.no_grad():
         module.extra.weight.fill_(math.nan)
-    weights.forget()  # the guard forgets at each epoch's start
+    assert weights.all_finite(module)  # the tensors found before
+    weights.find(module)  # the guard finds them again at each epoch's start
     assert not weights.all_finite(module)
     other = MODELS["batchnorm"]()
     assert weights.all_finite(other) and len(weights.tensors(other)) == len(other.state_dict())
