@@ -74,6 +74,10 @@ BUDGET: dict[str, Budget] = {
     # Lightning's logging steps (log_every_n_steps): the gradients' total is their L2 norm, the
     # vector_norm of the staging buffer instead of its sum (5 calls, as the default)
     "logging step": Budget(ops=5, reads=1),
+    # BatchNorm: its buffers copied at the batch's start (one _foreach_copy_, to put them back if the step
+    # is dropped); in the one read, the running means staged (one stack per shape) and summed, the running
+    # variances staged, square-rooted in the copy and summed (detect/one_read.py's BatchNormTotals). 11 calls
+    "BatchNorm statistics": Budget(ops=11, reads=1),
     # the probe keeps the attention call's query and key and measures the calls of one shape together
     # when the forward returns (detect/attention.py): 20 calls outside the hooks for the one call.
     # The second read is CPU only: on CUDA the samples are copied to pinned memory without waiting
@@ -105,6 +109,20 @@ class Stacked(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+
+class StackedBatchNorm(Stacked):
+    """:class:`Stacked` with a ``BatchNorm1d(8)`` after each layer: ``layers`` running means and variances."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__(layers)
+        self.norms = nn.ModuleList(nn.BatchNorm1d(8) for _ in range(layers))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        hidden = torch.matmul(x.unsqueeze(0), torch.stack(list(self.weights))) + torch.stack(list(self.biases))[:, None]
+        normed = torch.stack([norm(h) for norm, h in zip(self.norms, hidden, strict=True)])
+        return nn.functional.mse_loss(torch.tanh(normed).mean((0, 2)), y)
 
 
 class _SelfAttention(nn.Module):
@@ -153,6 +171,7 @@ FEATURES: dict[str, Feature] = {
     "sync_free=True": Feature(Stacked, {"sync_free": True}),
     "spike_action='off'": Feature(Stacked, {"spike_action": "off"}),
     "logging step": Feature(Stacked, logger=True),
+    "BatchNorm statistics": Feature(StackedBatchNorm),
     "precursors, attention model, sampled step": Feature(
         lambda n: Attention(), _PRECURSORS, steps=tuple(s for s in STEADY if s % 2 == 0), sizes=(1,)
     ),
