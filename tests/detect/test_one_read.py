@@ -228,3 +228,27 @@ def test_cuda_one_read_is_one_synchronisation_and_sees_every_tensor(position: in
 def test_a_loss_on_another_device_than_the_gradients_declines() -> None:
     params = [p.detach().cuda().requires_grad_() for p in _params()]
     assert loss_and_total([g.cuda() for g in _grads(params)], torch.tensor(1.0), params) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_cuda_batchnorm_totals_join_the_one_synchronisation(corrupt: bool) -> None:
+    net = _batchnorm_net().cuda()
+    totals = one_read.BatchNormTotals(*_batchnorm_buffers(net))
+    params = [p.detach().cuda().requires_grad_() for p in _params()]
+    grads = [g.cuda() for g in _grads(params)]
+    loss = torch.tensor(1.0, device="cuda")
+    loss_and_total(grads, loss, params, totals.totals())  # builds the buffers
+    if corrupt:
+        net[2].running_var[3] = -1.0
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = loss_and_total(grads, loss, params, totals.totals())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1, [str(w.message) for w in caught]
+    assert result is not None and math.isfinite(result[1]) == (not corrupt)
