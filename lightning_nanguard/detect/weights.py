@@ -26,14 +26,31 @@ from __future__ import annotations
 from operator import is_not
 from typing import Any
 
-import torch  # noqa: F401  (the example)
+import torch  # noqa: F401  (the examples)
 from torch import Tensor, nn
 
 from lightning_nanguard.core.dtensor import any_dtensor
 from lightning_nanguard.detect.check import plan_layout
 from lightning_nanguard.detect.confirm import all_finite
 
-__all__ = ["ModuleWeights"]
+__all__ = ["ModuleWeights", "reassigned"]
+
+
+def reassigned(owners: list[dict[str, Any]], names: list[str], tensors: list[Tensor]) -> bool:
+    """Whether some slot ``owners[i][names[i]]`` no longer holds ``tensors[i]``: code assigned another tensor.
+
+    An identity test per slot, made in C (no Python frame per tensor), no value read.
+
+    Example:
+        >>> net = nn.Linear(2, 1)
+        >>> slots = [net._parameters], ["bias"], [net.bias]
+        >>> reassigned(*slots)
+        False
+        >>> net.bias = nn.Parameter(torch.zeros(1))
+        >>> reassigned(*slots)
+        True
+    """
+    return any(map(is_not, map(dict.get, owners, names), tensors))
 
 
 class ModuleWeights:
@@ -54,7 +71,7 @@ class ModuleWeights:
 
     def tensors(self, module: nn.Module) -> list[Tensor]:
         """The parameters and persistent buffers of ``module``, in ``state_dict`` order."""
-        if module is not self._module or any(map(is_not, map(dict.get, self._owners, self._names), self._tensors)):
+        if module is not self._module or reassigned(self._owners, self._names, self._tensors):
             self._find(module)
         return self._tensors
 
@@ -68,18 +85,13 @@ class ModuleWeights:
         owners: list[dict[str, Any]] = []
         names: list[str] = []
         tensors: list[Tensor] = []
-        for sub in module.modules():
-            for name, param in sub._parameters.items():
-                if param is not None:
-                    owners.append(sub._parameters)
-                    names.append(name)
-                    tensors.append(param)
-            transient = sub._non_persistent_buffers_set
-            for name, buffer in sub._buffers.items():
-                if buffer is not None and name not in transient:
-                    owners.append(sub._buffers)
-                    names.append(name)
-                    tensors.append(buffer)
+        for sub in module.modules():  # state_dict's order: a module's parameters, then its persistent buffers
+            for slots, transient in ((sub._parameters, ()), (sub._buffers, sub._non_persistent_buffers_set)):
+                for name, tensor in slots.items():
+                    if tensor is not None and name not in transient:
+                        owners.append(slots)
+                        names.append(name)
+                        tensors.append(tensor)
         self._module, self._owners, self._names, self._tensors = module, owners, names, tensors
         floats = [t for t in tensors if t.is_floating_point() or t.is_complex()]
         self._floats = None if any_dtensor(floats) else floats

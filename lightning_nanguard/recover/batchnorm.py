@@ -8,12 +8,11 @@ are small) before the batch and writes them back when the step is rejected, with
 
 from __future__ import annotations
 
-from operator import is_not
-
 import torch
 from torch import Tensor, nn
 
 from lightning_nanguard.detect.batchnorm import batchnorm_running_vars, batchnorm_slots
+from lightning_nanguard.detect.weights import reassigned
 
 __all__ = ["BatchNormSnapshot"]
 
@@ -71,8 +70,7 @@ class BatchNormSnapshot:
         """
         if not self._live:  # no BatchNorm: the usual model
             return False
-        # each slot's dict read and identity test in C (no Python frame per buffer: a ResNet-18 has 60)
-        return any(map(is_not, map(dict.get, self._owners, self._stats), self._live))
+        return reassigned(self._owners, self._stats, self._live)  # in C: no Python frame per buffer
 
     def capture(self) -> None:
         """Copy the current buffer values into the snapshot (no host synchronisation)."""
