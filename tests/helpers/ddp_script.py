@@ -26,7 +26,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from process_group import leave_process_group_at_exit
+from process_group import finish_script, leave_process_group_at_exit
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -258,3 +258,4 @@ def main(name: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    finish_script()

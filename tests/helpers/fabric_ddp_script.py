@@ -19,7 +19,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from process_group import leave_process_group, leave_process_group_at_exit
+from process_group import finish_script, leave_process_group_at_exit
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -106,9 +106,4 @@ def main(out_dir: str, strategy: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "ddp")
-    # the result is written: leave the group now and skip the interpreter's teardown, where gloo's worker
-    # threads (DDP's reducer keeps the group alive) can abort a process that finished well (signal 6)
-    leave_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_script()  # the result is written: no teardown of gloo's threads (DDP's reducer keeps them alive)

@@ -29,7 +29,7 @@ from typing import Any
 import lightning.pytorch as lightning_pytorch
 import pytorch_lightning
 import torch
-from process_group import leave_process_group_at_exit
+from process_group import finish_script, leave_process_group_at_exit
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -338,3 +338,4 @@ if __name__ == "__main__":
         raise SystemExit(f"unknown scenario {sys.argv[1]!r}")
     leave_process_group_at_exit()
     _syncbn_main(sys.argv[2])
+    finish_script()

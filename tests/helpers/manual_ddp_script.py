@@ -42,7 +42,7 @@ from manual_loops import (
     wgan_data,
     wgan_loss_fn,
 )
-from process_group import leave_process_group_at_exit
+from process_group import finish_script, leave_process_group_at_exit
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from lightning_nanguard import NanGuard, NonFiniteTrainingError
@@ -160,3 +160,4 @@ def main(name: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    finish_script()

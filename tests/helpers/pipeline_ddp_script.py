@@ -22,7 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pipeline_models as pp  # beside this script: sys.path[0]
 import torch
-from process_group import leave_process_group_at_exit
+from process_group import finish_script, leave_process_group_at_exit
 from torch.utils.data import DataLoader
 
 from lightning_nanguard import NanGuard
@@ -128,3 +128,4 @@ def main(name: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    finish_script()

@@ -25,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from fitting import build_trainer
+from process_group import finish_script
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -129,3 +130,4 @@ def main(out_dir: str, steps: int = STEPS, fault: str | None = None) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], *(int(a) for a in sys.argv[2:3]), *sys.argv[3:4])
+    finish_script()

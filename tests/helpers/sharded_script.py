@@ -51,7 +51,7 @@ from lightning_nanguard import NanGuard, NonFiniteTrainingError
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_reads import HostReadCounter  # the tests' helper, next to this script
 from multitask_models import MultiTaskModule
-from process_group import leave_process_group_at_exit
+from process_group import finish_script, leave_process_group_at_exit
 
 leave_process_group_at_exit()  # every process of the run, ddp_spawn's workers too (they import this file)
 
@@ -577,3 +577,4 @@ def main(mesh: str, run: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3])
+    finish_script()
