@@ -195,7 +195,9 @@ class StepHealth(NamedTuple):
             >>> StepHealth.local(bad=True).ranks_bad
             1
         """
-        return cls(bad, grad_norm, others_bad, spike, failed, loss, int(bad), int(others_bad), int(spike), int(failed))
+        counts = (int(bad), int(others_bad), int(spike), int(failed), 0)
+        # made in C: the named tuple's own __new__ is a Python function (every step makes one)
+        return tuple.__new__(cls, (bad, grad_norm, others_bad, spike, failed, loss, *counts))
 
     @property
     def healthy(self) -> bool:

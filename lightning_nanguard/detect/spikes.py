@@ -18,15 +18,15 @@ The caller's protocol, once per step::
 
 from __future__ import annotations
 
-import bisect
 import math
 import operator
-import statistics
 import struct
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -35,6 +35,7 @@ __all__ = ["SpikeDetector", "SpikeStats"]
 
 _FLOAT32 = torch.float32
 _FLOAT32_MAX = torch.finfo(_FLOAT32).max
+_FLOAT32_FORMAT = struct.Struct("f")  # a float rounded to float32 and back: pack, unpack
 _TINY = 5e-324  # log() floor, the smallest positive double: a value <= 0 in a log-scale window is a huge change
 # (a lenient spread), while values in float32's subnormal range (1e-38 and below) keep their real ratios
 _Q = 0.9  # quantile of the step-to-step changes that measures their spread
@@ -354,7 +355,7 @@ class SpikeDetector:
         self._fold()
         written = self._statistic.threshold  # what every device threshold holds now
         self._statistic = _Statistic.of(
-            list(self._history), list(self._logs), self.warmup, self.recent, self.sigmas, self.min_ratio, self._changes
+            self._history, self._logs, self.warmup, self.recent, self.sigmas, self.min_ratio, self._changes
         )
         if self._statistic.threshold == written:
             return  # unchanged (inf while warming up): no kernel
@@ -367,36 +368,40 @@ class SpikeDetector:
             return
         history, logs, changes = self._history, self._logs, self._changes
         for value in self._arrived:
-            log = math.log(max(value, _TINY))
+            log = math.log(value if value > _TINY else _TINY)  # accepted values are finite
             changes.slide(history, logs, value, log)
             history.append(value)
             logs.append(log)
         self._arrived.clear()
 
 
-@dataclass(frozen=True)
-class _Statistic:
-    """The threshold and what it is made of (``inf`` while warming up: nothing compares above it)."""
+class _Statistic(NamedTuple):
+    """The threshold and what it is made of (``inf`` while warming up: nothing compares above it).
+
+    Made with :meth:`make`, which rounds the threshold to float32 once. A named tuple: a refresh
+    (every few steps, its code cold by then) makes one in a single call.
+    """
 
     threshold: float
     baseline: float
     margin: float
     history: int
-    threshold32: float = field(init=False, repr=False, compare=False)
+    threshold32: float
     """:attr:`threshold` rounded to float32, as the device compares with it (always representable)."""
 
-    def __post_init__(self) -> None:  # made with the statistic: every step's check reads it
-        object.__setattr__(self, "threshold32", struct.unpack("f", struct.pack("f", self.threshold))[0])
+    @classmethod
+    def make(cls, threshold: float, baseline: float, margin: float, history: int) -> _Statistic:
+        return cls(threshold, baseline, margin, history, _FLOAT32_FORMAT.unpack(_FLOAT32_FORMAT.pack(threshold))[0])
 
     @classmethod
     def warming_up(cls, history: int, baseline: float = math.nan) -> _Statistic:
-        return cls(math.inf, baseline, math.inf, history)
+        return cls.make(math.inf, baseline, math.inf, history)
 
     @classmethod
     def of(
         cls,
-        values: list[float],
-        logs: list[float],
+        values: Sequence[float],
+        logs: Sequence[float],
         warmup: int,
         recent: int,
         sigmas: float,
@@ -409,7 +414,10 @@ class _Statistic:
         """
         if not values:
             return cls.warming_up(0)
-        baseline = statistics.median_low(values[-recent:])  # an observed value, as torch.median gives
+        recent_values = sorted(islice(reversed(values), recent))  # the last `recent`, no copy of the window
+        baseline = recent_values[
+            (len(recent_values) - 1) // 2
+        ]  # the low median: an observed value, as torch.median gives
         if len(values) < warmup:
             return cls.warming_up(len(values), baseline)
         positive = baseline > 0
@@ -420,9 +428,9 @@ class _Statistic:
         margin = quantile * sigmas / _Q_TO_SIGMA
         if positive:
             margin = max(margin, math.log(min_ratio))
-            return cls(_representable(math.log(baseline) + margin, log=True), baseline, margin, len(values))
+            return cls.make(_representable(math.log(baseline) + margin, log=True), baseline, margin, len(values))
         margin = max(margin, abs(baseline) * (min_ratio - 1.0))
-        return cls(_representable(baseline + margin) if margin > 0 else math.inf, baseline, margin, len(values))
+        return cls.make(_representable(baseline + margin) if margin > 0 else math.inf, baseline, margin, len(values))
 
 
 class _Changes:
@@ -455,19 +463,16 @@ class _Changes:
         """``value`` (and its ``log``) is about to be appended to ``history`` (and ``logs``)."""
         if not history or history.maxlen == 1:  # no pair before, or none after
             return
+        changes, log_changes = self.values, self.logs
         if len(history) == history.maxlen:  # the oldest pair leaves the window
-            _discard(self.values, abs(history[1] - history[0]))
-            _discard(self.logs, abs(logs[1] - logs[0]))
-        bisect.insort(self.values, abs(value - history[-1]))
-        bisect.insort(self.logs, abs(log - logs[-1]))
+            del changes[bisect_left(changes, abs(history[1] - history[0]))]
+            del log_changes[bisect_left(log_changes, abs(logs[1] - logs[0]))]
+        insort(changes, abs(value - history[-1]))
+        insort(log_changes, abs(log - logs[-1]))
 
 
 def _sorted_changes(series: list[float]) -> list[float]:
     return sorted(map(abs, map(operator.sub, series[1:], series[:-1])))  # |b - a| of each pair, no generator
-
-
-def _discard(ordered: list[float], value: float) -> None:
-    del ordered[bisect.bisect_left(ordered, value)]
 
 
 def _representable(threshold: float, log: bool = False) -> float:

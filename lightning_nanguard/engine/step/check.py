@@ -150,7 +150,7 @@ def _decided(
     spike = False
     if spikes is not None:
         spike = bool(parts.run("spikes", spikes.check, loss, grad_norm if with_norm else None))
-    return StepHealth.local(bad, grad_norm, others_bad, spike, loss=math.nan if loss is None else loss)
+    return StepHealth.local(bad, grad_norm, others_bad, spike, False, math.nan if loss is None else loss)
 
 
 def _spike_flag(
