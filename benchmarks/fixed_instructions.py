@@ -5,6 +5,7 @@ Run from the repository root (needs ``valgrind`` and a C compiler with valgrind'
     python -m benchmarks.fixed_instructions                       # this checkout, 100 steps after 20
     python -m benchmarks.fixed_instructions --against /tmp/base   # side by side with another checkout
     python -m benchmarks.fixed_instructions --hook on_train_batch_start   # one hook's share
+    python -m benchmarks.fixed_instructions --region lightning_nanguard.detect.spikes:SpikeDetector._refresh
 
 The model is :mod:`benchmarks.fixed_cost`'s ``Linear(2, 1)``: what the guard executes per step there is
 its own Python and the handful of kernels it launches whatever the model. Wall time on a shared
@@ -15,6 +16,10 @@ caches, which the rest of Lightning's step evicts between two hooks. Printed per
 (``Ir``), first-level instruction and data misses (``I1mr``, ``D1mr``, ``D1mw``), last-level misses,
 and ``est. cycles``: ``Ir + 10 x (first-level misses) + 100 x (last-level misses)``, the usual rough
 weighting, which tracked the wall-time ratios of :mod:`benchmarks.fixed_cost` within a few percent here.
+``--region MODULE:QUALNAME`` counts inside one function or method of the package instead (its
+outermost calls, whatever calls it, averaged over all steps): where a hook's instructions go. Each
+call also counts the switch itself, about 2,400 instructions (a ``ctypes`` call): compare regions
+with each other and with an empty one (``...step.window:StepWindow.close``).
 Both checkouts run at once (one process each): two cores are enough.
 """
 
@@ -22,12 +27,16 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
+import importlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 EVENTS = ("Ir", "Dr", "Dw", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
@@ -47,8 +56,10 @@ def _toggle_library(directory: Path) -> Path:
     return library
 
 
-def _fit_under_callgrind(library: str, steps: int, warmup: int, hook: str | None = None) -> None:
-    """The fit, inside valgrind: collection on only inside the guard's timed hooks, counters zeroed after warm-up."""
+def _fit_under_callgrind(
+    library: str, steps: int, warmup: int, hook: str | None = None, region: str | None = None
+) -> None:
+    """The fit, inside valgrind: counting only inside the guard's timed hooks (or ``region``), zeroed after warm-up."""
     import tempfile as _tempfile
     import warnings
 
@@ -77,8 +88,11 @@ def _fit_under_callgrind(library: str, steps: int, warmup: int, hook: str | None
             toggle()
         leave(self, *exc)
 
-    timing._Measurement.__enter__ = measured_enter  # type: ignore[method-assign]
-    timing._Measurement.__exit__ = measured_exit  # type: ignore[method-assign]
+    if region is not None:
+        _count_inside(region, toggle)
+    else:
+        timing._Measurement.__enter__ = measured_enter  # type: ignore[method-assign]
+        timing._Measurement.__exit__ = measured_exit  # type: ignore[method-assign]
 
     class _Counting(Callback):  # instrumented a few steps before counting: the simulated caches are warm
         def on_train_batch_start(self, trainer: object, pl_module: object, batch: object, batch_idx: int) -> None:
@@ -96,12 +110,39 @@ def _fit_under_callgrind(library: str, steps: int, warmup: int, hook: str | None
         trainer.fit(_Tiny(), loader)
 
 
+def _count_inside(region: str, toggle: Callable[[], object]) -> None:
+    """Switch collection on and off around the outermost calls of ``region`` (``module:Qual.name``)."""
+    module_name, _, qualified = region.partition(":")
+    owner: Any = importlib.import_module(module_name)
+    *path, name = qualified.split(".")
+    for attribute in path:
+        owner = getattr(owner, attribute)
+    function = getattr(owner, name)
+    depth = 0
+
+    @functools.wraps(function)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal depth
+        depth += 1
+        if depth == 1:
+            toggle()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            if depth == 1:
+                toggle()
+            depth -= 1
+
+    setattr(owner, name, counted)
+
+
 def _start(checkout: str, library: Path, out: Path, args: argparse.Namespace, cwd: Path) -> subprocess.Popen[bytes]:
     """valgrind on a fresh process importing the package of ``checkout`` (this checkout's benchmarks)."""
     command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no", "--cache-sim=yes"]
     command += [f"--callgrind-out-file={out}", sys.executable, "-m", "benchmarks.fixed_instructions", "--inside"]
     command += [str(library), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     command += ["--hook", args.hook] if args.hook else []
+    command += ["--region", args.region] if args.region else []
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     env["PYTHONPATH"] = os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")])
     return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -123,10 +164,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20, help="steps before counting (default 20)")
     parser.add_argument("--against", metavar="CHECKOUT", help="another checkout's root, counted side by side")
     parser.add_argument("--hook", help="count inside this hook only (e.g. on_before_optimizer_step)")
+    parser.add_argument("--region", metavar="MODULE:QUALNAME", help="count inside this function of the package only")
     parser.add_argument("--inside", metavar="LIBRARY", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inside:
-        _fit_under_callgrind(args.inside, args.steps, args.warmup, args.hook)
+        _fit_under_callgrind(args.inside, args.steps, args.warmup, args.hook, args.region)
         return
     if shutil.which("valgrind") is None or shutil.which("cc") is None:
         sys.exit("fixed_instructions: needs valgrind and a C compiler (apt install valgrind gcc).")

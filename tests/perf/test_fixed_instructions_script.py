@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.fixed_instructions import _per_step, _toggle_library
+from benchmarks.fixed_instructions import _count_inside, _per_step, _toggle_library
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,11 +24,19 @@ ROOT = Path(__file__).resolve().parents[2]
     shutil.which("cc") is None or not Path("/usr/include/valgrind/callgrind.h").exists(),
     reason="needs a C compiler and valgrind's headers",
 )
-def test_the_counted_fit_runs_with_the_requests_compiled_in(tmp_path: Any) -> None:
+@pytest.mark.parametrize(
+    "counted",
+    [
+        ["--hook", "on_before_optimizer_step"],
+        ["--region", "lightning_nanguard.detect.spikes:SpikeDetector.accept"],
+    ],
+    ids=["hook", "region"],
+)
+def test_the_counted_fit_runs_with_the_requests_compiled_in(tmp_path: Any, counted: list[str]) -> None:
     library = _toggle_library(tmp_path)
     command = [sys.executable, "-m", "benchmarks.fixed_instructions", "--inside", str(library)]
     done = subprocess.run(
-        [*command, "--steps", "3", "--warmup", "6", "--hook", "on_before_optimizer_step"],
+        [*command, "--steps", "3", "--warmup", "6", *counted],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -44,3 +52,25 @@ def test_a_callgrind_summary_is_read_per_step(tmp_path: Any) -> None:
     per = _per_step(out, steps=10)
     assert per["Ir"] == 100.0 and per["I1mr"] == 3.0 and per["DLmw"] == 0.3
     assert per["est. cycles"] == pytest.approx(100.0 + 10 * (3.0 + 4.0 + 5.0) + 100 * (0.1 + 0.2 + 0.3))
+
+
+def _countdown(n: int) -> int:
+    """Counts down by calling itself through the module (the counted wrapper); raises at the bottom below 0."""
+    if n < 0:
+        raise ValueError("below zero")
+    return 0 if n == 0 else 1 + _countdown(n - 1)
+
+
+def test_a_region_is_counted_around_its_outermost_calls_only() -> None:
+    """``--region``: collection switched on when the outermost call begins and off when it ends, once each."""
+    module, original = sys.modules[__name__], _countdown
+    switches: list[int] = []
+    try:
+        _count_inside(f"{__name__}:_countdown", lambda: switches.append(1))
+        assert module._countdown(3) == 3  # four nested calls
+        assert len(switches) == 2
+        with pytest.raises(ValueError, match="below zero"):
+            module._countdown(-1)  # a call that raises still switches collection off
+        assert len(switches) == 4
+    finally:
+        module._countdown = original
