@@ -415,9 +415,8 @@ class _Statistic(NamedTuple):
         if not values:
             return cls.warming_up(0)
         recent_values = sorted(islice(reversed(values), recent))  # the last `recent`, no copy of the window
-        baseline = recent_values[
-            (len(recent_values) - 1) // 2
-        ]  # the low median: an observed value, as torch.median gives
+        # the low median: an observed value, as torch.median gives
+        baseline = recent_values[(len(recent_values) - 1) // 2]
         if len(values) < warmup:
             return cls.warming_up(len(values), baseline)
         positive = baseline > 0

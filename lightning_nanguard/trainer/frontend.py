@@ -176,7 +176,7 @@ class TrainerFrontEnd:
         (``loss_fn(module, batch)`` or ``loss_fn(module, batch, optimizer)``), else from the module's
         ``nanguard_loss(batch, optimizer)``.
         """
-        if self.module.automatic_optimization:
+        if self.automatic_optimization:
             return training_step_of(self.module)
         optimizer, module, loss_fn = self.optimizer_in_step, self.module, self.loss_fn
         if loss_fn is not None:
@@ -191,7 +191,7 @@ class TrainerFrontEnd:
 
     def cannot_rerun(self) -> str | None:
         """Manual optimisation without ``loss_fn`` or ``nanguard_loss``: why no sample is named."""
-        if self.module.automatic_optimization or self.loss_fn is not None:
+        if self.automatic_optimization or self.loss_fn is not None:
             return None
         return None if callable(getattr(self.module, MANUAL_LOSS_HOOK, None)) else MANUAL_RERUN
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from process_group import finish_script
 from torch import nn
 
 from lightning_nanguard.diagnose.batch_diagnosis import diagnose
@@ -109,12 +110,9 @@ def main(out_dir: str) -> None:
         raise
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(result, handle)
-    dist.barrier()  # both results are written
-    # Leave without tearing gloo down: under load its teardown aborted a finished rank now and then
-    # ("terminate called without an active exception", 1 run in about 50), after its result was complete.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # both results are written: leave without tearing gloo down (under load its teardown aborted a finished
+    # rank now and then, "terminate called without an active exception", 1 run in about 50)
+    finish_script()
 
 
 if __name__ == "__main__":
