@@ -152,7 +152,8 @@ def _per_step(out: Path, steps: int) -> dict[str, float]:
     """The ``summary:`` line of a callgrind output, per step."""
     line = next(line for line in out.read_text().splitlines() if line.startswith("summary:"))
     counts = [int(value) for value in line.split()[1:]]
-    per = {name: count / steps for name, count in zip(EVENTS, counts, strict=False)}
+    per = dict.fromkeys(EVENTS, 0.0)  # callgrind leaves trailing zero counts out of the line
+    per |= {name: count / steps for name, count in zip(EVENTS, counts, strict=False)}
     first, last = per["I1mr"] + per["D1mr"] + per["D1mw"], per["ILmr"] + per["DLmr"] + per["DLmw"]
     per["est. cycles"] = per["Ir"] + 10 * first + 100 * last
     return per

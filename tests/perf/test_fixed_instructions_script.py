@@ -54,6 +54,15 @@ def test_a_callgrind_summary_is_read_per_step(tmp_path: Any) -> None:
     assert per["est. cycles"] == pytest.approx(100.0 + 10 * (3.0 + 4.0 + 5.0) + 100 * (0.1 + 0.2 + 0.3))
 
 
+def test_a_summary_without_its_trailing_zero_counts_reads_them_as_zero(tmp_path: Any) -> None:
+    """callgrind leaves counts that are zero off the end of the line (a small region: no last-level write miss)."""
+    out = tmp_path / "callgrind.out"
+    out.write_text("events: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw\nsummary: 1000 10 20 30 40 50 1 2\n")
+    per = _per_step(out, steps=10)
+    assert per["DLmw"] == 0.0 and per["DLmr"] == 0.2
+    assert per["est. cycles"] == pytest.approx(100.0 + 10 * (3.0 + 4.0 + 5.0) + 100 * (0.1 + 0.2))
+
+
 def _countdown(n: int) -> int:
     """Counts down by calling itself through the module (the counted wrapper); raises at the bottom below 0."""
     if n < 0:
