@@ -41,11 +41,8 @@ class RankAgreement:
     def __init__(self, strategy: Any, world_size: int) -> None:
         self.strategy = strategy
         self.world_size = world_size
-
-    @property
-    def distributed(self) -> bool:
-        """Whether there are other ranks to agree with."""
-        return self.world_size > 1
+        self.distributed = world_size > 1
+        """Whether there are other ranks to agree with (read several times a step: an attribute)."""
 
     def sum(self, flags: Tensor) -> Tensor:
         """``flags`` summed over ranks, on the device (no host read)."""

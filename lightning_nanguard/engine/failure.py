@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 class Guarded(Protocol):
     """What :func:`failsafe` needs of the callback (``NanGuard``), without importing it."""
 
-    active: bool
     controller: Any
     clock: GuardClock
 
@@ -73,7 +72,8 @@ def failsafe(hook: _F) -> _F:
 
     @functools.wraps(hook)
     def wrapper(self: Guarded, *args: Any, **kwargs: Any) -> Any:
-        if not self.active and not self.controller.state.failing:
+        state = self.controller.state  # `not self.active`, without the property's call (every hook)
+        if state.disabled and not state.failing:
             return None
         try:
             if not self.clock.enabled:  # the usual run: no context manager to enter and leave (every hook)

@@ -96,7 +96,8 @@ class StepActions:
         if math.isfinite(grad_norm) and grad_norm >= 0:  # -1: not computed this step
             self.parts.run("remedies", self._healthy_norm, grads, grad_norm, clip=clip)
         step = front.global_step
-        self.parts.run("diagnosis", self.window.refresh_reference, step, REFERENCE_EVERY_N_STEPS, slicer)
+        if self.window.reference_due(step, REFERENCE_EVERY_N_STEPS):  # no call through the part on most steps
+            self.parts.run("diagnosis", self.window.refresh_reference, step, REFERENCE_EVERY_N_STEPS, slicer)
         if front.automatic_optimization:  # manual: another optimizer of the batch may step on them next
             self.window.forget_batches()
         if self.recorder.scalars_due(front, due):  # the values are made only when they are logged

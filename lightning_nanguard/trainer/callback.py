@@ -86,6 +86,7 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
     _front: TrainerFrontEnd | None  # the engine's view of the fit in progress (made at the first hook)
     _hooks: StrategyHooks | None = None  # the strategy wrapper's hooks (made at setup)
     _forward_only_epoch: ForwardOnlyEpoch | None = None
+    _batch_forward_only = False  # whether the batch in progress runs forward only (read at its start)
 
     @property
     def _forward_only(self) -> ForwardOnlyEpoch:
@@ -171,16 +172,21 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
     @failsafe
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Open the step's window at its first micro-batch (manual optimisation: the first after an update)."""
+        # SWA's BatchNorm epoch (set at the epoch's start): no training step, only statistics to keep finite;
+        # read once per batch, for this batch's three hooks
+        self._batch_forward_only = skip = forward_only(trainer)
         window = self.controller.window
         indices = self.controller.parts.run("dataset_indices", self._batch_indices, batch)
-        if forward_only(trainer):  # SWA's BatchNorm epoch: no training step, only statistics to keep finite
+        if skip:
             self._forward_only.before_batch(window, indices)
             return
         # a new optimizer step: the first micro-batch, or a window left open by a step Lightning never took
         # (training_step returned None); in manual optimisation the first batch after an optimizer.step()
         # (a loop that steps every k batches accumulates k batches)
-        first = batch_idx % max(1, getattr(trainer, "accumulate_grad_batches", 1)) == 0
-        new_step = not window.open or (first and pl_module.automatic_optimization)
+        # (the window closes at each check: most batches stop at `not window.open`)
+        new_step = not window.open or (
+            batch_idx % max(1, getattr(trainer, "accumulate_grad_batches", 1)) == 0 and pl_module.automatic_optimization
+        )
         readers = self._hooks.readers() if self._hooks is not None else ()  # to check the indices at an incident
         front = self._front_of(trainer, pl_module)
         keep = None if front.cannot_rerun() is None else False  # manual optimisation without a loss to re-run
@@ -197,7 +203,7 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Manual optimisation: held schedulers step again; a batch ``guard.check`` found bad leaves no logs."""
-        if forward_only(trainer):
+        if self._batch_forward_only:
             event = self._forward_only.after_batch(trainer, self.controller.window, batch_idx)
             if event is not None:
                 self.controller.recorder.record(self._front_of(trainer, pl_module), event)
@@ -220,7 +226,7 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
     @failsafe
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         """Check loss, gradients and BatchNorm statistics; make the one decision of the step on every rank."""
-        if forward_only(trainer):  # no backward ran: there is no step to check (each batch was, after its forward)
+        if self._batch_forward_only:  # no backward ran: there is no step to check (each batch was, after its forward)
             self.controller.window.close()
             return
         front = self._front_of(trainer, pl_module)
@@ -229,7 +235,7 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
 
     @failsafe
     def _before_optimizer_step(self, optimizer: Optimizer) -> None:
-        """Called by the strategy wrapper as ``optimizer.step()`` begins, before its closure runs."""
+        """Called by the strategy wrapper as a closure optimizer's step begins (LBFGS), before its closure runs."""
         self.engine.begin_update(optimizer)
 
     @failsafe
@@ -253,7 +259,8 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
         return front
 
     def _strategy_active(self) -> bool:
-        return self.active or self.controller.state.failing
+        state = self.controller.state  # `self.active`, without the property's call (twice a step)
+        return not state.disabled or state.failing
 
     # ------------------------------------------------------------------ checkpoint
 

@@ -103,7 +103,8 @@ class TrainerFrontEnd:
         times a step; the property itself where the loop is laid out otherwise.
         """
         try:
-            automatic = self.automatic_optimization
+            module = self.module  # the automatic_optimization property's answer, without its call (3 times a step)
+            automatic = module._automatic_optimization if self._plain_automatic else module.automatic_optimization
             tracker = self._step_trackers.get(automatic) or self._step_tracker(automatic)
             steps = tracker.completed
         except AttributeError:
@@ -266,7 +267,11 @@ class TrainerFrontEnd:
 
     def _logging_due(self) -> bool:
         trainer: Any = self.trainer  # `log_every_n_steps` is set on it at init; `state.stage` may be None
-        if not trainer.loggers:
+        try:
+            loggers = trainer._loggers  # what its `loggers` property returns, without the call (every step)
+        except AttributeError:
+            loggers = trainer.loggers
+        if not loggers:
             return False
         # LoggerConnector.should_update_logs while fitting, read without its chain of properties (~4 us a step),
         # and the stage's plain `_value_` attribute rather than the enum's `value` property (two Python calls)

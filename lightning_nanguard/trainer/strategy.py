@@ -59,6 +59,7 @@ from lightning_nanguard.engine.data.streams import (
     stop_cutting,
 )
 from lightning_nanguard.engine.shard_layout import strategy_kind
+from lightning_nanguard.engine.step.closure_undo import is_closure_optimizer
 from lightning_nanguard.recover.remedies import RemedyBook
 from lightning_nanguard.reporting.notices import RankNotices
 
@@ -93,8 +94,8 @@ class StrategyHooks:
             the batches of a loader without a batch sampler).
         batch_slicer: the user's batch slicer (else the module's ``nanguard_slice_batch``, else the built-in one).
         streams: the loaders made to cut quarantined records out of their batches (undone at teardown).
-        before_optimizer_step: called on every rank as an optimizer step begins, before its closure runs
-            (a closure optimizer's state is copied, to undo a bad step).
+        before_optimizer_step: called on every rank as a closure optimizer's step begins (LBFGS), before
+            its closure runs: its state is copied, to undo a bad step.
     """
 
     after_optimizer_step: Callable[[Any], None]
@@ -243,8 +244,10 @@ class NanGuardStrategyMixin(abc.ABC):  # ABC: same metaclass and layout as Light
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         hooks = getattr(self, "_nanguard", None)
-        if hooks is not None and hooks.before_optimizer_step is not None and hooks.active():
-            hooks.before_optimizer_step(optimizer)
+        if hooks is not None:  # LBFGS: its state is copied before its closure runs (no call for other optimizers)
+            begin = hooks.before_optimizer_step
+            if begin is not None and is_closure_optimizer(optimizer) and hooks.active():
+                begin(optimizer)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         if hooks is not None and hooks.active():
             hooks.after_optimizer_step(optimizer)

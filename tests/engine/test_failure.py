@@ -16,13 +16,15 @@ from lightning_nanguard.engine.state import CounterView, GuardState
 
 
 class Guard:
-    """What ``failsafe`` needs of ``NanGuard``: ``active``, ``clock``, ``controller.state`` and ``controller.fail``."""
+    """What ``failsafe`` needs of ``NanGuard``: ``clock``, ``controller.state`` and ``controller.fail``.
+
+    ``active`` is ``NanGuard``'s property: the state's ``disabled`` flag, which the wrapper reads.
+    """
 
     bad_steps = CounterView("bad_steps_total", "Bad steps so far.")
     skipped_steps = CounterView("skipped_total", "Skipped steps so far.")
 
     def __init__(self) -> None:
-        self.active = True
         self.clock = GuardClock(enabled=True)
         self.failures: list[tuple[BaseException, str]] = []
         self.controller = SimpleNamespace(
@@ -30,6 +32,14 @@ class Guard:
         )
         self.calls: list[Any] = []
         self.counters = Counters(bad_steps_total=4, skipped_total=3)
+
+    @property
+    def active(self) -> bool:
+        return not self.controller.state.disabled
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self.controller.state.disabled = not value
 
     @failsafe
     def on_hook(self, value: Any, raise_: BaseException | None = None) -> Any:

@@ -142,10 +142,13 @@ def record_batch_indices(
     return batch_sampler  # type: ignore[return-value]
 
 
-def next_recorded_indices(samplers: Sequence[RecordingBatchSampler]) -> list[int] | None:
-    """The dataset indices of the training batch that starts now: the oldest recorded list, ``None`` if unknown."""
+def next_recorded_indices(samplers: Sequence[RecordingBatchSampler | None]) -> list[int] | None:
+    """The dataset indices of the training batch that starts now: the oldest recorded list, ``None`` if unknown.
+
+    ``None`` entries (loaders that do not record) are passed over.
+    """
     for sampler in samplers:
-        if sampler.nanguard_fifo:
+        if sampler is not None and sampler.nanguard_fifo:
             return sampler.nanguard_fifo.popleft()
     return None
 

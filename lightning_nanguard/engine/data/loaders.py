@@ -289,7 +289,7 @@ class TrainingLoaders:
             ``mismatch`` when the batch is not the loaders' collection, e.g. changed in a hook).
         """
         if self.layout is None:
-            recorded = next_recorded_indices([s for s in self.samplers if s is not None])  # popped either way
+            recorded = next_recorded_indices(self.samplers)  # popped either way
             return indices_from_batch(batch, index_key) if index_key is not None else recorded
         if not self.layout.matches(batch):
             for sampler in self.samplers:  # keep each loader's FIFO aligned with its batches

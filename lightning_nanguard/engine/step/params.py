@@ -33,7 +33,7 @@ class StepParams:
         self.named: list[tuple[str, nn.Parameter]] = []
         self.model_named: list[tuple[str, nn.Parameter]] = []  # the model's own (no optimizer-only tensors)
         # per optimizer: the signature of its parameter groups and the parameters it updates
-        self._by_optimizer: dict[int, tuple[tuple[tuple[int, int], ...], list[Tensor]]] = {}
+        self._by_optimizer: dict[int, tuple[list[tuple[int, int]], list[Tensor]]] = {}
 
     def attach(self, module: nn.Module) -> None:
         """Name ``module``'s parameters; forget every optimizer's (found again at its next step)."""
@@ -50,7 +50,7 @@ class StepParams:
 
     def of(self, module: nn.Module, optimizer: Any) -> list[Tensor]:
         """The tensors ``optimizer`` updates, the ones its step is checked on (cached; see module docs)."""
-        signature = tuple((id(group["params"]), len(group["params"])) for group in optimizer.param_groups)
+        signature = [(id(group["params"]), len(group["params"])) for group in optimizer.param_groups]  # no generator
         cached = self._by_optimizer.get(id(optimizer))
         if cached is not None and cached[0] == signature:
             return cached[1]

@@ -141,7 +141,8 @@ class StepWindow:
         self.parts.run("logged_values", self._keep_logged, front)
 
     def _keep_logged(self, front: FrontEnd | None) -> None:
-        if self.metrics and self.metrics.capture():
+        metrics = self.metrics
+        if metrics is not None and metrics.metrics and metrics.capture():  # most models hold no metric
             self.metrics_changed = True
         if front is not None:
             self.logged_unsupported = front.keep_logged()
@@ -286,16 +287,20 @@ class StepWindow:
 
     # ------------------------------------------------------------------ reference sample
 
+    def reference_due(self, global_step: int, every_n_steps: int) -> bool:
+        """Whether :meth:`refresh_reference` takes a new reference at this healthy step (most steps: no)."""
+        step = self.reference_step
+        return bool(self.micro_batches) and (step is None or global_step - step >= every_n_steps)
+
     def refresh_reference(self, global_step: int, every_n_steps: int, slicer: Slicer | None) -> None:
         """Keep the first samples of this healthy step as the reference, every ``every_n_steps`` steps.
 
         A slice of :data:`REFERENCE_SIZE` samples (a small device copy, no host read) taken from the
-        step's first micro-batch, only when the last one is ``every_n_steps`` old or missing. A batch
-        that cannot be sliced leaves no reference (the diagnosis then does without).
+        step's first micro-batch, only when the last one is ``every_n_steps`` old or missing
+        (:meth:`reference_due`). A batch that cannot be sliced leaves no reference (the diagnosis
+        then does without).
         """
-        if not self.micro_batches:
-            return
-        if self.reference_step is not None and global_step - self.reference_step < every_n_steps:
+        if not self.reference_due(global_step, every_n_steps):
             return
         self.reference_step = global_step
         first = self.micro_batches[0]
