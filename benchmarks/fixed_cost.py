@@ -111,17 +111,37 @@ def _one_process(checkout: str, args: argparse.Namespace) -> float:
     return float(json.loads(done.stdout.strip().splitlines()[-1])["per_step_us"])
 
 
+def paired_ratios(this: list[float], against: list[float]) -> tuple[float, float, float]:
+    """The ratio of each repetition to its twin measured next to it: median, min, max.
+
+    Two runs side by side share the machine's load of the moment, which moves single runs here by up
+    to 2x: their ratio is steadier than the ratio of the two medians.
+
+    Example:
+        >>> paired_ratios([50.0, 100.0, 60.0], [100.0, 200.0, 100.0])
+        (0.5, 0.5, 0.6)
+    """
+    ratios = [a / b for a, b in zip(this, against, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def compare(args: argparse.Namespace) -> None:
-    """Alternate this checkout and ``args.against``, one fresh process per repetition; print the ratio."""
+    """Alternate this checkout and ``args.against``, one fresh process per repetition; print the ratios.
+
+    Each pair runs back to back, in turns of order (this checkout first in even pairs, second in odd ones).
+    """
     here = str(ROOT)
     times: dict[str, list[float]] = {"this checkout": [], "against": []}
-    for _ in range(args.repeat):
-        times["this checkout"].append(_one_process(here, args))
-        times["against"].append(_one_process(args.against, args))
+    for repetition in range(args.repeat):
+        order = [("this checkout", here), ("against", args.against)]
+        for name, checkout in order if repetition % 2 == 0 else reversed(order):
+            times[name].append(_one_process(checkout, args))
     for name, values in times.items():
         print(f"{name:14s} {statistics.median(values):7.1f} us per step (min {min(values):.1f}, max {max(values):.1f})")
     ratio = statistics.median(times["this checkout"]) / statistics.median(times["against"])
     print(f"ratio this/against: {ratio:.3f} ({args.repeat} alternating repetitions of {args.steps} steps)")
+    middle, low, high = paired_ratios(times["this checkout"], times["against"])
+    print(f"paired ratios (each repetition over its twin): median {middle:.3f} (min {low:.3f}, max {high:.3f})")
 
 
 def main() -> None:
