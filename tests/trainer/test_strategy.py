@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import build_trainer
+from manual_loops import LbfgsRegressor, lbfgs_data
 from models import NAMESPACES, make_case, make_loader, make_module
 from torch.utils.data import DataLoader
 
@@ -189,3 +190,16 @@ def test_process_dataloader_makes_only_the_training_loader_record_and_undoes_it(
     assert probe.val == ["BatchSampler"]  # validation loaders are left alone
     assert type(probe.sampler).__name__ == "BatchSampler"  # teardown undid the swap
     assert not hasattr(probe.sampler, "nanguard_exclude")
+
+
+def test_the_before_step_hook_runs_for_a_closure_optimizer_only(tmp_path: Path) -> None:
+    """The LBFGS-only hook (it copies the state that undoes a bad step) costs other optimizers no call a step."""
+    sgd_guard, lbfgs_guard = NanGuard(verbose=False), NanGuard(verbose=False)
+    sgd_guard.clock.enabled = lbfgs_guard.clock.enabled = True
+    sgd = build_trainer("lightning", tmp_path / "sgd", callbacks=[sgd_guard], max_steps=4)
+    sgd.fit(make_module("lightning", "input_data", optimizer="sgd"), make_loader(make_case("input_data").dataset))
+    lbfgs = build_trainer("lightning", tmp_path / "lbfgs", callbacks=[lbfgs_guard], max_steps=4)
+    lbfgs.fit(LbfgsRegressor(), DataLoader(lbfgs_data(bad=()), batch_size=4))
+    assert sgd.global_step == lbfgs.global_step == 4
+    assert "_before_optimizer_step" not in sgd_guard.clock.calls, dict(sgd_guard.clock.calls)
+    assert lbfgs_guard.clock.calls["_before_optimizer_step"] == 4, dict(lbfgs_guard.clock.calls)
