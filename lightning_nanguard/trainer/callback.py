@@ -182,8 +182,8 @@ class NanGuard(FabricGuard, *CALLBACK_BASES):  # type: ignore[misc]
             return
         # a new optimizer step: the first micro-batch, or a window left open by a step Lightning never took
         # (training_step returned None); in manual optimisation the first batch after an optimizer.step()
-        # (a loop that steps every k batches accumulates k batches)
-        # (the window closes at each check: most batches stop at `not window.open`)
+        # (a loop that steps every k batches accumulates k batches). The window closes at each check: most
+        # batches stop at `not window.open`
         new_step = not window.open or (
             batch_idx % max(1, getattr(trainer, "accumulate_grad_batches", 1)) == 0 and pl_module.automatic_optimization
         )
