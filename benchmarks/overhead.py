@@ -18,6 +18,13 @@ What is measured:
    ``--steps`` training steps, divided by the wall time of the same window. A ``CSVLogger`` is
    on and ``log_every_n_steps`` is Lightning's default (50), so the window holds one logging step
    (where the guard also computes the gradient norm): it is averaged in.
+   Beside it, in a fit of its own, **the gradients fetched and read alone**: the time a callback
+   spends where the guard checks (``on_before_optimizer_step``) taking ``p.grad`` of every parameter
+   (the first access to a gradient made in backward creates its Python object) and summing each
+   gradient of at least ``CPU_SUM_NUMEL`` (2^17) elements, one call each, over the same window. That
+   is what no check of every gradient from Python can skip, in the cache state the check meets (the
+   optimizer's last update and the backward evicted the gradients); smaller gradients cost a call
+   more than their reading and are only fetched.
 2. **End-to-end ratio**: mean step time of the window under ``NanGuard()`` over the same without
    a guard; one pair per round, rounds interleaved in rotated order, median over rounds.
    Reference variants (a hand-written per-parameter ``isfinite`` loop, ``detect_anomaly=True``)
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import sys
@@ -54,7 +62,8 @@ from torch import Tensor
 
 from benchmarks.models import MODELS, benchmark_trainer, make
 from lightning_nanguard import NanGuard
-from lightning_nanguard.detect.check import fused_health_check
+from lightning_nanguard.core.timing import GuardClock
+from lightning_nanguard.detect.check import CPU_SUM_NUMEL, fused_health_check
 from lightning_nanguard.detect.streaming import GradientCheck
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -69,7 +78,7 @@ TARGET = 0.02  # at most 2% of a step inside the guard
 class StepWindow(Callback):
     """Wall time of the steps from ``warmup`` on (to the end of training); resets the guard's clock at its start."""
 
-    def __init__(self, warmup: int, guard: NanGuard | None) -> None:
+    def __init__(self, warmup: int, guard: NanGuard | GradientRead | None) -> None:
         self.warmup = warmup
         self.guard = guard
         self.start = 0.0
@@ -98,6 +107,26 @@ class NaiveCheck(Callback):
                 param.grad = None
 
 
+class GradientRead(Callback):
+    """Every gradient fetched where the guard checks, and the largest read: ``p.grad`` of each parameter
+    (the list kept from the first step, as the guard keeps it), then a ``sum`` of each gradient of at
+    least :data:`~lightning_nanguard.detect.check.CPU_SUM_NUMEL` elements, one call each; timed by ``clock``.
+
+    The floor of any check of every gradient from Python, in the loop's own cache state (see module docs).
+    """
+
+    def __init__(self) -> None:
+        self.clock = GuardClock(enabled=True)
+        self._params: list[Tensor] = []
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        with self.clock.measure("read"):
+            params = self._params or list(pl_module.parameters())
+            self._params = params
+            grads = [g for p in params if (g := p.grad) is not None]
+            [g.sum() for g in grads if g.numel() >= CPU_SUM_NUMEL]
+
+
 def _guard() -> NanGuard:
     guard = NanGuard(verbose=False)
     guard.clock.enabled = True
@@ -107,10 +136,11 @@ def _guard() -> NanGuard:
 VARIANTS: dict[str, Callable[[], tuple[list[Callback], dict[str, Any]]]] = {
     "no guard": lambda: ([], {}),
     "NanGuard()": lambda: ([_guard()], {}),
+    "gradients read alone": lambda: ([GradientRead()], {}),
     "naive isfinite loop": lambda: ([NaiveCheck()], {}),
     "detect_anomaly=True": lambda: ([], {"detect_anomaly": True}),
 }
-MAIN_VARIANTS = ["no guard", "NanGuard()"]
+MAIN_VARIANTS = ["no guard", "NanGuard()", "gradients read alone"]
 REFERENCE_VARIANTS = ["naive isfinite loop", "detect_anomaly=True"]
 REFERENCE_STEPS = 20  # anomaly mode runs up to 10x slower
 
@@ -129,7 +159,7 @@ class Run:
 def fit_once(model_name: str, variant: str, steps: int, root: str) -> Run:
     module, loader = make(model_name, batches=WARMUP + steps)
     callbacks, trainer_kwargs = VARIANTS[variant]()
-    guard = next((c for c in callbacks if isinstance(c, NanGuard)), None)
+    guard = next((c for c in callbacks if isinstance(c, NanGuard | GradientRead)), None)
     window = StepWindow(WARMUP, guard)
     # the window first: its clock reset precedes the guard's hooks
     trainer = benchmark_trainer(root, WARMUP + steps, [window, *callbacks], **trainer_kwargs)
@@ -144,6 +174,7 @@ def fit_once(model_name: str, variant: str, steps: int, root: str) -> Run:
 class ModelResult:
     no_guard_step: float = 0.0  # seconds, median over rounds
     guard_fraction: list[float] = field(default_factory=list)  # per round
+    read_fraction: list[float] = field(default_factory=list)  # the gradients fetched and read alone, per round
     ratio: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # per variant, per round
     by_callable: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # seconds, all rounds
     window_total: float = 0.0  # seconds of NanGuard windows, all rounds
@@ -167,16 +198,18 @@ def step_overhead(models: list[str], rounds: int, steps: int, reference: bool) -
                 base = runs["no guard"].step_seconds
                 no_guard_steps.append(base)
                 for variant, run in runs.items():
-                    if variant != "no guard":
+                    if variant not in ("no guard", "gradients read alone"):
                         result.ratio[variant].append(run.step_seconds / base)
                 guarded = runs["NanGuard()"]
                 result.guard_fraction.append(sum(guarded.guard_seconds.values()) / guarded.window_seconds)
+                read = runs["gradients read alone"]
+                result.read_fraction.append(sum(read.guard_seconds.values()) / read.window_seconds)
                 for name, seconds in guarded.guard_seconds.items():
                     result.by_callable[name] += seconds
                 result.window_total += guarded.window_seconds
                 print(
                     f"  {model_name} round {index + 1}/{rounds}: step {base * 1e3:.1f} ms, inside the guard "
-                    f"{result.guard_fraction[-1]:.2%}, "
+                    f"{result.guard_fraction[-1]:.2%} (the gradients read alone {result.read_fraction[-1]:.2%}), "
                     + ", ".join(f"{v} {r[-1]:.3f}x" for v, r in result.ratio.items() if len(r) == index + 1),
                     flush=True,
                 )
@@ -184,7 +217,9 @@ def step_overhead(models: list[str], rounds: int, steps: int, reference: bool) -
             results[model_name] = result
             print(
                 f"{model_name}: inside the guard {statistics.median(result.guard_fraction):.2%} of a step "
-                f"(median of {rounds}), end-to-end {statistics.median(result.ratio['NanGuard()']):.3f}x",
+                f"(median of {rounds}; its gradients read alone "
+                f"{statistics.median(result.read_fraction):.2%}), "
+                f"end-to-end {statistics.median(result.ratio['NanGuard()']):.3f}x",
                 flush=True,
             )
     return results
@@ -433,16 +468,21 @@ def write_report(
         "Inside the guard: `guard.clock.total` (every hook, gradient hook, after-step work and sampler wrapper "
         "NanGuard installs) over the wall time of the same steps, median over rounds (min-max in brackets). "
         "End-to-end: mean step time relative to the same model without a guard, median over rounds "
-        f"(reference variants: first round only, {REFERENCE_STEPS} steps).",
+        f"(reference variants: first round only, {REFERENCE_STEPS} steps). Gradients read alone: in a fit of its "
+        "own, a callback where the guard checks takes `p.grad` of every parameter and sums each gradient of at "
+        f"least {CPU_SUM_NUMEL:,} elements, one call each, over the wall time of the same steps: the floor of any "
+        "check of every gradient from Python, in the loop's cache state.",
         "",
-        "| model | inside the guard | within target | " + " | ".join(variants) + " |",
-        "|---|---|---|" + "---|" * len(variants),
+        "| model | inside the guard | within target | gradients read alone | " + " | ".join(variants) + " |",
+        "|---|---|---|---|" + "---|" * len(variants),
     ]
     for name, result in step.items():
         fraction = statistics.median(result.guard_fraction)
         spread = f"({min(result.guard_fraction):.2%}-{max(result.guard_fraction):.2%})"
+        read = f"{statistics.median(result.read_fraction):.2%}" if result.read_fraction else "-"
         ratios = " | ".join(_median_or_dash(result.ratio.get(v)) for v in variants)
-        lines.append(f"| {name} | {fraction:.2%} {spread} | {'yes' if fraction <= TARGET else 'NO'} | {ratios} |")
+        within = "yes" if fraction <= TARGET else "NO"
+        lines.append(f"| {name} | {fraction:.2%} {spread} | {within} | {read} | {ratios} |")
     lines += [
         "",
         "### Where the guard's time goes (share of a step, all rounds)",
@@ -506,6 +546,8 @@ def _plot(step: dict[str, ModelResult], kernel: dict[str, dict[str, float]], kin
     low = [f - 100 * min(step[n].guard_fraction) for f, n in zip(fractions, names, strict=True)]
     high = [100 * max(step[n].guard_fraction) - f for f, n in zip(fractions, names, strict=True)]
     axes[0].bar(positions, fractions, yerr=[low, high], color="tab:blue", capsize=3)
+    reads = [100 * statistics.median(step[n].read_fraction) if step[n].read_fraction else math.nan for n in names]
+    axes[0].scatter(positions, reads, marker="_", s=500, color="black", label="the gradients read alone")
     axes[0].axhline(100 * TARGET, color="tab:red", linestyle="--", label=f"target {TARGET:.0%}")
     axes[0].set_xticks(list(positions), [n.split(" (")[0] for n in names], fontsize=8, rotation=15)
     axes[0].set_ylabel("time inside the guard, % of a step")
