@@ -121,9 +121,9 @@ class GradientRead(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         with self.clock.measure("read"):
-            params = self._params or list(pl_module.parameters())
-            self._params = params
-            grads = [g for p in params if (g := p.grad) is not None]
+            if not self._params:
+                self._params = list(pl_module.parameters())
+            grads = [g for p in self._params if (g := p.grad) is not None]
             [g.sum() for g in grads if g.numel() >= CPU_SUM_NUMEL]
 
 

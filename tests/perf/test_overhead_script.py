@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from fitting import build_trainer
 from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -51,24 +52,20 @@ class _Watched(GradientRead):
         self.versions: list[tuple[list[int], list[int]]] = []
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        before = [p.grad._version for p in pl_module.parameters() if p.grad is not None]
+        before = _grad_versions(pl_module)
         with self.sums:
             super().on_before_optimizer_step(trainer, pl_module, optimizer)
-        self.versions.append((before, [p.grad._version for p in pl_module.parameters() if p.grad is not None]))
+        self.versions.append((before, _grad_versions(pl_module)))
+
+
+def _grad_versions(module: LightningModule) -> list[int]:
+    return [g._version for p in module.parameters() if (g := p.grad) is not None]
 
 
 def test_the_read_sums_each_large_gradient_once_a_step_times_it_and_writes_nothing(tmp_path: Path) -> None:
     read = _Watched()
     data = DataLoader(TensorDataset(torch.randn(12, CPU_SUM_NUMEL // 4)), batch_size=4)
-    trainer = Trainer(
-        max_steps=3,
-        callbacks=[read],
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = build_trainer("lightning", tmp_path, max_steps=3, callbacks=[read])
     trainer.fit(_Wide(), data)
     assert read.sums.numels == [CPU_SUM_NUMEL] * 3  # the wide weight each step; its bias and the head only fetched
     assert read.clock.calls == {"read": 3} and read.clock.seconds["read"] > 0
