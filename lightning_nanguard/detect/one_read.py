@@ -36,7 +36,7 @@ from torch import Tensor
 from lightning_nanguard.detect.check import CPU_SUM_NUMEL, SMALL_NUMEL
 from lightning_nanguard.detect.staging import LayoutPlans, Selector, Staging, pick, selector
 
-__all__ = ["BatchNormTotals", "loss_and_total"]
+__all__ = ["BatchNormTotals", "loss_and_total", "staged_loss_and_total"]
 
 _FLOAT32 = torch.float32
 
@@ -81,7 +81,8 @@ class _OneReadPlan:
             buffer = self._buffers[extra] = _Buffer(staging, flat[:-1], flat[-1:], flat[-2:])
         return buffer
 
-    def loss_and_total(self, grads: list[Tensor], loss: Tensor, extra: Sequence[Tensor]) -> list[float]:
+    def staged(self, grads: list[Tensor], loss: Tensor, extra: Sequence[Tensor]) -> Tensor:
+        """``[loss, total]`` on the device: a view of this plan's buffer, overwritten by its next use."""
         totals: list[Tensor] = []
         if self.normed is not None:
             totals = list(torch._foreach_norm(pick(grads, self.normed)))
@@ -90,7 +91,7 @@ class _OneReadPlan:
         staging, addends, total, read = self._buffers.get(len(extra)) or self.buffer(len(extra))
         staging.load(grads, [*totals, *extra, loss])
         torch.sum(addends, 0, keepdim=True, out=total)
-        return read.tolist()
+        return read
 
 
 class BatchNormTotals:
@@ -156,13 +157,34 @@ def loss_and_total(
         extra: 0-dim totals of further tensors on the same device, summed in (e.g.
             :meth:`BatchNormTotals.totals`).
     """
+    read = staged_loss_and_total(grads, loss, layout, extra)
+    return None if read is None else read.tolist()
+
+
+def staged_loss_and_total(
+    grads: list[Tensor], loss: Tensor, layout: list[Tensor], extra: Sequence[Tensor] = ()
+) -> Tensor | None:
+    """:func:`loss_and_total` left on the device: ``[loss, total]`` in float32, not read (``None``: no plan).
+
+    The tensor is a view of a buffer kept for ``layout``: the next call for that layout overwrites
+    it, so copy or reduce it before then (a copy to the host queued on the device's stream is in
+    time). For a step whose flag stays on the device (the sync-free mode).
+
+    Example:
+        >>> net = torch.nn.Linear(2, 1)
+        >>> net(torch.full((1, 2), math.inf)).sum().backward()
+        >>> params = list(net.parameters())
+        >>> read = staged_loss_and_total([p.grad for p in params], torch.tensor(0.5), params)
+        >>> read[0].item(), math.isfinite(read[1].item())
+        (0.5, False)
+    """
     if not layout or len(grads) != len(layout) or loss.numel() != 1 or not loss.is_floating_point():
         return None
     plan = _PLANS.of(layout)
     if not plan.usable or loss.device != plan.device:
         return None
     try:
-        return plan.loss_and_total(grads, loss if loss.dim() == 0 else loss.reshape(()), extra)
+        return plan.staged(grads, loss if loss.dim() == 0 else loss.reshape(()), extra)
     except (RuntimeError, NotImplementedError, IndexError):  # sparse gradients, other shapes: the full check
         plan.usable = False
         return None

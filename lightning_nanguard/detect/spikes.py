@@ -194,6 +194,19 @@ class SpikeDetector:
         )
         return (finite > threshold).to(_FLOAT32)
 
+    def above(self, value: Tensor) -> Tensor:
+        """``value > threshold`` on ``value``'s device (bool, one element); one kernel, nothing kept.
+
+        For a flag the device needs now when the host will :meth:`check_value` the same float32 value
+        later (which decides and keeps it): both compare with the same float32 threshold. NaN is never
+        above; +Inf is, so where Inf must not count, the caller's flag covers it otherwise.
+
+        Example:
+            >>> SpikeDetector(warmup=2).above(torch.tensor([1e30])).tolist()  # warming up: no threshold yet
+            [False]
+        """
+        return torch.gt(value, self._threshold_on(value.device))
+
     def check_value(self, value: float) -> bool:
         """:meth:`check` of a value already on the host (read with the step's other results): no kernel.
 

@@ -151,11 +151,12 @@ class DeviceSkip:
         self._ours: Tensor | None = None  # the ``found_inf`` this object set (and must remove)
         self._handles: list[RemovableHandle] = []
 
-    def arm(self, flag: Tensor) -> bool:
+    def arm(self, flag: Tensor, exact: bool = False) -> bool:
         """Skip the coming update on the device iff ``flag != 0``; ``False``: cannot, nothing changed.
 
         ``flag`` is any one-element tensor (e.g. ``fused_health_check(...)[0]``, reduced across ranks);
-        NaN counts as set.
+        NaN counts as set. ``exact``: ``flag`` is already a 0-dim float32 of 0 or 1 on the optimizer's
+        device, handed to the fused kernel as it is (no conversion kernels).
         """
         optimizer = self.optimizer
         if _scaler_active(self.scaler):
@@ -173,7 +174,7 @@ class DeviceSkip:
                 optimizer.register_step_post_hook(self._after_step),
             ]
         self._pending = flag
-        self._ours = _exact_flag(flag, flag.device)
+        self._ours = flag if exact else _exact_flag(flag, flag.device)
         optimizer.found_inf = self._ours  # type: ignore[attr-defined]
         return True
 

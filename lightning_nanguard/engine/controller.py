@@ -43,7 +43,14 @@ from lightning_nanguard.engine.recording import IncidentRecorder
 from lightning_nanguard.engine.settings import GuardSettings
 from lightning_nanguard.engine.shard_layout import ShardingLayout, announce_sharding, sharding_notice
 from lightning_nanguard.engine.state import GuardState, composed_state, load_composed_state
-from lightning_nanguard.engine.step.check import decided_on_host, host_step_health, next_loss_scale, step_flags
+from lightning_nanguard.engine.step.check import (
+    decided_health,
+    decided_on_host,
+    host_step_health,
+    next_loss_scale,
+    staged_step_read,
+    step_flags,
+)
 from lightning_nanguard.engine.step.closure_undo import is_closure_optimizer
 from lightning_nanguard.engine.step.params import StepParams
 from lightning_nanguard.engine.step.spikes import SpikeWatch
@@ -237,6 +244,8 @@ class StepController:
         grads = [g for p in params if (g := p.grad) is not None]
         layout = params if len(grads) == len(params) else None  # the gradients are laid out as their tensors
         health = self._host_health(front, grads, layout)
+        if health is None and self._defer_one_read(front, optimizer, grads, layout):
+            return  # sync-free, one process: skipped on the device if bad; resolved before the next step's forward
         if health is None:  # flags on the device: reduced over ranks, or handed to a fused optimizer
             vector = self._agreed_vector(front, grads, optimizer, layout)
             sync_free = self.sync_free and front.automatic_optimization and not self.state.failing
@@ -249,7 +258,12 @@ class StepController:
 
     def _resolve_values(self, front: FrontEnd, optimizer: Optimizer, grads: list[Tensor], values: list[float]) -> None:
         """:meth:`_resolve` from the flags read to the host as a list (a vector's ``tolist()``)."""
-        self._resolve(front, optimizer, grads, StepHealth.from_values(values))
+        deferred = self.sync.resolving
+        if deferred is not None and deferred.one_read:
+            health = self._one_read_health(front, grads, values)
+        else:
+            health = StepHealth.from_values(values)
+        self._resolve(front, optimizer, grads, health)
 
     def _resolve(self, front: FrontEnd, optimizer: Optimizer, grads: list[Tensor], health: StepHealth) -> None:
         """Decide the step from its flags (read to the host) together with the other ranks, and act."""
@@ -331,6 +345,51 @@ class StepController:
         """Skip on the device if the flags say so and read them later; ``False``: decide now instead."""
         clip, due = self.recovery.book.clip_threshold if self.with_norm else None, front.logging_due()
         return self.sync.defer_step(front, optimizer, grads, vector, self.policy, self.window, clip, due)
+
+    def _defer_one_read(
+        self, front: FrontEnd, optimizer: Optimizer, grads: list[Tensor], layout: list[Tensor] | None
+    ) -> bool:
+        """The common sync-free step of one process: checked as the default mode checks it, flag left on the device.
+
+        The default's one buffer (:func:`~lightning_nanguard.detect.one_read.staged_loss_and_total`),
+        a skip flag made from its total (and the loss-spike flag) on the device, and the buffer's
+        ``[loss, total]`` read a step later: a few kernels more than the default instead of the general
+        flags' two dozen. ``False`` (nothing done) where the step needs more: the gradient norm (clipping,
+        a logging step), several micro-batches, ranks to agree with, a GradScaler, ``action="warn"``,
+        a BatchNorm layout the buffer cannot take, or an optimizer that cannot skip on the device.
+        """
+        policy = self.policy
+        if not (self.sync_free and front.automatic_optimization) or self.state.failing or self.with_norm:
+            return False
+        if self.agreement.distributed or self.sharding is not None or not decided_on_host(front) or front.logging_due():
+            return False
+        if policy.action == "warn" or self.sync.unsupported(optimizer, None) is not None:
+            return False
+        read = staged_step_read(grads, self.window, layout)
+        if read is None:
+            return False
+        spike = None
+        if self.spikes is not None and policy.spike_action == "skip":  # the comparison the host repeats later
+            spike = self.parts.run("spikes", self.spikes.loss.above, read[0:1])
+        self._voted = True  # no reduce to take part in: a failure from here on is this rank's alone
+        return self.sync.defer_one_read(front, optimizer, grads, read, spike, self.window)
+
+    def _one_read_health(self, front: FrontEnd, grads: list[Tensor], values: list[float]) -> StepHealth:
+        """A deferred one read's ``[loss, total]`` decided as :func:`host_step_health` decides it (see there).
+
+        A non-finite total is only a candidate: the step is checked in full, as it was (its gradients,
+        losses and BatchNorm buffers as it left them).
+        """
+        loss, total = values
+        spikes, parts = self.spikes, self.parts
+        if math.isfinite(total):
+            health = decided_health(spikes, parts, loss if spikes is not None else None, -1.0, self.with_norm)
+        else:
+            self.sync.show_step_batchnorm()
+            health = host_step_health(front, grads, self.window, spikes, self.with_norm, parts)
+        if not health.healthy:  # the diagnosis sees the BatchNorm buffers as the step left them
+            self.sync.show_step_batchnorm()
+        return health
 
     def resolve_pending(self, front: FrontEnd) -> None:
         """Read and act on the flags of a step checked sync-free (before the next forward, or at the end)."""

@@ -179,6 +179,42 @@ def test_a_loss_spike_is_skipped_on_the_device(tmp_path: Path) -> None:
     assert recorder.by_step(25).unchanged() and recorder.by_step(28).unchanged()
 
 
+@pytest.mark.parametrize("kind", ["bn_overflow", "masked_div", "input_data"])
+def test_each_failure_class_is_skipped_on_the_device_and_diagnosed_as_in_the_default_mode(
+    tmp_path: Path, kind: str
+) -> None:
+    """The common step's one-read check, its flag left on the device (one process, fused AdamW).
+
+    ``bn_overflow`` corrupts only a BatchNorm ``running_var`` (loss and gradients stay finite): the
+    buffer's total must carry it into the skip flag, and the select must put the statistics back.
+    """
+    from models import make_case, make_loader, make_module
+
+    def fused(module: Any) -> Any:
+        module.configure_optimizers = lambda: torch.optim.AdamW(module.parameters(), lr=1e-2, fused=True)
+        return module
+
+    events = {}
+    for mode, sync_free in (("sync_free", True), ("default", False)):
+        guard = NanGuard(verbose=False, sync_free=sync_free)
+        recorder = StepRecorder()
+        case = make_case(kind)
+        trainer, _ = fit(
+            fused(make_module("lightning", kind)),
+            make_loader(case.dataset),
+            root=tmp_path / mode,
+            guard=guard,
+            callbacks=[recorder],
+        )
+        assert [(e.global_step, e.action) for e in guard.events] == [(1, "skipped")], mode
+        assert recorder.by_step(1).unchanged(), f"{mode}: weights, BatchNorm statistics and AdamW state bitwise"
+        assert all(r.changed_params() for r in recorder.records if r.global_step != 1), mode
+        assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
+        assert guard.active
+        events[mode] = [_comparable(e) for e in guard.events]
+    assert events["sync_free"] == events["default"]
+
+
 # ---------------------------------------------------------------------------- GPU
 
 

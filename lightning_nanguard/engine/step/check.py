@@ -20,7 +20,7 @@ from lightning_nanguard.decide.policy import StepHealth, local_vector
 from lightning_nanguard.detect.batchnorm import batchnorm_buffers
 from lightning_nanguard.detect.check import fused_health_check
 from lightning_nanguard.detect.confirm import bad_batchnorm_names, nonfinite_names
-from lightning_nanguard.detect.one_read import loss_and_total
+from lightning_nanguard.detect.one_read import staged_loss_and_total
 from lightning_nanguard.detect.syncfree import scaler_found_inf
 
 if TYPE_CHECKING:
@@ -32,7 +32,16 @@ if TYPE_CHECKING:
     from lightning_nanguard.engine.step.spikes import SpikeWatch
     from lightning_nanguard.engine.step.window import StepWindow
 
-__all__ = ["check_module", "decided_on_host", "host_step_health", "loss_scale", "next_loss_scale", "step_flags"]
+__all__ = [
+    "check_module",
+    "decided_health",
+    "decided_on_host",
+    "host_step_health",
+    "loss_scale",
+    "next_loss_scale",
+    "staged_step_read",
+    "step_flags",
+]
 
 
 def step_flags(
@@ -114,10 +123,11 @@ def host_step_health(
     norm_due = with_norm or front.logging_due()
     if not norm_due and layout is not None and len(window.losses) == 1:  # the common step: one read
         batchnorm = window.batchnorm_totals()
-        quick = None if batchnorm is None else loss_and_total(grads, window.losses[0], layout, batchnorm)
+        read = None if batchnorm is None else staged_loss_and_total(grads, window.losses[0], layout, batchnorm)
+        quick = None if read is None else read.tolist()
         if quick is not None and math.isfinite(quick[1]):  # every gradient, the loss and BatchNorm statistic finite
             loss_value = quick[0] if spikes is not None else None
-            return _decided(spikes, parts, loss_value, -1.0, with_norm, bad=False, others_bad=False)
+            return decided_health(spikes, parts, loss_value, -1.0, with_norm, bad=False, others_bad=False)
     bn = window.batchnorm_buffers
     loss = window.step_loss() if spikes is not None else None
     totals = fused_health_check(
@@ -134,17 +144,31 @@ def host_step_health(
     grad_norm = totals[3] if norm_due else -1.0
     others_bad = not math.isfinite(others_total)
     bad = others_bad or not math.isfinite(grads_total)
-    return _decided(spikes, parts, loss_value if loss is not None else None, grad_norm, with_norm, bad, others_bad)
+    loss_value = loss_value if loss is not None else None
+    return decided_health(spikes, parts, loss_value, grad_norm, with_norm, bad, others_bad)
 
 
-def _decided(
+def staged_step_read(grads: list[Tensor], window: StepWindow, layout: list[Tensor] | None) -> Tensor | None:
+    """The common step's one buffer left on the device: ``[loss, total]`` (``None``: the step needs the full check).
+
+    The sync-free mode's check of a step of one process, read a step later (:func:`host_step_health`
+    reads the same buffer at once): one micro-batch, gradients laid out as ``layout``, BatchNorm
+    statistics the buffer can take (:func:`~lightning_nanguard.detect.one_read.staged_loss_and_total`).
+    """
+    if layout is None or len(window.losses) != 1:
+        return None
+    batchnorm = window.batchnorm_totals()
+    return None if batchnorm is None else staged_loss_and_total(grads, window.losses[0], layout, batchnorm)
+
+
+def decided_health(
     spikes: SpikeWatch | None,
     parts: GuardParts,
     loss: float | None,
     grad_norm: float,
     with_norm: bool,
-    bad: bool,
-    others_bad: bool,
+    bad: bool = False,
+    others_bad: bool = False,
 ) -> StepHealth:
     """The health of a step decided on the host, with its spike check (an optional part)."""
     spike = False

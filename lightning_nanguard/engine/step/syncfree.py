@@ -49,6 +49,7 @@ class DeferredStep:
     optimizer: Any
     logging_due: bool
     grads: list[Tensor] = field(default_factory=list)
+    one_read: bool = False  # its values are a one read's ``[loss, total]``, not the flags of LOCAL_FIELDS
 
 
 Resolve = Callable[[Any, Any, list[Tensor], list[float]], None]
@@ -84,17 +85,17 @@ class SyncFreeSteps:
         if self._batchnorm is not None:
             self._batchnorm.capture()
 
-    def skip_on_device(self, optimizer: Any, scaler: Any, flag: Tensor) -> bool:
+    def skip_on_device(self, optimizer: Any, scaler: Any, flag: Tensor, exact: bool = False) -> bool:
         """Arm the optimizer to skip its coming update iff ``flag``; BatchNorm restored where set.
 
         Returns ``False`` when this optimizer cannot skip on the device at this step (then nothing
-        changed and the caller decides on the host).
+        changed and the caller decides on the host). ``exact``: see :meth:`DeviceSkip.arm`.
         """
         key = id(getattr(optimizer, "_optimizer", optimizer))
         skip = self._skips.get(key)
         if skip is None:
             skip = self._skips[key] = DeviceSkip(optimizer, scaler)
-        if not skip.arm(flag):
+        if not skip.arm(flag, exact):
             return False
         if self._batchnorm is not None and self._stepped is not None:
             self._stepped.capture()  # kept so that the step is diagnosed as it was
@@ -149,6 +150,39 @@ class SyncFreeSteps:
         window.forget_batches()  # the deferred step holds them until it is resolved
         return True
 
+    def defer_one_read(
+        self, front: Any, optimizer: Any, grads: list[Tensor], read: Tensor, spike: Tensor | None, window: StepWindow
+    ) -> bool:
+        """Arm the device-side skip from a one read's ``[loss, total]`` and keep the step to resolve later.
+
+        The update is skipped where the total is not finite (some gradient, the loss or a BatchNorm
+        statistic may be NaN/Inf: :func:`~lightning_nanguard.detect.one_read.staged_loss_and_total`) or
+        where ``spike`` (one element, bool or 0/1) is set: two kernels make the flag (``total - total``
+        is 0 exactly when the total is finite, NaN otherwise), one more with ``spike``. The host reads
+        ``read`` a step later and decides the step as the default mode decides it from the same read.
+        Returns ``False`` when this optimizer cannot skip on the device (nothing changed).
+        """
+        total = read[1:2]
+        skip = torch.nan_to_num(total - total, nan=1.0)
+        if spike is not None:
+            skip = torch.maximum(skip, spike)
+        if not self.skip_on_device(optimizer, front.grad_scaler, skip.view(()), exact=True):
+            return False
+        step = DeferredStep(
+            global_step=front.global_step,
+            epoch=front.current_epoch,
+            batch_idx=window.batch_idx,
+            micro_batches=window.micro_batches,
+            losses=window.losses,
+            optimizer=optimizer,
+            logging_due=False,
+            grads=grads,
+            one_read=True,
+        )
+        self.defer(step, read)
+        window.forget_batches()  # the deferred step holds them until it is resolved
+        return True
+
     def defer(self, step: DeferredStep, values: Tensor) -> None:
         """Start copying ``values`` to the host; resolve ``step`` later with :meth:`take`."""
         self.reader.start(values)
@@ -171,7 +205,7 @@ class SyncFreeSteps:
         if taken is None:
             return
         step, values = taken
-        if not StepHealth.from_values(values).healthy:
+        if not step.one_read and not StepHealth.from_values(values).healthy:  # a one read's: the resolver shows them
             self.show_step_batchnorm()  # as at the check: the diagnosis sees what the default mode sees
         window.micro_batches, window.losses, window.batch_idx = step.micro_batches, step.losses, step.batch_idx
         self.resolving = step
