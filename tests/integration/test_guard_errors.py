@@ -217,7 +217,7 @@ def test_a_broken_core_check_drops_the_step_in_hand_then_turns_the_guard_off(
         return check
 
     # the step's check: the one read of a healthy step, the full check otherwise
-    for name in ("fused_health_check", "loss_and_total"):
+    for name in ("fused_health_check", "staged_loss_and_total"):
         monkeypatch.setattr(check_module, name, breaks_at_step_5(getattr(check_module, name)))
     recorder = run(tmp_path, guard, module)
     assert not guard.active
@@ -259,7 +259,7 @@ def test_on_internal_error_raise_stops_training_with_the_part_named(
 
     if part == "core":  # both ways the step's check reads: the one read of a healthy step, the full check
         monkeypatch.setattr(check_module, "fused_health_check", planted(part))
-        monkeypatch.setattr(check_module, "loss_and_total", planted(part))
+        monkeypatch.setattr(check_module, "staged_loss_and_total", planted(part))
     else:
         monkeypatch.setattr(SpikeWatch, "check", planted(part))
     guard = NanGuard(verbose=False, on_internal_error="raise")

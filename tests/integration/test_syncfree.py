@@ -215,6 +215,30 @@ def test_each_failure_class_is_skipped_on_the_device_and_diagnosed_as_in_the_def
     assert events["sync_free"] == events["default"]
 
 
+def test_a_fault_in_the_one_read_check_drops_the_step_in_hand_then_turns_the_guard_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The promise holds in the sync-free mode too: a step its check could not vouch for is not applied."""
+    import lightning_nanguard.engine.step.check as check_module
+
+    real = check_module.staged_loss_and_total
+    guard = NanGuard(verbose=False, sync_free=True, save_repro=False)
+
+    def breaks_at_step_3(*args: Any, **kwargs: Any) -> Any:
+        if guard.controller.parts.step == 3:
+            raise RuntimeError("planted fault in the sync-free check")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(check_module, "staged_loss_and_total", breaks_at_step_3)
+    _, recorder = _fit(tmp_path, guard, bad=())
+    assert not guard.active
+    (error,) = [e for e in guard.events if "guard_error" in e.kinds]
+    assert (error.global_step, error.action, error.details["part"]) == (3, "skipped", "core")
+    assert "planted fault in the sync-free check" in error.details["error"]
+    assert recorder.by_step(3).unchanged()  # not vouched for: not applied, BatchNorm statistics included
+    assert all(recorder.by_step(step).changed_params() for step in (0, 1, 2, 4, 5))  # checked, then unguarded
+
+
 # ---------------------------------------------------------------------------- GPU
 
 
