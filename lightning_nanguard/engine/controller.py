@@ -384,9 +384,15 @@ class StepController:
         spikes, parts = self.spikes, self.parts
         if math.isfinite(total):
             health = decided_health(spikes, parts, loss if spikes is not None else None, -1.0, self.with_norm)
-        else:
+        else:  # skipped on the device already
             self.sync.show_step_batchnorm()
-            health = host_step_health(front, grads, self.window, spikes, self.with_norm, parts)
+            try:
+                health = host_step_health(front, grads, self.window, spikes, self.with_norm, parts)
+            except GuardInternalError:
+                raise
+            except Exception as error:  # a bug in the guard: the step is not vouched for
+                self.fail(error, "the per-step check")
+                return StepHealth.local(failed=True)
         if not health.healthy:  # the diagnosis sees the BatchNorm buffers as the step left them
             self.sync.show_step_batchnorm()
         return health

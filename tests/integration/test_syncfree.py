@@ -239,6 +239,30 @@ def test_a_fault_in_the_one_read_check_drops_the_step_in_hand_then_turns_the_gua
     assert all(recorder.by_step(step).changed_params() for step in (0, 1, 2, 4, 5))  # checked, then unguarded
 
 
+def test_a_fault_in_the_full_check_of_a_deferred_bad_step_keeps_it_skipped_and_turns_the_guard_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The NaN step's total is not finite: skipped on the device, then checked in full a step later, which fails."""
+    import lightning_nanguard.engine.step.check as check_module
+
+    real = check_module.fused_health_check
+    guard = NanGuard(verbose=False, sync_free=True, save_repro=False)
+
+    def breaks_when_resolving(*args: Any, **kwargs: Any) -> Any:
+        if guard.controller.sync.resolving is not None:
+            raise RuntimeError("planted fault in the deferred full check")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(check_module, "fused_health_check", breaks_when_resolving)
+    trainer, recorder = _fit(tmp_path, guard)
+    assert not guard.active
+    (error,) = [e for e in guard.events if "guard_error" in e.kinds]
+    assert error.details["part"] == "core" and "planted fault in the deferred full check" in error.details["error"]
+    assert recorder.by_step(1).unchanged()  # skipped on the device before the host could check it
+    assert all(recorder.by_step(step).changed_params() for step in (0, 2, 3, 4, 5))
+    assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
+
+
 # ---------------------------------------------------------------------------- GPU
 
 

@@ -136,18 +136,7 @@ class SyncFreeSteps:
             return False
         if clip_threshold is not None:
             clip_gradients_(grads, vector[1], clip_threshold)
-        step = DeferredStep(
-            global_step=front.global_step,
-            epoch=front.current_epoch,
-            batch_idx=window.batch_idx,
-            micro_batches=window.micro_batches,
-            losses=window.losses,
-            optimizer=optimizer,
-            logging_due=logging_due,
-            grads=grads,
-        )
-        self.defer(step, vector)
-        window.forget_batches()  # the deferred step holds them until it is resolved
+        self._keep(front, optimizer, grads, window, vector, logging_due)
         return True
 
     def defer_one_read(
@@ -168,6 +157,20 @@ class SyncFreeSteps:
             skip = torch.maximum(skip, spike)
         if not self.skip_on_device(optimizer, front.grad_scaler, skip.view(()), exact=True):
             return False
+        self._keep(front, optimizer, grads, window, read, logging_due=False, one_read=True)
+        return True
+
+    def _keep(
+        self,
+        front: Any,
+        optimizer: Any,
+        grads: list[Tensor],
+        window: StepWindow,
+        values: Tensor,
+        logging_due: bool,
+        one_read: bool = False,
+    ) -> None:
+        """Keep the step in hand (its batches and losses taken from ``window``) and start reading ``values``."""
         step = DeferredStep(
             global_step=front.global_step,
             epoch=front.current_epoch,
@@ -175,13 +178,12 @@ class SyncFreeSteps:
             micro_batches=window.micro_batches,
             losses=window.losses,
             optimizer=optimizer,
-            logging_due=False,
+            logging_due=logging_due,
             grads=grads,
-            one_read=True,
+            one_read=one_read,
         )
-        self.defer(step, read)
+        self.defer(step, values)
         window.forget_batches()  # the deferred step holds them until it is resolved
-        return True
 
     def defer(self, step: DeferredStep, values: Tensor) -> None:
         """Start copying ``values`` to the host; resolve ``step`` later with :meth:`take`."""
