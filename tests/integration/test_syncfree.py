@@ -8,6 +8,7 @@ late, and a healthy step reads nothing from the device inside the guard's hooks.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -215,21 +216,27 @@ def test_each_failure_class_is_skipped_on_the_device_and_diagnosed_as_in_the_def
     assert events["sync_free"] == events["default"]
 
 
+def _plant_fault(monkeypatch: pytest.MonkeyPatch, name: str, when: Callable[[], bool], message: str) -> None:
+    """Make the step check's ``name`` (in ``engine.step.check``) raise ``RuntimeError(message)`` while ``when()``."""
+    import lightning_nanguard.engine.step.check as check_module
+
+    real = getattr(check_module, name)
+
+    def planted(*args: Any, **kwargs: Any) -> Any:
+        if when():
+            raise RuntimeError(message)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(check_module, name, planted)
+
+
 def test_a_fault_in_the_one_read_check_drops_the_step_in_hand_then_turns_the_guard_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The promise holds in the sync-free mode too: a step its check could not vouch for is not applied."""
-    import lightning_nanguard.engine.step.check as check_module
-
-    real = check_module.staged_loss_and_total
     guard = NanGuard(verbose=False, sync_free=True, save_repro=False)
-
-    def breaks_at_step_3(*args: Any, **kwargs: Any) -> Any:
-        if guard.controller.parts.step == 3:
-            raise RuntimeError("planted fault in the sync-free check")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(check_module, "staged_loss_and_total", breaks_at_step_3)
+    message = "planted fault in the sync-free check"
+    _plant_fault(monkeypatch, "staged_loss_and_total", lambda: guard.controller.parts.step == 3, message)
     _, recorder = _fit(tmp_path, guard, bad=())
     assert not guard.active
     (error,) = [e for e in guard.events if "guard_error" in e.kinds]
@@ -243,17 +250,9 @@ def test_a_fault_in_the_full_check_of_a_deferred_bad_step_keeps_it_skipped_and_t
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The NaN step's total is not finite: skipped on the device, then checked in full a step later, which fails."""
-    import lightning_nanguard.engine.step.check as check_module
-
-    real = check_module.fused_health_check
     guard = NanGuard(verbose=False, sync_free=True, save_repro=False)
-
-    def breaks_when_resolving(*args: Any, **kwargs: Any) -> Any:
-        if guard.controller.sync.resolving is not None:
-            raise RuntimeError("planted fault in the deferred full check")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(check_module, "fused_health_check", breaks_when_resolving)
+    message = "planted fault in the deferred full check"
+    _plant_fault(monkeypatch, "fused_health_check", lambda: guard.controller.sync.resolving is not None, message)
     trainer, recorder = _fit(tmp_path, guard)
     assert not guard.active
     (error,) = [e for e in guard.events if "guard_error" in e.kinds]
